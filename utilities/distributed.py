@@ -1,0 +1,150 @@
+"""Process-group set-up that works the same under torchrun and in one plain process.
+
+Lessons never branch on the hardware themselves: ``setup()`` picks NCCL + cuda when GPUs are there
+and gloo + cpu otherwise, and both are overridable, so the same script teaches on a laptop and on a
+GPU node.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import UsageError, bad_value
+
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process runs: its rank, the world size, its device and the backend."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(device: str = "auto") -> str:
+    """Turn ``auto`` into ``cuda`` or ``cpu``; refuse ``cuda`` where there is no GPU."""
+    if device not in DEVICES:
+        raise bad_value("--device", device, DEVICES)
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device 'cuda' is not allowed: no CUDA GPU is visible here; allowed: cpu, auto")
+    return device
+
+
+def resolve_backend(device: str, backend: str = "auto") -> str:
+    if backend not in BACKENDS:
+        raise bad_value("--backend", backend, BACKENDS)
+    if backend == "auto":
+        return "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise UsageError("--backend 'nccl' is not allowed with --device cpu; allowed: gloo")
+    return backend
+
+
+def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:
+    """Join (or create) the default process group and pin this process to its device.
+
+    Under torchrun the rendezvous variables are already set; in a plain ``python`` process or a
+    notebook we make a world of size 1 on a free local port so the same FSDP code runs unchanged.
+    """
+    dev = resolve_device(device)
+    be = resolve_backend(dev, backend)
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ["WORLD_SIZE"])
+    if dev == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(
+                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                "lower --nproc"
+            )
+        torch.cuda.set_device(local_rank)
+        torch_device = torch.device("cuda", local_rank)
+    else:
+        torch_device = torch.device("cpu")
+    if not dist.is_initialized():
+        kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
+        if dev == "cuda":
+            kwargs["device_id"] = torch_device
+        dist.init_process_group(backend=be, rank=rank, world_size=world_size, **kwargs)
+    return DistInfo(rank, local_rank, world_size, torch_device, be)
+
+
+def teardown() -> None:
+    """Leave the process group cleanly (a barrier first, so no rank exits mid-collective)."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def print0(*args, all_ranks: bool = False, **kwargs) -> None:
+    """Print on rank 0 only (or on every rank, prefixed, when ``all_ranks``)."""
+    if all_ranks:
+        print(f"[rank {rank()}]", *args, flush=True, **kwargs)
+    elif is_main():
+        print(*args, flush=True, **kwargs)
+
+
+def mesh(device_type: str, shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
+    """A device mesh over all ranks: 1-D (``("dp",)``) by default, or the given shape and names."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = shape or (world_size(),)
+    names = names or (("dp",) if len(shape) == 1 else tuple(f"dim{i}" for i in range(len(shape))))
+    if len(names) != len(shape):
+        raise UsageError(f"mesh names {names} do not match mesh shape {shape}")
+    total = 1
+    for s in shape:
+        total *= s
+    if total != world_size():
+        raise UsageError(f"mesh shape {shape} needs {total} ranks, but the world size is {world_size()}")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def all_reduce_mean(value: float, device: torch.device) -> float:
+    """Average a Python float over ranks (loss logging)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(value)
+    t = torch.tensor([float(value)], device=device, dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

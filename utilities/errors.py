@@ -1,0 +1,25 @@
+"""One kind of error for bad user input, so every entry point can answer it in one line."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+
+class UsageError(ValueError):
+    """A value the user gave is not allowed. The message names the value and what is allowed."""
+
+
+def bad_value(what: str, value: object, allowed: Iterable[object] | str) -> UsageError:
+    """Build the one-line error for ``what=value`` given the allowed values."""
+    if isinstance(allowed, str):
+        allowed_text = allowed
+    else:
+        allowed_text = ", ".join(str(a) for a in allowed)
+    return UsageError(f"{what} {value!r} is not allowed; allowed: {allowed_text}")
+
+
+def exit_on_usage_error(exc: UsageError, code: int = 2) -> NoReturn:  # noqa: F821
+    """Print the error as one line on stderr and exit with ``code`` (2, like argparse)."""
+    print(f"error: {exc}", file=sys.stderr)
+    raise SystemExit(code)

@@ -1,0 +1,226 @@
+"""What every lesson script shares: its flags, its set-up and tear-down, its data and its report.
+
+A lesson script reads like the lesson::
+
+    args = lesson_parser(__doc__).parse_args()
+    with Lesson("01", "transformer auto-wrap", args, gpu_model="t5-large") as L:
+        model = shard_model(L.build_model(), ...)
+        stats = L.train(model, name="per-block")
+        L.results.add("per-block", stats)
+
+``Lesson`` joins the process group (NCCL on GPUs, gloo on CPU), resolves the model for the hardware
+(a tiny one on CPU, a real size on GPU), seeds every rank alike, and on exit writes results.json
+and prints the comparison on rank 0. A bad flag value ends the run with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import distributed as D
+from .catalog import LESSONS
+from .data import ReverseTask, batches, make_loader
+from .errors import UsageError, bad_value
+from .models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
+from .results import Results, table
+from .training import TrainStats, train
+
+CPU_MODEL = "t5-tiny"
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: integers >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: integers >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: numbers > 0") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: numbers > 0")
+    return value
+
+
+class LessonParser(argparse.ArgumentParser):
+    """argparse that answers a bad value with one line (no usage dump) and checks common values."""
+
+    def error(self, message: str) -> NoReturn:  # noqa: F821
+        self.exit(2, f"error: {message} (see --help)\n")
+
+    def parse(self, argv: list[str] | None = None) -> argparse.Namespace:
+        args = self.parse_args(argv)
+        try:
+            if args.model is not None:
+                get_model_spec(args.model)
+            if args.device == "cuda":
+                D.resolve_device("cuda")
+        except UsageError as e:
+            self.exit(2, f"error: {e}\n")
+        return args
+
+
+def lesson_parser(description: str | None) -> LessonParser:
+    """The flags every lesson understands; a lesson adds its own to the returned parser."""
+    p = LessonParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("common lesson flags")
+    g.add_argument("--model", default=None,
+                   help=f"named model (see `fsdp-course list --models`); default: {CPU_MODEL} on "
+                        "CPU, the lesson's real size on GPU")
+    g.add_argument("--device", default="auto", choices=D.DEVICES,
+                   help="where to run: auto picks cuda when a GPU is visible, else cpu")
+    g.add_argument("--backend", default="auto", choices=D.BACKENDS,
+                   help="process-group backend: auto picks nccl for cuda, gloo for cpu")
+    g.add_argument("--quick", action="store_true",
+                   help="the small CPU-sized configuration the tests use: tiny model, few steps")
+    g.add_argument("--out", default=None,
+                   help="directory for results.json and other outputs (default runs/NN_topic)")
+    g.add_argument("--steps", type=positive_int, default=None,
+                   help="training steps per variant (the first is warm-up, one more is measured "
+                        "for memory; the rest are timed)")
+    g.add_argument("--batch-size", type=positive_int, default=None,
+                   help="per-rank batch size")
+    g.add_argument("--seq-len", type=positive_int, default=None,
+                   help="sequence length in tokens (default: the model's)")
+    g.add_argument("--lr", type=positive_float, default=None, help="AdamW learning rate")
+    g.add_argument("--seed", type=int, default=0, help="seed for weights and data (same on all ranks)")
+    g.add_argument("--log-all-ranks", action="store_true", help="print from every rank, not only 0")
+    return p
+
+
+class Lesson:
+    """Set-up, defaults, data and report for one lesson run (a context manager)."""
+
+    def __init__(self, number: str, title: str, args: argparse.Namespace, *,
+                 gpu_model: str = "t5-large", steps: int = 12, quick_steps: int = 6,
+                 batch_size: int = 8, gpu_batch_size: int | None = None, lr: float = 3e-3,
+                 settings: dict[str, Any] | None = None):
+        self.number, self.title, self.args = number, title, args
+        self._defaults = dict(gpu_model=gpu_model, steps=steps, quick_steps=quick_steps,
+                              batch_size=batch_size, gpu_batch_size=gpu_batch_size or batch_size,
+                              lr=lr)
+        self._settings = settings or {}
+        self.results: Results | None = None
+
+    # -- set-up ----------------------------------------------------------------------------
+    def __enter__(self) -> Lesson:
+        try:
+            self._setup()
+        except UsageError as e:
+            self._fail(e)
+        return self
+
+    def _setup(self) -> None:
+        a, d = self.args, self._defaults
+        self.dist = D.setup(a.device, a.backend)
+        self.device = self.dist.device
+        on_gpu = self.device.type == "cuda"
+        name = a.model or (d["gpu_model"] if on_gpu and not a.quick else CPU_MODEL)
+        self.spec: ModelSpec = get_model_spec(name)
+        self.steps = a.steps or (d["quick_steps"] if a.quick else d["steps"])
+        self.batch_size = a.batch_size or (d["gpu_batch_size"] if on_gpu and not a.quick
+                                           else d["batch_size"])
+        self.seq_len = a.seq_len or self.spec.default_seq_len
+        self.lr = a.lr or d["lr"]
+        self.out = Path(a.out or Path("runs") / LESSONS[self.number].folder)
+        settings = dict(steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
+                        lr=self.lr, seed=a.seed, quick=a.quick, backend=self.dist.backend,
+                        **self._settings)
+        self.results = Results(self.number, self.title, self.device, self.dist.world_size,
+                               self.spec.name, self.spec.num_parameters, settings)
+        self.print(f"lesson {self.number} ({self.title}): {self.spec.name} "
+                   f"({self.spec.num_parameters:,} parameters), {self.dist.world_size} rank(s) on "
+                   f"{self.device.type} with {self.dist.backend}, {self.steps} steps, batch "
+                   f"{self.batch_size} x seq {self.seq_len}")
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is UsageError:
+            self._fail(exc)
+        try:
+            if exc_type is None and self.results is not None and self.dist.is_main:
+                path = self.results.write(self.out)
+                print("\n" + table(self.results.data), flush=True)
+                print(f"\nresults written to {path}", flush=True)
+        finally:
+            D.teardown()
+        return False
+
+    def _fail(self, e: Exception) -> None:
+        if D.is_main():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if D.world_size() > 1:
+            sys.stderr.flush()
+            os._exit(2)  # every rank hits the same error: skip the collective tear-down
+        D.teardown()
+        raise SystemExit(2)
+
+    # -- the pieces a lesson uses ------------------------------------------------------------
+    def print(self, *a: Any) -> None:
+        D.print0(*a, all_ranks=self.args.log_all_ranks)
+
+    def seed(self, offset: int = 0) -> None:
+        s = self.args.seed + offset
+        random.seed(s)
+        torch.manual_seed(s)
+
+    def build_model(self, spec: ModelSpec | None = None) -> nn.Module:
+        """The model with identical random weights on every rank, on this rank's device.
+
+        Models too large for one host are built on the meta device; call ``materialize`` after
+        sharding them.
+        """
+        spec = spec or self.spec
+        self.seed()
+        if spec.num_parameters > META_INIT_THRESHOLD:
+            return spec.build(device="meta")
+        return spec.build(device=self.device)
+
+    def materialize(self, model: nn.Module) -> nn.Module:
+        """Allocate a meta-built, already sharded model on this device and initialize it."""
+        if any(p.is_meta for p in model.parameters()):
+            model.to_empty(device=self.device)
+            self.seed()
+            init_weights(model)
+        return model
+
+    def data(self, seed_offset: int = 0, mode: str | None = None, batch_size: int | None = None):
+        """An endless iterator of this rank's batches of the reversal task."""
+        mode = mode or ("seq2seq" if self.spec.is_seq2seq else "causal")
+        bs = batch_size or self.batch_size
+        n = max(bs * self.dist.world_size * max(self.steps, 1), 64)
+        ds = ReverseTask(n, self.seq_len, mode=mode, seed=self.args.seed + seed_offset)
+        loader = make_loader(ds, bs, self.dist.rank, self.dist.world_size, seed=self.args.seed)
+        return batches(loader, self.device)
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=self.lr, foreach=self.device.type == "cuda")
+
+    def train(self, model: nn.Module, name: str, optimizer: torch.optim.Optimizer | None = None,
+              **kwargs: Any) -> TrainStats:
+        """Train a fresh optimizer (unless given) for the lesson's steps on the same data."""
+        optimizer = optimizer or self.optimizer(model)
+        kwargs.setdefault("flops_per_token", self.spec.flops_per_token(self.seq_len))
+        stats = train(model, optimizer, self.data(), self.steps, self.device, progress=name,
+                      **kwargs)
+        self.print(f"  {name}: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f}, "
+                   f"median step {stats.step_time_s or 0:.4f}s")
+        return stats
+
+    def check(self, condition: bool, what: str, value: Any, allowed: Any) -> None:
+        """Refuse a lesson flag value that cannot work, in one line."""
+        if not condition:
+            raise bad_value(what, value, allowed)

@@ -1,0 +1,185 @@
+"""Peak memory by category: parameters, gradients, optimizer state, activations.
+
+On CPU there is no caching allocator to ask, so we use PyTorch's own trackers from
+``torch.distributed._tools``: ``FSDPMemTracker`` for FSDP2 models (it also separates sharded from
+unsharded parameters and the all-gather / reduce-scatter buffers) and ``MemTracker`` for everything
+else. They attribute every tensor allocation to a category and record the breakdown at the peak.
+On GPU the total comes from ``torch.cuda.max_memory_allocated`` (what the allocator really held)
+and the categories from the same tracker when asked, or from a census of the live tensors.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+CATEGORIES = ("total", "parameters", "gradients", "optimizer", "activations")
+
+# tracker category name -> (course category, detail key)
+_TRACKER_MAP = {
+    "Parameter": ("parameters", "parameters"),
+    "Sharded Param": ("parameters", "sharded_parameters"),
+    "Unsharded Param": ("parameters", "unsharded_parameters"),
+    "Buffer": (None, "buffers"),
+    "Gradient": ("gradients", "gradients"),
+    "Sharded Grad": ("gradients", "sharded_gradients"),
+    "Unsharded Grad": ("gradients", "unsharded_gradients"),
+    "Activation": ("activations", "activations"),
+    "Optstate": ("optimizer", "optimizer"),
+    "OptState": ("optimizer", "optimizer"),
+    "Temp": (None, "temporaries"),
+    "All Gather": (None, "all_gather"),
+    "Reduce Scatter": (None, "reduce_scatter"),
+    "Inputs": (None, "inputs"),
+    "Other": (None, "other"),
+}
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+class MemoryProbe:
+    """Context manager that records peak memory by category over the code it wraps.
+
+    >>> with MemoryProbe(model, optimizer, device) as probe:
+    ...     train_step()
+    >>> probe.peak  # {"total": ..., "parameters": ..., ..., "detail": {...}}
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 device: torch.device, use_tracker: bool | None = None):
+        self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
+        self.use_tracker = self.device.type == "cpu" if use_tracker is None else use_tracker
+        if self.use_tracker and not tracker_supported(model):
+            self.use_tracker = False
+        self.peak: dict[str, Any] = {}
+        self._tracker = None
+
+    def __enter__(self) -> MemoryProbe:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.use_tracker:
+            self._tracker = _make_tracker(self.model, self.optimizer)
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            # The module tracker warns for FSDP1's hook-less backward wrappers; the numbers stand.
+            warnings.filterwarnings("ignore", message="Module is None")
+            self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+            self._warnings.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        resident = census(self.model, self.optimizer)
+        if self._tracker is not None:
+            snaps = self._tracker.get_tracker_snapshot("peak")
+            snap = _device_snapshot(snaps, self.device)
+            self.peak = categorize(snap)
+            self.peak["detail"]["method"] = type(self._tracker).__name__
+        else:
+            self.peak = dict(resident, detail={"method": "census"})
+        # What stays allocated between steps: the sharded state each rank keeps.
+        self.peak["detail"]["resident_after_step"] = {
+            k: resident[k] for k in ("parameters", "gradients", "optimizer")}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak["total"] = int(torch.cuda.max_memory_allocated(self.device))
+            self.peak["detail"]["max_reserved"] = int(torch.cuda.max_memory_reserved(self.device))
+            if not self.use_tracker:
+                known = sum(self.peak[c] for c in ("parameters", "gradients", "optimizer"))
+                self.peak["activations"] = max(0, self.peak["total"] - known)
+
+
+def tracker_supported(model: nn.Module) -> bool:
+    """MemTracker cannot follow FSDP1 with ``use_orig_params=True`` (its parameters are views)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return not any(isinstance(m, FSDP) and m._use_orig_params for m in model.modules())
+
+
+def _make_tracker(model: nn.Module, optimizer):
+    if _is_fsdp2(model):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(model, optimizer)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*(x for x in (model, optimizer) if x is not None))
+    return tracker
+
+
+def _device_snapshot(snaps: dict, device: torch.device) -> dict[str, int]:
+    for dev, snap in snaps.items():
+        if torch.device(dev).type == device.type:
+            return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+    return {}
+
+
+def categorize(snap: dict[str, int]) -> dict[str, Any]:
+    """Fold a tracker snapshot into the course's categories, keeping the fine detail."""
+    out: dict[str, Any] = {c: 0 for c in CATEGORIES}
+    detail: dict[str, int] = {}
+    for name, nbytes in snap.items():
+        if name == "Total":
+            out["total"] = nbytes
+            continue
+        course, key = _TRACKER_MAP.get(name, (None, name.lower().replace(" ", "_")))
+        detail[key] = detail.get(key, 0) + nbytes
+        if course:
+            out[course] += nbytes
+    out["detail"] = detail
+    return out
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", t)  # a DTensor holds only its local shard
+    return local.numel() * local.element_size()
+
+
+def census(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Bytes held right now by this rank's parameters, gradients and optimizer state."""
+    params = sum(_tensor_bytes(p) for p in model.parameters())
+    grads = sum(_tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    opt = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            opt += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return {"total": params + grads + opt, "parameters": params, "gradients": grads,
+            "optimizer": opt, "activations": 0, "detail": {}}
+
+
+
+
+def unsharded_parameter_bytes(peak: dict[str, Any]) -> int | None:
+    """Bytes of all-gathered (unsharded) parameters alive at the peak, from a tracker's breakdown.
+
+    FSDP2's tracker reports them directly; for FSDP1 they are what the parameters held at the peak
+    beyond the sharded flat parameters each rank always keeps.
+    """
+    detail = peak.get("detail", {})
+    if "unsharded_parameters" in detail:
+        return int(detail["unsharded_parameters"])
+    if detail.get("method") == "MemTracker":
+        return int(peak["parameters"] - detail["resident_after_step"]["parameters"])
+    return None
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)

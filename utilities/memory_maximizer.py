@@ -1,0 +1,171 @@
+"""``Memory_Maximizer``: watch the CUDA caching allocator while you train.
+
+The classic insight: the fastest batch size is not the largest that avoids OOM, but the largest
+that avoids cudaMalloc retries. A retry happens when the allocator cannot find a free cached block,
+frees its whole cache and calls cudaMalloc again: a stall on every step. This class records reserved
+memory per update and reads the retry and OOM counters, and advises a smaller batch when retries
+happen. Without a GPU it says so once and does nothing else: it never breaks a training script.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+GB = 1024**3
+
+
+def gpu_total_memory(device: int = 0) -> tuple[int, str]:
+    """Total memory of the GPU in bytes and where the number came from (NVML, else torch)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(device))
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), "nvml"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total), "torch.cuda.mem_get_info"
+
+
+def _physical_index(index: int) -> int:
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index < len(ids) and ids[index].isdigit():
+            return int(ids[index])
+    return index
+
+
+class Memory_Maximizer:  # noqa: N801 - the classic lessons' name, kept for their users
+    """Track reserved memory, max reserved, cudaMalloc retries and OOMs over a training run.
+
+    Call ``start()`` before training, ``update()`` once per epoch or mini-batch, ``stop()`` at the
+    end (prints and returns the report); ``summary()`` returns the report at any time. Also a
+    context manager: ``with Memory_Maximizer() as mm: ... mm.update()``.
+    """
+
+    def __init__(self, device: int | str | torch.device | None = None, verbose: bool = True):
+        self.verbose = verbose
+        self.enabled = torch.cuda.is_available()
+        self.device = None
+        if self.enabled:
+            d = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+            self.device = d.index if d.index is not None else torch.cuda.current_device()
+        self.total_bytes: int | None = None
+        self.total_source: str | None = None
+        self.reserved_gb: list[float] = []
+        self.reserved_pct: list[float] = []
+        self.started = False
+        self._retries_at_start = 0
+        self._ooms_at_start = 0
+        self._warned = False
+
+    # -- the classic API -------------------------------------------------------------------
+    def start(self) -> None:
+        if not self._gpu():
+            return
+        torch.cuda.reset_peak_memory_stats(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        self._retries_at_start = stats.get("num_alloc_retries", 0)
+        self._ooms_at_start = stats.get("num_ooms", 0)
+        self.total_bytes, self.total_source = gpu_total_memory(self.device)
+        self.reserved_gb.clear()
+        self.reserved_pct.clear()
+        self.started = True
+        self._say(f"Memory_Maximizer started: GPU {self.device} total "
+                  f"{self.total_bytes / GB:.2f} GB (via {self.total_source})")
+
+    def update(self) -> None:
+        if not self._gpu():
+            return
+        if not self.started:
+            self.start()
+        reserved = torch.cuda.memory_reserved(self.device)
+        self.reserved_gb.append(round(reserved / GB, 4))
+        self.reserved_pct.append(round(100 * reserved / self.total_bytes, 2))
+
+    def stop(self) -> dict[str, Any]:
+        report = self.summary()
+        if report.get("gpu"):
+            self._say(self.format(report))
+        self.started = False
+        return report
+
+    def summary(self) -> dict[str, Any]:
+        if not self._gpu():
+            return {"gpu": False, "message": "no CUDA GPU: Memory_Maximizer records nothing"}
+        if not self.started:
+            self.start()
+        stats = torch.cuda.memory_stats(self.device)
+        retries = stats.get("num_alloc_retries", 0) - self._retries_at_start
+        ooms = stats.get("num_ooms", 0) - self._ooms_at_start
+        max_reserved = torch.cuda.max_memory_reserved(self.device)
+        return {
+            "gpu": True,
+            "device": torch.cuda.get_device_name(self.device),
+            "total_gb": round(self.total_bytes / GB, 3),
+            "total_source": self.total_source,
+            "reserved_gb": list(self.reserved_gb),
+            "reserved_pct": list(self.reserved_pct),
+            "max_reserved_gb": round(max_reserved / GB, 3),
+            "max_reserved_pct": round(100 * max_reserved / self.total_bytes, 2),
+            "max_allocated_gb": round(torch.cuda.max_memory_allocated(self.device) / GB, 3),
+            "cuda_malloc_retries": int(retries),
+            "ooms": int(ooms),
+            "advice": self._advice(retries, ooms),
+        }
+
+    @staticmethod
+    def format(report: dict[str, Any]) -> str:
+        if not report.get("gpu"):
+            return report["message"]
+        lines = [
+            f"Memory_Maximizer report for {report['device']} ({report['total_gb']:.2f} GB):",
+            f"  max reserved {report['max_reserved_gb']:.2f} GB = {report['max_reserved_pct']:.1f}% "
+            f"of the GPU (max allocated {report['max_allocated_gb']:.2f} GB)",
+            f"  reserved per update (GB): {report['reserved_gb'][-10:]}",
+            f"  cudaMalloc retries: {report['cuda_malloc_retries']}, OOMs: {report['ooms']}",
+            f"  {report['advice']}",
+        ]
+        return "\n".join(lines)
+
+    @staticmethod
+    def _advice(retries: int, ooms: int) -> str:
+        if ooms:
+            return "out-of-memory errors happened: lower the batch size."
+        if retries:
+            return ("cudaMalloc retries happened: each one stalls a step while the allocator "
+                    "frees its cache. Lower the batch size until retries are 0; that batch is "
+                    "usually faster than the largest one that fits.")
+        return "no cudaMalloc retries: you may be able to raise the batch size."
+
+    # -- context manager -------------------------------------------------------------------
+    def __enter__(self) -> Memory_Maximizer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.stop()
+        return False
+
+    def _gpu(self) -> bool:
+        if not self.enabled and not self._warned:
+            self._warned = True
+            self._say("Memory_Maximizer: no CUDA GPU here, so there is no caching allocator to "
+                      "watch; it will record nothing.")
+        return self.enabled
+
+    def _say(self, text: str) -> None:
+        if self.verbose:
+            from .distributed import is_main
+
+            if is_main():
+                print(text, file=sys.stdout, flush=True)

@@ -1,0 +1,154 @@
+"""The training step, timed the way benchmarks should be: synchronized, warm-up excluded, median.
+
+``train`` runs a fixed number of steps and returns what a lesson compares: the losses (averaged over
+ranks), the median step time (the slowest rank's, since the step ends when the last rank ends), the
+tokens per second, the MFU on GPUs we know the peak of, and peak memory by category measured on one
+step after warm-up (the optimizer state exists by then).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .distributed import all_reduce_mean, is_main
+from .measure import MemoryProbe
+
+# Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets, SXM parts).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of this GPU, or None where we do not know it (CPU included)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_FLOPS.items():
+        if key in name:
+            return flops
+    return None
+
+
+@dataclass
+class TrainStats:
+    """What one variant's run measured."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    tokens_per_step: int = 0
+    peak_memory_bytes: dict[str, Any] = field(default_factory=dict)
+    mfu: float | None = None
+
+    @property
+    def step_time_s(self) -> float | None:
+        return statistics.median(self.step_times_s) if self.step_times_s else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        t = self.step_time_s
+        return self.tokens_per_step / t if t else None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def default_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Forward and backward for a Hugging Face model whose batch carries ``labels``."""
+    loss = model(**batch).loss
+    loss.backward()
+    return loss
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Iterator[dict[str, torch.Tensor]],
+    steps: int,
+    device: torch.device,
+    warmup: int = 1,
+    measure_memory: bool = True,
+    flops_per_token: float | None = None,
+    step_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] = default_step,
+    grad_clip: float | None = None,
+    progress: str | None = None,
+    memory_tracker: bool | None = None,
+) -> TrainStats:
+    """Train ``steps`` steps; the first ``warmup`` are not timed, and one extra step is measured
+    for memory (trackers slow a step down, so it is never timed either)."""
+    stats = TrainStats()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    bar = _progress(steps, progress)
+    mem_step = warmup if measure_memory else -1
+    for step in range(steps):
+        batch = next(data)
+        tokens = _tokens(batch) * world
+        sync(device)
+        t0 = time.perf_counter()
+        if step == mem_step:
+            with MemoryProbe(model, optimizer, device, use_tracker=memory_tracker) as probe:
+                loss = _one_step(model, optimizer, batch, step_fn, grad_clip)
+            stats.peak_memory_bytes = probe.peak
+        else:
+            loss = _one_step(model, optimizer, batch, step_fn, grad_clip)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        if step >= warmup and step != mem_step:
+            stats.step_times_s.append(_max_over_ranks(elapsed, device))
+            stats.tokens_per_step = tokens
+        stats.losses.append(all_reduce_mean(loss.detach().item(), device))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats.losses[-1]:.3f}")
+    if bar is not None:
+        bar.close()
+    peak = peak_flops(device)
+    if peak and flops_per_token and stats.tokens_per_s:
+        stats.mfu = stats.tokens_per_s * flops_per_token / (peak * world)
+    return stats
+
+
+def _one_step(model, optimizer, batch, step_fn, grad_clip):
+    optimizer.zero_grad(set_to_none=True)
+    loss = step_fn(model, batch)
+    if grad_clip:
+        clip = getattr(model, "clip_grad_norm_", None)  # FSDP1 needs its own sharded-aware clip
+        if clip is not None:
+            clip(grad_clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss
+
+
+def _tokens(batch: dict[str, torch.Tensor]) -> int:
+    n = int(batch["input_ids"].numel())
+    labels = batch.get("labels")
+    if labels is not None and labels.shape != batch["input_ids"].shape:
+        n += int(labels.numel())
+    return n
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _progress(total: int, desc: str | None):
+    if desc is None or not is_main():
+        return None
+    from tqdm.auto import tqdm
+
+    # disable=None: a bar on a terminal, nothing in logs, CI or a notebook's captured output
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, disable=None)
