@@ -1,0 +1,96 @@
+"""Shared fixtures: run a lesson the way a user does (``fsdp-course run NN --quick``) and read its
+results.json; skip GPU tests without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m utilities ARGS`` from the repo root and capture its output."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "utilities", *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_lesson(number: str, out: Path, *lesson_flags: str, nproc: int = 2, quick: bool = True,
+               device: str = "cpu", timeout: float = 600) -> dict:
+    """Run a lesson through the CLI on CPU and return its results.json (fails with its output)."""
+    args = ["run", number, "--device", device, "--nproc", str(nproc), "--out", str(out)]
+    if quick:
+        args.append("--quick")
+    if lesson_flags:
+        args += ["--", *lesson_flags]
+    proc = cli(*args, timeout=timeout)
+    assert proc.returncode == 0, f"lesson {number} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return json.loads((out / "results.json").read_text())
+
+
+def variant(results: dict, name: str) -> dict:
+    for v in results["variants"]:
+        if v["name"] == name:
+            return v
+    raise KeyError(f"no variant {name!r} in {[v['name'] for v in results['variants']]}")
+
+
+_NOTEBOOK_RUNS: dict[str, dict] = {}
+
+
+def execute_notebook(number: str, runs_dir: Path) -> None:
+    """Execute a lesson's notebook top to bottom, its runs going to ``runs_dir``; fail on any error."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from utilities.catalog import get_lesson
+
+    info = get_lesson(number)
+    nb = nbformat.read(info.notebook, as_version=4)
+    old = {k: os.environ.get(k) for k in ("FSDP_COURSE_RUNS", "MPLBACKEND")}
+    os.environ.update(FSDP_COURSE_RUNS=str(runs_dir), MPLBACKEND="Agg")
+    try:
+        NotebookClient(nb, timeout=900, kernel_name="python3",
+                       resources={"metadata": {"path": str(info.path)}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def notebook_results(number: str, tmp_path_factory) -> dict:
+    """The lesson's quick run as its notebook makes it: the notebook is executed once per test
+    session and its results.json shared by the lesson's tests (one run serves both checks)."""
+    from utilities.catalog import get_lesson
+
+    if number not in _NOTEBOOK_RUNS:
+        runs = tmp_path_factory.mktemp(f"notebook{number}")
+        execute_notebook(number, runs)
+        _NOTEBOOK_RUNS[number] = json.loads((runs / get_lesson(number).folder / "results.json").read_text())
+    return _NOTEBOOK_RUNS[number]
+
+
+@pytest.fixture
+def lesson_runner(tmp_path):
+    def run(number: str, *flags: str, **kw) -> dict:
+        return run_lesson(number, tmp_path / f"run_{number}", *flags, **kw)
+
+    return run

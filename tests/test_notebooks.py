@@ -1,0 +1,24 @@
+"""Every lesson notebook runs top to bottom on a CPU-only machine (what a learner does first)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import notebook_results
+
+from utilities.catalog import LESSONS
+
+NOTEBOOKS = [info for info in LESSONS.values() if info.notebook.is_file()]
+
+
+def test_every_ready_lesson_has_a_notebook_and_readme():
+    for info in LESSONS.values():
+        if info.ready:
+            assert info.notebook.is_file(), f"lesson {info.number} has no notebook"
+            assert (info.path / "README.md").is_file(), f"lesson {info.number} has no README.md"
+
+
+@pytest.mark.parametrize("info", NOTEBOOKS, ids=[i.number for i in NOTEBOOKS])
+def test_notebook_runs_top_to_bottom(info, tmp_path_factory):
+    # nbclient raises CellExecutionError on the first failing cell; the run must leave results
+    results = notebook_results(info.number, tmp_path_factory)
+    assert results["lesson"] == info.number and results["variants"]

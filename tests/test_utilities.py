@@ -1,0 +1,177 @@
+"""Unit tests of the shared package: models, tokenizer, data, wrap policies, bf16, Memory_Maximizer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from utilities import (
+    ByteTokenizer,
+    Memory_Maximizer,
+    ReverseTask,
+    TextFileDataset,
+    UsageError,
+    bf16_ready,
+    get_model_spec,
+    shard_model,
+    verify_bfloat_support,
+)
+from utilities.distributed import setup, teardown
+from utilities.results import write_json
+from utilities.wrapping import fsdp1_block_policy, fsdp_units, unit_parameter_counts
+
+
+@pytest.fixture
+def world1():
+    """A one-process gloo world, the way a notebook or plain python uses the utilities."""
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    info = setup("cpu")
+    yield info
+    teardown()
+
+
+# -- models ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, expected", [
+    ("t5-tiny", 1_887_232), ("t5-small", 60_506_624), ("t5-large", 737_668_096),
+    ("llama-1b", 1_235_814_400), ("llama-8b", 8_030_261_248),
+])
+def test_parameter_counts(name, expected):
+    # Llama sizes are the published Llama 3.2 1B / Llama 3 8B; t5 the published T5 v1.0 sizes
+    assert get_model_spec(name).num_parameters == expected
+
+
+def test_block_classes_and_bad_name():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    assert get_model_spec("t5-tiny").block_class() is T5Block
+    assert get_model_spec("llama-tiny").block_class() is LlamaDecoderLayer
+    with pytest.raises(UsageError, match="'bert' is not allowed; allowed: t5-tiny"):
+        get_model_spec("bert")
+
+
+def test_flops_per_token_formula():
+    spec = get_model_spec("llama-8b")
+    cfg = spec.config()
+    attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * 2048
+    assert spec.flops_per_token(2048) == 6 * spec.num_parameters + attention
+
+
+# -- data -----------------------------------------------------------------------------------
+def test_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    for text in ["hello", "Grüße, 世界!", ""]:
+        ids = tok.encode(text)
+        assert ids[-1] == tok.eos_id and max(ids) < tok.vocab_size
+        assert tok.decode(ids) == text
+
+
+def test_reverse_task_is_deterministic_and_reversed():
+    tok = ByteTokenizer()
+    ds = ReverseTask(8, 16, mode="seq2seq", seed=3)
+    a, b = ds[5], ReverseTask(8, 16, mode="seq2seq", seed=3)[5]
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    assert tok.decode(a["labels"]) == tok.decode(a["input_ids"])[::-1]
+    causal = ReverseTask(8, 16, mode="causal")[0]
+    prompt, answer = tok.decode(causal["input_ids"]).split("=")
+    assert answer == prompt[::-1]
+    assert (causal["labels"] == -100).sum() > len(prompt)  # loss only on the answer
+
+
+def test_text_file_dataset_reads_local_jsonl(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"text": "abc " * 20}) for _ in range(4)))
+    ds = TextFileDataset(path, seq_len=32)
+    assert len(ds) == (4 * 81) // 32 and ds[0]["input_ids"].shape == (32,)
+    with pytest.raises(UsageError, match="no field 'body'"):
+        TextFileDataset(path, 32, text_field="body")
+    with pytest.raises(UsageError, match="does not exist"):
+        TextFileDataset(tmp_path / "missing.txt", 32)
+
+
+# -- wrapping -------------------------------------------------------------------------------
+def test_fsdp1_block_policy_selects_only_blocks():
+    from transformers.models.t5.modeling_t5 import T5Block, T5LayerFF
+
+    policy = fsdp1_block_policy(T5Block)
+    block = get_model_spec("t5-tiny").build("meta").encoder.block[0]
+    assert policy(block, recurse=False, nonwrapped_numel=0) is True
+    assert policy(T5LayerFF(get_model_spec("t5-tiny").config()), recurse=False, nonwrapped_numel=0) is False
+
+
+@pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
+def test_shard_model_units_and_sharded_bytes(world1, api):
+    spec = get_model_spec("t5-tiny")
+    torch.manual_seed(0)
+    model = shard_model(spec.build(), api=api, block_class=spec.block_class(), policy="block")
+    assert len(fsdp_units(model)) == 9
+    assert sum(unit_parameter_counts(model)) == spec.num_parameters
+
+
+def test_fsdp2_meta_init_then_materialize(world1):
+    from utilities.models import init_weights
+
+    spec = get_model_spec("t5-tiny")
+    model = shard_model(spec.build("meta"), api="fsdp2", block_class=spec.block_class())
+    model.to_empty(device="cpu")
+    init_weights(model)
+    batch = ReverseTask(2, 16)[0]
+    out = model(**{k: v[None] for k, v in batch.items()})
+    assert torch.isfinite(out.loss)
+
+
+def test_shard_model_bad_options():
+    with pytest.raises(UsageError, match="--api 'fsdp3'"):
+        shard_model(torch.nn.Linear(2, 2), api="fsdp3")
+    with pytest.raises(UsageError, match="no size-based policy"):
+        shard_model(torch.nn.Linear(2, 2), api="fsdp2", policy="size")
+
+
+# -- bf16 and Memory_Maximizer on a machine without a GPU --------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answers")
+def test_bf16_ready_says_why_not():
+    report = bf16_ready()
+    assert not report and verify_bfloat_support() is False
+    assert any("no CUDA GPU" in r for r in report.reasons)
+    assert str(report).startswith("bf16 not ready:")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answers")
+def test_memory_maximizer_without_gpu_is_harmless(capsys):
+    with Memory_Maximizer() as mm:
+        mm.update()
+        mm.update()
+    report = mm.summary()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert report["gpu"] is False and len(out) == 1 and "no CUDA GPU" in out[0]
+
+
+def test_bf16_checker_does_not_use_pkg_resources():
+    import subprocess
+    import sys
+
+    code = "import sys, utilities; utilities.bf16_ready(); print('pkg_resources' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_write_json_is_atomic(tmp_path, monkeypatch):
+    target = tmp_path / "results.json"
+    write_json(target, {"a": 1})
+
+    class Boom:
+        pass
+
+    with pytest.raises(TypeError):
+        write_json(target, {"a": Boom()})  # fails mid-write
+    assert json.loads(target.read_text()) == {"a": 1}  # the old file is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temp file left
+
+
+def test_no_process_group_leaks(world1):
+    assert dist.is_initialized() and dist.get_world_size() == 1
