@@ -52,6 +52,7 @@ def variant(results: dict, name: str) -> dict:
 
 
 _NOTEBOOK_RUNS: dict[str, dict] = {}
+_NOTEBOOK_DIRS: dict[str, Path] = {}
 
 
 def execute_notebook(number: str, runs_dir: Path) -> None:
@@ -84,8 +85,15 @@ def notebook_results(number: str, tmp_path_factory) -> dict:
     if number not in _NOTEBOOK_RUNS:
         runs = tmp_path_factory.mktemp(f"notebook{number}")
         execute_notebook(number, runs)
-        _NOTEBOOK_RUNS[number] = json.loads((runs / get_lesson(number).folder / "results.json").read_text())
+        _NOTEBOOK_DIRS[number] = runs / get_lesson(number).folder
+        _NOTEBOOK_RUNS[number] = json.loads((_NOTEBOOK_DIRS[number] / "results.json").read_text())
     return _NOTEBOOK_RUNS[number]
+
+
+def notebook_run_dir(number: str, tmp_path_factory) -> Path:
+    """The output directory of the notebook's run (checkpoints, traces, extra JSON files)."""
+    notebook_results(number, tmp_path_factory)
+    return _NOTEBOOK_DIRS[number]
 
 
 @pytest.fixture

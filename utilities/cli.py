@@ -44,6 +44,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=None, help="named model (fsdp-course list --models)")
 
     sub.add_parser("check", help="torch / CUDA / NCCL versions, GPUs, bf16 readiness, lessons")
+
+    rec = sub.add_parser(
+        "record", help="record a real run of a lesson as an asciinema .cast (the course's demos)",
+        usage="fsdp-course record NN|all [--out DIR] [--full] [-- lesson flags]")
+    rec.add_argument("lesson", help="lesson number or 'all' (every ready lesson)")
+    rec.add_argument("--out", default="videos", help="directory for the .cast files (default videos/)")
+    rec.add_argument("--full", action="store_true",
+                     help="record the full run instead of --quick (long on CPU)")
     return p
 
 
@@ -65,10 +73,33 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "run":
             return _run(args)
+        if args.command == "record":
+            return _record(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _record(args: argparse.Namespace) -> int:
+    from .recording import record
+
+    if args.lesson == "all":
+        infos = [i for i in LESSONS.values() if i.ready]
+    else:
+        infos = [get_lesson(args.lesson)]
+        if not infos[0].ready:
+            raise bad_value("lesson", args.lesson, f"{', '.join(n for n, i in LESSONS.items() if i.ready)}")
+    rc = 0
+    for info in infos:
+        run_args = [] if args.full else ["--quick"]
+        if args.lesson_args:
+            run_args += ["--", *args.lesson_args]
+        cast = Path(args.out) / f"{info.folder}.cast"
+        code = record(info, cast, run_args)
+        print(f"lesson {info.number}: {'recorded ' + str(cast) if code == 0 else f'failed (exit {code})'}")
+        rc = rc or code
+    return rc
 
 
 def _list(models: bool) -> int:
@@ -148,7 +179,8 @@ def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    shown = " ".join(cmd[cmd.index(str(info.script_path)):])
+    script = str(info.script_path)
+    shown = " ".join([os.path.relpath(script)] + cmd[cmd.index(script) + 1:])
     print(f"$ torchrun --standalone --nproc-per-node={nproc} {shown}", flush=True)
     return subprocess.call(cmd, env=env)
 

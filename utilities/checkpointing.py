@@ -1,0 +1,100 @@
+"""Activation checkpointing for FSDP models: keep a block's input, recompute its inside in backward.
+
+Without checkpointing, autograd keeps every intermediate tensor of every block (attention scores,
+MLP hidden states, norms...) from the forward until the backward uses it. A checkpointed block keeps
+only its *input*; in backward it runs its forward once more to rebuild the intermediates, then
+frees them again. Activation memory goes from "all blocks' insides" to "all blocks' inputs plus one
+block's insides", at the price of one extra forward per checkpointed block.
+
+The two FSDP APIs want it applied at different moments:
+
+* FSDP2 (``fully_shard``): wrap the blocks with ``checkpoint_wrapper`` *before* sharding, then
+  ``fully_shard`` the outermost module of each block (the wrapper where there is one), see
+  ``block_units``.
+* FSDP1 (``FullyShardedDataParallel``): wrap with FSDP first, *then* call
+  ``apply_activation_checkpointing`` on the FSDP model; it swaps each selected block (inside its
+  FSDP unit) for a ``CheckpointWrapper``.
+
+We always use ``CheckpointImpl.NO_REENTRANT`` (``torch.utils.checkpoint(use_reentrant=False)``):
+the reentrant form needs inputs that require grad, breaks with keyword arguments and is deprecated.
+Old tutorials also passed ``offload_to_cpu=False`` to ``checkpoint_wrapper``; that argument no
+longer exists: it is now forwarded to the wrapped module, and the first forward fails with
+``TypeError: ...forward() got an unexpected keyword argument 'offload_to_cpu'`` (offloading is a
+separate ``offload_wrapper``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing as _torch_apply_ac,
+)
+
+from .errors import bad_value
+
+__all__ = ["apply_activation_checkpointing", "block_units", "checkpointed_blocks",
+           "select_blocks", "CheckpointWrapper"]
+
+
+def _blocks(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, block_class)]
+
+
+def select_blocks(model: nn.Module, block_class: type[nn.Module], every: int = 1) -> list[nn.Module]:
+    """The blocks to checkpoint: every ``every``-th instance of ``block_class`` in module order
+    (the 1st, the (1+every)-th, ...). ``every=1`` is all of them; ``every=2`` is half ("selective")."""
+    if every < 1:
+        raise bad_value("--every", every, "integers >= 1")
+    return _blocks(model, block_class)[::every]
+
+
+def apply_activation_checkpointing(model: nn.Module, block_class: type[nn.Module], every: int = 1,
+                                   api: str = "fsdp2") -> int:
+    """Checkpoint every ``every``-th ``block_class`` of ``model`` in place; return how many.
+
+    ``api="fsdp2"``: call on the plain model *before* ``fully_shard`` (then shard ``block_units``).
+    ``api="fsdp1"``: call on the model *after* wrapping it in ``FullyShardedDataParallel``.
+    """
+    chosen = {id(m) for m in select_blocks(model, block_class, every)}
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if api == "fsdp1":
+        _torch_apply_ac(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
+    elif api == "fsdp2":
+        _replace_children(model, chosen, wrapper)
+    else:
+        raise bad_value("--api", api, ("fsdp2", "fsdp1"))
+    return checkpointed_blocks(model)
+
+
+def _replace_children(module: nn.Module, chosen: set[int], wrapper) -> None:
+    for name, child in module.named_children():
+        if id(child) in chosen:
+            setattr(module, name, wrapper(child))
+        else:
+            _replace_children(child, chosen, wrapper)
+
+
+def checkpointed_blocks(model: nn.Module) -> int:
+    """How many modules of ``model`` run under a ``CheckpointWrapper``."""
+    return sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+
+
+def block_units(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
+    """The module to ``fully_shard`` for each block: its ``CheckpointWrapper`` if it has one, else
+    the block itself (so a wrapped block is sharded from the outside, as one unit)."""
+    inside = {id(m._checkpoint_wrapped_module) for m in model.modules()
+              if isinstance(m, CheckpointWrapper)}
+    units = []
+    for m in model.modules():
+        if isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, block_class):
+            units.append(m)
+        elif isinstance(m, block_class) and id(m) not in inside:
+            units.append(m)
+    return units

@@ -1,0 +1,52 @@
+"""Terminal recordings of real lesson runs, as asciinema v2 ``.cast`` files.
+
+``fsdp-course record NN`` runs ``fsdp-course run NN`` for real and records what it printed, with
+the real timing, so the course's demos never drift from what the code does. Play one with
+``asciinema play videos/01_auto_wrap.cast`` or embed it with asciinema-player.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .catalog import REPO_ROOT, LessonInfo
+
+
+def record(info: LessonInfo, cast_path: Path, run_args: list[str], width: int = 160,
+           height: int = 40) -> int:
+    """Run the lesson through the CLI and write its output as an asciinema v2 recording."""
+    shown = "fsdp-course run " + " ".join([info.number, *run_args])
+    cmd = [sys.executable, "-m", "utilities", "run", info.number, *run_args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS=str(width))
+    cast_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cast_path.with_name(f".{cast_path.name}.tmp")
+    start = time.monotonic()
+    header = {"version": 2, "width": width, "height": height, "timestamp": int(time.time()),
+              "title": f"lesson {info.number}: {info.title}", "command": shown,
+              "env": {"SHELL": "/bin/bash", "TERM": "xterm-256color"}}
+    with tmp.open("w") as f:
+        f.write(json.dumps(header) + "\n")
+        f.write(json.dumps([0.0, "o", f"$ {shown}\r\n"]) + "\n")
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in proc.stdout:
+            f.write(json.dumps([round(time.monotonic() - start, 3), "o",
+                                line.rstrip("\n") + "\r\n"]) + "\n")
+        rc = proc.wait()
+        f.write(json.dumps([round(time.monotonic() - start, 3), "o", f"[exit {rc}]\r\n"]) + "\n")
+    if rc == 0:
+        os.replace(tmp, cast_path)
+    else:
+        tmp.unlink(missing_ok=True)
+    return rc
+
+
+def read_cast(path: Path) -> tuple[dict, list[list]]:
+    """The header and events of a recording (for checks and for players)."""
+    lines = Path(path).read_text().splitlines()
+    return json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
