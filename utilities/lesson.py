@@ -63,8 +63,23 @@ class LessonParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # noqa: F821
         self.exit(2, f"error: {message} (see --help)\n")
 
+    def add_variants(self, names) -> None:
+        """``--variants a,b``: the subset of the lesson's variants to run (default: all of them).
+        ``parse`` turns it into a list and refuses unknown names in one line."""
+        self._variants = list(names)
+        self.add_argument("--variants", default=",".join(self._variants),
+                          help=f"comma-separated subset of: {', '.join(self._variants)}")
+
     def parse(self, argv: list[str] | None = None) -> argparse.Namespace:
         args = self.parse_args(argv)
+        allowed = getattr(self, "_variants", None)
+        if allowed is not None:
+            chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+            bad = [v for v in chosen if v not in allowed] or ([] if chosen else [args.variants])
+            if bad:
+                self.exit(2, f"error: --variants {bad[0]!r} is not allowed; allowed: "
+                             f"{', '.join(allowed)}\n")
+            args.variants = chosen
         try:
             if args.model is not None:
                 get_model_spec(args.model)

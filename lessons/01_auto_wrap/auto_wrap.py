@@ -41,18 +41,10 @@ VARIANTS = {
 
 def parse_args(argv=None):
     p = lesson_parser(__doc__)
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    p.add_variants(VARIANTS)
     p.add_argument("--min-params", type=positive_int, default=None,
                    help="size-based policy threshold in parameters (default: half a block)")
-    args = p.parse(argv)
-    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in chosen if v not in VARIANTS]
-    if bad or not chosen:
-        p.exit(2, f"error: --variants {bad[0] if bad else args.variants!r} is not allowed; "
-                  f"allowed: {', '.join(VARIANTS)}\n")
-    args.variants = chosen
-    return args
+    return p.parse(argv)
 
 
 def main(args) -> None:
