@@ -1,0 +1,99 @@
+"""Lesson 07's point: each policy computes and reduces in the dtypes it names (observed, not read from
+config); bf16 tracks fp32's loss and lowers peak memory; fp16 without a scaler loses small gradients."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import cli, notebook_results, run_lesson, variant
+
+DTYPES = {  # policy: (dtype of Linear weights inside forward, dtype of gradients at reduce-scatter)
+    "fp32": ("float32", "float32"),
+    "bf16": ("bfloat16", "bfloat16"),
+    "bf16-fp32-reduce": ("bfloat16", "float32"),
+    "fp16": ("float16", "float16"),
+    "fp16-no-scaler": ("float16", "float16"),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return notebook_results("07", tmp_path_factory)  # the notebook runs `fsdp-course run 07 --quick`
+
+
+def test_every_policy_ran_and_trained(results):
+    assert results["lesson"] == "07" and results["world_size"] == 2
+    assert [v["policy"] for v in results["variants"]] == list(DTYPES)
+    for v in results["variants"]:
+        assert v["step_time_s"] > 0 and v["peak_memory_bytes"]["total"] > 0
+        assert v["losses"][-1] < v["losses"][0] - 1.0, (v["name"], v["losses"])
+
+
+@pytest.mark.parametrize("policy", list(DTYPES))
+def test_fsdp2_observed_dtypes_match_the_policy(results, policy):
+    v = variant(results, f"fsdp2-{policy}")
+    forward, reduce = DTYPES[policy]
+    assert v["forward_param_dtypes"] == [forward]  # seen by a forward pre-hook on every Linear
+    assert v["reduce_dtypes"] == [reduce]  # seen at reduce_scatter_single
+    assert v["reductions"] == 9 * len(v["losses"])  # 8 blocks + root, once per step
+
+
+def test_bf16_loss_stays_within_band_of_fp32(results):
+    fp32 = variant(results, "fsdp2-fp32")["losses"]
+    for policy in ("bf16", "bf16-fp32-reduce"):
+        losses = variant(results, f"fsdp2-{policy}")["losses"]
+        assert losses == pytest.approx(fp32, abs=0.1), policy  # the README's stated band
+        assert losses != fp32  # but it really computed in bf16: not bit-identical
+
+
+def test_16_bit_params_lower_the_peak(results):
+    fp32 = variant(results, "fsdp2-fp32")["peak_memory_bytes"]
+    bf16 = variant(results, "fsdp2-bf16")["peak_memory_bytes"]
+    assert bf16["total"] < 0.9 * fp32["total"]
+    assert bf16["activations"] < fp32["activations"]
+    assert bf16["optimizer"] == fp32["optimizer"]  # fp32 master shards: optimizer state unchanged
+
+
+def test_fp16_without_scaler_loses_small_gradients(results):
+    fp32, bare = variant(results, "fsdp2-fp32"), variant(results, "fsdp2-fp16-no-scaler")
+    # In fp32, some gradient entries are smaller than anything fp16 can hold...
+    assert fp32["grad_fp16_underflow_fraction"] > 5e-4
+    # ...and in fp16 without a scaler more entries arrive at the reduction as exact zeros.
+    assert bare["grad_zero_fraction"] > fp32["grad_zero_fraction"] + 1e-3
+    # On this tiny model, in a few steps, that does not (yet) derail the loss: the README says so.
+    assert bare["losses"] == pytest.approx(fp32["losses"], abs=0.1)
+    assert bare["nonfinite_reductions"] == 0
+
+
+def test_fp16_scaler_skips_overflow_and_keeps_small_gradients(results):
+    scaled, bare = variant(results, "fsdp2-fp16"), variant(results, "fsdp2-fp16-no-scaler")
+    # The default initial scale (65536) overflows on the first step: inf/NaN, step skipped, scale halved.
+    assert scaled["nonfinite_reductions"] > 0
+    assert scaled["loss_scales"][0] == 2.0**15
+    assert scaled["losses"][1] > bare["losses"][1] + 0.5  # the skipped step: no progress yet
+    assert scaled["grad_zero_fraction"] < bare["grad_zero_fraction"]
+
+
+def test_fsdp1_mixed_precision_dtypes(tmp_path):
+    res = run_lesson("07", tmp_path / "fsdp1", "--api", "fsdp1", "--policies", "bf16,bf16-fp32-reduce",
+                     "--steps", "2")
+    for policy in ("bf16", "bf16-fp32-reduce"):
+        v = variant(res, f"fsdp1-{policy}")
+        assert (v["forward_param_dtypes"][0], v["reduce_dtypes"][0]) == DTYPES[policy]
+        assert len(v["forward_param_dtypes"]) == len(v["reduce_dtypes"]) == 1
+
+
+def test_default_policy_falls_back_to_fp32_without_bf16(results):
+    from utilities.bf16 import bf16_ready
+    from utilities.precision import default_policy, fsdp1_policy, fsdp2_policy
+
+    name, reason = default_policy()
+    assert name == ("bf16" if bf16_ready() else "fp32") and reason
+    assert results["default_policy"]["name"] == name
+    assert fsdp1_policy("fp32") is None and fsdp2_policy("fp32").param_dtype is None
+
+
+def test_bad_policy_is_one_line_exit_2():
+    proc = cli("run", "07", "--quick", "--", "--policies", "fp8")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error:")
+    assert "'fp8'" in proc.stderr and "bf16-fp32-reduce" in proc.stderr
