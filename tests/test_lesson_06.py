@@ -1,0 +1,114 @@
+"""Lesson 06's point: each strategy keeps the bytes per rank its formula says, and trains the same."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import cli, notebook_results, run_lesson, variant
+
+from utilities import sharding as S
+from utilities.errors import UsageError
+
+P = 1_887_232  # t5-tiny
+SHARDED = ("fsdp1-full-shard", "fsdp1-shard-grad-op", "fsdp2-reshard-true", "fsdp2-reshard-false")
+REPLICATED = ("ddp", "fsdp1-no-shard", "fsdp1-hybrid-shard", "fsdp2-hsdp")  # HSDP mesh 2 x 1
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return notebook_results("06", tmp_path_factory)  # the notebook runs `fsdp-course run 06 --quick`
+
+
+def test_results_have_the_lesson_keys(results):
+    assert results["lesson"] == "06" and results["world_size"] == 2
+    assert results["model"]["parameters"] == P
+    assert {v["name"] for v in results["variants"]} == set(SHARDED + REPLICATED)
+    assert "capacity" in results and results["capacity"]["gpus"] == 8
+    # no non-trivial divisor of 2: the int reshard_after_forward variant is skipped, with a reason
+    assert any("fsdp2-reshard-int skipped" in n for n in results["notes"])
+
+
+@pytest.mark.parametrize("name", SHARDED + REPLICATED)
+def test_resident_bytes_match_theory(results, name):
+    v = variant(results, name)
+    for cat in ("parameters", "gradients", "optimizer"):
+        measured, theory = v["resident_bytes"][cat], v["theory_resident_bytes"][cat]
+        assert measured == pytest.approx(theory, rel=0.05), (cat, measured, theory)
+
+
+def test_fully_sharded_holds_half_of_ddp(results):
+    ddp = variant(results, "ddp")["resident_bytes"]
+    assert ddp["parameters"] == 4 * P and ddp["optimizer"] == pytest.approx(8 * P, rel=0.01)
+    for name in SHARDED:
+        r = variant(results, name)["resident_bytes"]
+        for cat in ("parameters", "gradients", "optimizer"):
+            assert r[cat] == pytest.approx(ddp[cat] / 2, rel=0.05), (name, cat)
+    for name in REPLICATED:
+        assert variant(results, name)["resident_bytes"]["parameters"] == 4 * P, name
+
+
+@pytest.mark.parametrize("api", ["fsdp1", "fsdp2"])
+def test_shard_grad_op_keeps_every_full_parameter_until_backward(results, api):
+    sgo = variant(results, f"{api}-shard-grad-op" if api == "fsdp1" else "fsdp2-reshard-false")
+    fs = variant(results, f"{api}-full-shard" if api == "fsdp1" else "fsdp2-reshard-true")
+    assert sgo["peak_unsharded_parameter_bytes"] == 4 * P
+    assert fs["peak_unsharded_parameter_bytes"] < 0.4 * 4 * P
+    assert fs["peak_memory_bytes"]["total"] < sgo["peak_memory_bytes"]["total"]
+
+
+def test_communication_volume_per_step(results):
+    comm = {v["name"]: v["comm_bytes_per_step"] for v in results["variants"]}
+    # 2 ranks, ring: an all-gather or reduce-scatter sends half the model bytes
+    assert comm["ddp"] == comm["fsdp1-no-shard"] == 2 * 4 * P / 2
+    assert comm["fsdp1-full-shard"] == comm["fsdp2-reshard-true"] == 3 * 4 * P / 2
+    assert comm["fsdp1-shard-grad-op"] == comm["fsdp2-reshard-false"] == 2 * 4 * P / 2
+
+
+def test_every_synchronized_strategy_trains_the_same(results):
+    reference = variant(results, "ddp")["losses"]
+    assert reference[-1] < reference[0] - 1.0, reference
+    for v in results["variants"]:
+        if v["name"] != "fsdp1-hybrid-shard":
+            assert v["losses"] == pytest.approx(reference, abs=5e-3), v["name"]
+    # FSDP1 HYBRID_SHARD on a 1-rank shard group falls back to NO_SHARD inside that group and
+    # never averages across replicas: the ranks train apart (a trap the lesson documents)
+    assert abs(variant(results, "fsdp1-hybrid-shard")["losses"][-1] - reference[-1]) > 5e-3
+
+
+def test_largest_model_ordering(results):
+    cap = {r["strategy"]: r for r in results["capacity"]["at_gpus"]}
+    assert cap["ddp"]["bytes_per_param"] == pytest.approx(16, rel=0.01)
+    assert cap["full_shard"]["bytes_per_param"] == pytest.approx(16 / 8, rel=0.01)
+    assert cap["shard_grad_op"]["bytes_per_param"] == pytest.approx(4 + 16 / 8, rel=0.01)  # + a full copy
+    ddp, sgo, fs = (cap[s]["largest_model"] for s in ("ddp", "shard_grad_op", "full_shard"))
+    assert ddp < sgo < fs
+    assert ddp == pytest.approx(24e9 / 16, rel=0.01)
+
+
+def test_sharding_formulas_refuse_bad_values():
+    with pytest.raises(UsageError, match="non-trivial divisors"):
+        S.bytes_per_param("reshard_to", 2, reshard_to=2)
+    with pytest.raises(UsageError, match="full_shard"):
+        S.bytes_per_param("zero3", 2)
+    assert S.bytes_per_param("reshard_to", 16, reshard_to=8).unsharded_parameters == 0.5
+    hsdp = S.comm_bytes_per_step("hybrid_shard", 16, 1000, replicate=2)
+    assert hsdp["all_reduce_replicas"] == pytest.approx(2 * 4000 / 8 * 0.5)
+
+
+def test_hsdp_with_shard_group_of_two(results, tmp_path):
+    """A (1, 2) mesh shards across both ranks: HSDP holds half, and FSDP1's hybrid syncs again."""
+    res = run_lesson("06", tmp_path / "r1", "--replicate", "1",
+                     "--variants", "fsdp1-hybrid-shard,fsdp2-hsdp")
+    assert res["settings"] == results["settings"]  # same steps, batch and data as the quick run
+    reference = variant(results, "ddp")["losses"]
+    for name in ("fsdp1-hybrid-shard", "fsdp2-hsdp"):
+        v = variant(res, name)
+        assert v["mesh"] == [1, 2]
+        assert v["resident_bytes"]["parameters"] == pytest.approx(4 * P / 2, rel=0.05)
+        assert v["losses"] == pytest.approx(reference, abs=5e-3), name
+
+
+def test_bad_variant_is_one_line_exit_2():
+    proc = cli("run", "06", "--quick", "--", "--variants", "zero3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "zero3" in proc.stderr and "fsdp1-shard-grad-op" in proc.stderr
