@@ -59,8 +59,7 @@ CAPACITY_FROM = {"ddp": ["ddp", "fsdp1-no-shard"],
 
 def parse_args(argv=None):
     p = lesson_parser(__doc__)
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    p.add_variants(VARIANTS)
     p.add_argument("--replicate", type=positive_int, default=None,
                    help="replicas in the hybrid (HSDP) mesh; it must divide the world size; the "
                         "shard group is world / replicate (default: 2 when the world is even)")
@@ -72,15 +71,9 @@ def parse_args(argv=None):
                    help="GB per GPU kept free for activations and buffers in the capacity chart "
                         "(default 0: the chart is the bound set by training state alone)")
     args = p.parse(argv)
-    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in chosen if v not in VARIANTS]
-    if bad or not chosen:
-        p.exit(2, f"error: --variants {bad[0] if bad else args.variants!r} is not allowed; "
-                  f"allowed: {', '.join(VARIANTS)}\n")
     if not 0 <= args.activation_gb < args.gpu_mem_gb:
         p.exit(2, f"error: --activation-gb {args.activation_gb} is not allowed; allowed: "
                   f"0 <= value < --gpu-mem-gb ({args.gpu_mem_gb})\n")
-    args.variants = chosen
     return args
 
 
