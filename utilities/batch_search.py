@@ -1,0 +1,193 @@
+"""Find the largest batch that runs *cleanly*: no cudaMalloc retries, no OOM, within a budget.
+
+The classic memory-maximizer insight: the fastest batch size is usually not the largest one that
+avoids an out-of-memory error, but the largest one that avoids cudaMalloc retries (the caching
+allocator emptying its cache and calling cudaMalloc again on every step). ``find_max_batch`` searches
+for it: it doubles the batch until the first trial that is not clean, then bisects between the last
+clean batch and that one. An OOM during a trial is caught, memory is freed, and the OOM is recorded
+in the evidence like any other failed trial: the search goes on.
+
+    def try_batch(batch: int) -> Trial:
+        ...train a few steps at this batch, read Memory_Maximizer's summary...
+        return Trial(batch, retries=report["cuda_malloc_retries"], peak_bytes=..., throughput=...)
+
+    result = find_max_batch(try_batch, start=1, limit=64)
+    result.best, result.trials  # the recommendation and every trial that led to it
+
+On a CPU there is no caching allocator, so nothing retries: give ``budget_bytes`` and a trial whose
+measured peak exceeds it counts as failed ("over budget"), the CPU stand-in for retries and OOMs.
+
+With several ranks, every rank must take the same decision or the next collective hangs: pass
+``agree`` (e.g. :func:`all_ranks_agree`) to combine each trial's verdict across ranks. An OOM that
+strikes one rank in the middle of a collective can still leave the others waiting; that is a
+limitation of catching OOMs inside a distributed job, not of this search.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Trial:
+    """What one batch size did. ``clean`` is False when it retried, hit an OOM or went over budget."""
+
+    batch: int
+    throughput: float | None = None  # samples (or tokens) per second, whatever the caller measures
+    peak_bytes: int | None = None  # allocated (GPU) or tracked (CPU) peak
+    max_reserved_bytes: int | None = None  # the caching allocator's max reserved (GPU only)
+    retries: int = 0  # cudaMalloc retries during the trial
+    ooms: int = 0  # out-of-memory errors during the trial
+    over_budget: bool = False
+    error: str | None = None  # the OOM message, when one was caught
+    phase: str = ""  # "grow" or "bisect": set by the search
+    extra: dict[str, Any] = field(default_factory=dict)  # anything else the caller keeps
+
+    @property
+    def clean(self) -> bool:
+        return self.retries == 0 and self.ooms == 0 and not self.over_budget and self.error is None
+
+    @property
+    def verdict(self) -> str:
+        if self.ooms or self.error:
+            return "OOM"
+        if self.retries:
+            return f"{self.retries} retries"
+        if self.over_budget:
+            return "over budget"
+        return "clean"
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(clean=self.clean, verdict=self.verdict)
+        return d
+
+
+@dataclass
+class SearchResult:
+    """The recommended batch (None if even ``start`` failed), the reason, and the evidence."""
+
+    best: int | None
+    reason: str
+    trials: list[Trial]
+
+    def trial(self, batch: int) -> Trial | None:
+        return next((t for t in self.trials if t.batch == batch), None)
+
+    @property
+    def first_failure(self) -> Trial | None:
+        """The smallest batch tried that was not clean (the one just above the recommendation)."""
+        bad = [t for t in self.trials if not t.clean]
+        return min(bad, key=lambda t: t.batch) if bad else None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for CUDA's (and other backends') out-of-memory errors."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def free_memory() -> None:
+    """Drop unreachable tensors and hand the allocator's cached blocks back to the device."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def all_ranks_agree(trial: Trial) -> Trial:
+    """Make a trial's verdict the same on every rank: max of peaks, retries, OOMs and flags."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return trial
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    vals = torch.tensor([trial.peak_bytes or 0, trial.max_reserved_bytes or 0, trial.retries,
+                         trial.ooms, int(trial.over_budget), int(trial.error is not None)],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+    peak, reserved, retries, ooms, over, err = (int(v) for v in vals.tolist())
+    trial.peak_bytes = peak if trial.peak_bytes is not None else None
+    trial.max_reserved_bytes = reserved if trial.max_reserved_bytes is not None else None
+    trial.retries, trial.ooms, trial.over_budget = retries, ooms, bool(over)
+    if err and trial.error is None:
+        trial.error = "out of memory on another rank"
+    return trial
+
+
+def find_max_batch(
+    try_batch: Callable[[int], Trial],
+    start: int = 1,
+    limit: int = 1024,
+    grow: int = 2,
+    bisect: bool = True,
+    budget_bytes: int | None = None,
+    agree: Callable[[Trial], Trial] | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> SearchResult:
+    """Search the largest clean batch in ``[start, limit]``.
+
+    Grow: try ``start``, ``start * grow``, ... (capped at ``limit``) and stop at the first trial that
+    is not clean. Bisect (if ``bisect``): halve the gap between the last clean batch and the first
+    failed one until they are neighbours, so the answer is a batch that is clean while the batch one
+    above it was tried and failed. ``budget_bytes`` marks a trial whose ``peak_bytes`` exceeds it as
+    over budget. ``on_trial`` sees every trial as it completes (for logging).
+    """
+    if start < 1 or limit < start or grow < 2:
+        raise ValueError(f"need 1 <= start <= limit and grow >= 2, got start={start}, "
+                         f"limit={limit}, grow={grow}")
+    trials: list[Trial] = []
+
+    def run(batch: int, phase: str) -> Trial:
+        try:
+            trial = try_batch(batch)
+        except Exception as exc:  # only OOMs are survivable; anything else is a bug to report
+            if not is_oom(exc):
+                raise
+            trial = Trial(batch, ooms=1, error=str(exc).splitlines()[0][:200])
+        free_memory()
+        trial.phase = phase
+        if budget_bytes is not None and trial.peak_bytes is not None:
+            trial.over_budget = trial.over_budget or trial.peak_bytes > budget_bytes
+        if agree is not None:
+            trial = agree(trial)
+        trials.append(trial)
+        if on_trial is not None:
+            on_trial(trial)
+        return trial
+
+    good: int | None = None
+    bad: int | None = None
+    batch = start
+    while True:
+        if run(batch, "grow").clean:
+            good = batch
+            if batch >= limit:
+                break
+            batch = min(batch * grow, limit)
+        else:
+            bad = batch
+            break
+    if bisect and good is not None and bad is not None:
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if run(mid, "bisect").clean:
+                good = mid
+            else:
+                bad = mid
+
+    if good is None:
+        reason = f"even the smallest batch tried ({start}) was not clean: {trials[0].verdict}"
+    elif bad is None:
+        reason = f"every batch up to the limit ({limit}) was clean; raise the limit to search further"
+    else:
+        failed = next(t for t in trials if t.batch == bad)
+        reason = (f"batch {good} is the largest clean batch; batch {bad} was tried and gave "
+                  f"{failed.verdict}")
+    return SearchResult(good, reason, trials)
