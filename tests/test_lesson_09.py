@@ -1,0 +1,144 @@
+"""Lesson 09: frozen weights stay put and cost no gradient or optimizer memory; child-tuning's masked
+gradient entries never reach the update; every fine-tuning variant improves held-out loss."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from conftest import cli, notebook_results, variant
+from torch import nn
+
+from utilities.child_tuning import ChildTuning, global_topk_threshold, local
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return notebook_results("09", tmp_path_factory)  # the notebook runs `fsdp-course run 09 --quick`
+
+
+@pytest.fixture
+def world1(monkeypatch):
+    """A one-process gloo world; the environment it sets is undone afterwards."""
+    from utilities.distributed import setup, teardown
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    info = setup("cpu")
+    yield info
+    teardown()
+
+
+# -- the notebook's quick run ----------------------------------------------------------------------
+VARIANTS = ("full", "frozen-encoder", "frozen-fsdp1", "child-tuning-f", "child-tuning-d")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_every_variant_improves_held_out_loss(results, name):
+    v = variant(results, name)
+    assert v["held_out_loss_after"] < v["held_out_loss_before"] - 0.05, v
+    assert 0.0 <= v["held_out_accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("name", ["frozen-encoder", "frozen-fsdp1"])
+def test_frozen_weights_are_bit_identical_and_cost_nothing(results, name):
+    frozen, full = variant(results, name), variant(results, "full")
+    assert frozen["frozen_parameters"] > 0
+    assert frozen["frozen_parameters"] + frozen["trainable_parameters"] == results["model"]["parameters"]
+    assert frozen["frozen_bit_identical"] is True
+    assert frozen["frozen_with_optimizer_state"] == 0
+    # No gradient and no AdamW moments for the frozen share: both shrink by (about) its fraction.
+    share = frozen["trainable_parameters"] / full["trainable_parameters"]
+    for key in ("gradient_bytes_per_rank", "optimizer_bytes_per_rank"):
+        assert frozen[key] == pytest.approx(share * full[key], rel=0.02), key
+
+
+def test_fsdp1_needs_use_orig_params(results):
+    assert any("use_orig_params" in n for n in results["notes"])
+
+
+def test_child_tuning_d_keeps_reserve_p(results):
+    v = variant(results, "child-tuning-d")
+    assert v["kept_fraction"] == pytest.approx(results["settings"]["reserve_p"], abs=0.01)
+
+
+# -- child-tuning masks, in process ---------------------------------------------------------------
+def _toy(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _backward(model: nn.Module, batch: dict) -> torch.Tensor:
+    loss = model(batch["x"]).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    while True:
+        yield {"x": torch.randn(8, 16, generator=g)}
+
+
+def test_child_tuning_f_zeroes_and_rescales_on_a_plain_module():
+    model = _toy()
+    ct = ChildTuning(model.parameters(), mode="F", reserve_p=0.3, seed=0)
+    _backward(model, next(_batches()))
+    before = [p.grad.clone() for p in model.parameters()]
+    ct.apply()
+    kept = total = 0
+    for g0, p in zip(before, model.parameters()):
+        nz = p.grad != 0
+        assert torch.allclose(p.grad[nz], g0[nz] / 0.3)  # kept entries scaled by 1/reserve_p
+        kept += int(nz.sum())
+        total += p.numel()
+    assert 0.2 < kept / total < 0.4
+
+
+def test_child_tuning_d_masked_weights_do_not_move_under_fsdp2(world1):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _toy()
+    fully_shard(model[0])
+    fully_shard(model)
+    data = _batches()
+    ct = ChildTuning(model.parameters(), mode="D", reserve_p=0.25)
+    ct.compute_fisher_mask(model, data, num_batches=3, step_fn=_backward)
+    assert ct.kept_fraction == pytest.approx(0.25, abs=0.01)
+    before = [local(p).detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = ct.step_fn(_backward)
+    for _ in range(3):
+        opt.zero_grad()
+        step(model, next(data))
+        for m, p in zip(ct.masks, model.parameters()):
+            assert bool((local(p.grad)[~m] == 0).all())  # the optimizer sees zero grad there
+        opt.step()
+    moved = 0
+    for m, b, p in zip(ct.masks, before, model.parameters()):
+        now = local(p).detach()
+        assert torch.equal(now[~m], b[~m])  # masked entries: bit-identical
+        moved += int((now[m] != b[m]).sum())
+    assert moved > 0
+
+
+def test_global_threshold_is_the_exact_kth_largest():
+    torch.manual_seed(0)
+    values = [torch.rand(37).pow(4), torch.rand(5, 11)]
+    flat = torch.cat([v.flatten() for v in values])
+    for k in (1, 10, 50, flat.numel()):
+        assert global_topk_threshold(values, k) == flat.topk(k).values[-1].item()
+
+
+# -- flags ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags", [["--reserve-p", "1.5"], ["--variants", "lora"]])
+def test_bad_flag_is_one_line_exit_2(flags):
+    proc = cli("run", "09", "--quick", "--", *flags)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert proc.stderr.startswith("error:") and flags[1] in proc.stderr
