@@ -1,0 +1,86 @@
+"""Lesson 03: a full checkpoint round-trips exactly, exports to transformers, and bad files are one
+clear line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import cli, notebook_results, variant
+
+from utilities.errors import UsageError
+from utilities.state_dict import FORMAT, atomic_torch_save, check_model_keys, read_full
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return notebook_results("03", tmp_path_factory)  # the notebook runs `fsdp-course run 03 --quick`
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "fsdp1-classic"])
+def test_load_gives_identical_outputs_and_next_step(results, name):
+    v = variant(results, name)
+    assert v["loaded_step"] == results["settings"]["steps"]
+    assert v["diff_before_load"] > 0  # the fresh model really started elsewhere
+    assert v["outputs_identical"] and v["outputs_max_abs_diff"] == 0.0
+    assert v["next_loss_a"] == v["next_loss_b"]
+    assert v["next_step_identical"] and v["after_step_max_abs_diff"] == 0.0
+    assert v["checkpoint_bytes"] > 3 * 4 * results["model"]["parameters"]  # weights + 2 Adam moments
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "fsdp1-classic"])
+def test_hf_export_loads_with_identical_outputs(results, name):
+    from transformers import AutoModelForSeq2SeqLM
+
+    v = variant(results, name)
+    assert v["hf_identical"] and v["hf_max_abs_diff"] == 0.0
+    model = AutoModelForSeq2SeqLM.from_pretrained(v["hf_dir"])
+    assert model.lm_head.weight.data_ptr() == model.shared.weight.data_ptr()  # ties restored
+    x = torch.randint(3, 259, (1, 8))
+    assert torch.isfinite(model(input_ids=x, labels=x).loss)
+
+
+def _checkpoint(path, model_sd):
+    atomic_torch_save({"format": FORMAT, "step": 1, "model": model_sd, "optimizer": {}}, path)
+    return path
+
+
+def test_truncated_file_is_one_line(tmp_path):
+    path = _checkpoint(tmp_path / "ck.pt", {"w": torch.randn(64, 64)})
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UsageError) as e:
+        read_full(path)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and "truncated" in msg
+
+
+def test_not_a_checkpoint_is_one_line(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    with pytest.raises(UsageError, match="not readable"):
+        read_full(path)
+    other = tmp_path / "other.pt"
+    torch.save({"w": torch.zeros(2)}, other)
+    with pytest.raises(UsageError, match="not a full state dict checkpoint"):
+        read_full(other)
+
+
+def test_checkpoint_of_another_model_is_one_line(tmp_path):
+    path = _checkpoint(tmp_path / "other_model.pt",
+                       {"a.weight": torch.zeros(2, 3), "extra.bias": torch.zeros(3)})
+    ckpt = read_full(path)
+    expected = {"a.weight": (4, 3), "b.weight": (3,)}
+    with pytest.raises(UsageError) as e:
+        check_model_keys(path, ckpt["model"], expected)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg
+    assert "missing keys (b.weight)" in msg and "unexpected keys (extra.bias)" in msg
+    assert "wrong shapes (a.weight" in msg
+    check_model_keys(path, {"a.weight": torch.zeros(4, 3), "b.weight": torch.zeros(3)}, expected)
+
+
+def test_bad_flag_value_exits_2_with_one_line():
+    proc = cli("run", "03", "--quick", "--nproc", "1", "--", "--variants", "fsdp3")
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "fsdp3" in lines[0], proc.stderr

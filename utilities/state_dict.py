@@ -1,0 +1,304 @@
+"""Full (gathered, CPU-offloaded, rank-0-only) checkpoints of an FSDP model and its optimizer.
+
+A *full* state dict is the model as if it had never been sharded: every parameter whole, keyed by
+its original name. Gathering it costs one all-gather per tensor and it must fit in one host's CPU
+memory, because rank 0 holds all of it (``cpu_offload=True`` moves each gathered tensor to CPU at
+once; the other ranks keep nothing). In exchange the file is one ordinary ``torch.save`` file that
+any world size, FSDP1 or FSDP2, or plain ``transformers`` can read.
+
+    save_full(path, model, optimizer, step)          # every rank calls it; rank 0 writes
+    step = load_full(path, model, optimizer)         # every rank calls it; rank 0 reads
+    export_hf(model_state_dict, config, directory)   # rank 0: a from_pretrained-able folder
+
+Saving works for FSDP2 (``fully_shard``) and FSDP1 through ``torch.distributed.checkpoint.state_dict``
+(``how="dcp"``) and for FSDP1 through its classic ``FullStateDictConfig`` (``how="fsdp1-classic"``);
+both write the same keys, so either can be loaded by ``load_full``. Loading broadcasts rank 0's
+tensors into the already sharded model and optimizer (``broadcast_from_rank0=True``), after checking
+the keys and shapes ourselves: a wrong file is one line naming it, never a partial load.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import UsageError
+
+FORMAT = "fsdp-course-full-state-dict-v1"
+HOWS = ("dcp", "fsdp1-classic")
+
+
+# -- gathering ---------------------------------------------------------------------------------
+def gather_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                how: str = "dcp") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The full model and optimizer state dicts on rank 0's CPU (empty dicts on other ranks).
+
+    Every rank must call this: each tensor is all-gathered, then kept only on rank 0.
+    """
+    if how == "dcp":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=_offload(model))
+        if optimizer is None:
+            return get_model_state_dict(model, options=options), {}
+        return get_state_dict(model, optimizer, options=options)
+    if how == "fsdp1-classic":
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        if not isinstance(model, FSDP):
+            raise UsageError("--save-with 'fsdp1-classic' needs an FSDP1 model; allowed for FSDP2: dcp")
+        offload = _offload(model)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+                                  FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True)):
+            msd = model.state_dict()
+            osd = FSDP.optim_state_dict(model, optimizer) if optimizer is not None else {}
+        if _rank() != 0:
+            return {}, {}
+        return msd, osd
+    raise UsageError(f"how {how!r} is not allowed; allowed: {', '.join(HOWS)}")
+
+
+def _offload(model: nn.Module) -> bool:
+    """Offload to CPU only from a GPU. On a CPU-resident FSDP1 model "offloading" is a no-op that
+    hands back views into the unsharded flat parameter, which FSDP frees as soon as the gather
+    ends (torch 2.13: "setStorage ... storage of size 0", or a hang in the classic path)."""
+    return any(p.device.type == "cuda" for p in model.parameters())
+
+
+# -- saving ------------------------------------------------------------------------------------
+def save_full(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+              step: int, how: str = "dcp", extra: dict[str, Any] | None = None) -> int:
+    """Gather and write a full checkpoint (rank 0 writes); returns its size in bytes on every rank.
+
+    The file is written to a temporary name in the same directory and renamed into place, so a
+    crash mid-write leaves the previous checkpoint, never a half-written one.
+    """
+    msd, osd = gather_full(model, optimizer, how)
+    size = 0
+    if _rank() == 0:
+        payload = {"format": FORMAT, "step": int(step), "model": msd, "optimizer": osd,
+                   "extra": dict(extra or {})}
+        size = atomic_torch_save(payload, Path(path))
+    return int(_broadcast_object(size))
+
+
+def atomic_torch_save(obj: Any, path: Path) -> int:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+# -- loading -----------------------------------------------------------------------------------
+def read_full(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a full checkpoint on this process (``weights_only=True``: tensors and plain data only,
+    no arbitrary pickled code). A missing, truncated or foreign file is a one-line UsageError."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"checkpoint {p} does not exist")
+    try:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # zip/pickle errors say "truncated" or "not a torch.save file"
+        reason = " ".join(str(e).split())[:160]
+        raise UsageError(f"checkpoint {p} is not readable (truncated or not a torch.save file): "
+                         f"{type(e).__name__}: {reason}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise UsageError(f"checkpoint {p} is not a full state dict checkpoint "
+                         f"(no format {FORMAT!r}; found {_describe(ckpt)})")
+    if not isinstance(ckpt.get("model"), dict) or not isinstance(ckpt.get("step"), int):
+        raise UsageError(f"checkpoint {p} is incomplete: it lacks the model state dict or the step")
+    return ckpt
+
+
+def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Original parameter/buffer names and global (unsharded) shapes of a sharded model.
+
+    Every rank must call this (FSDP1's sharded state dict talks to the other ranks); nothing is
+    gathered: DTensor and ShardedTensor already know their global size.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    sd = get_model_state_dict(model)
+    return {k: tuple(v.size()) for k, v in sd.items() if isinstance(v, torch.Tensor)
+            or hasattr(v, "size")}
+
+
+def check_model_keys(path: str | os.PathLike, got: dict[str, Any],
+                     expected: dict[str, tuple[int, ...]], show: int = 3) -> None:
+    """Refuse, in one line, a checkpoint whose keys or shapes are not this model's."""
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected]
+    wrong = [f"{k} {tuple(got[k].shape)} vs {expected[k]}" for k in expected
+             if k in got and isinstance(got[k], torch.Tensor) and tuple(got[k].shape) != expected[k]]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing keys ({_first(missing, show)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected keys ({_first(unexpected, show)})")
+    if wrong:
+        problems.append(f"{len(wrong)} wrong shapes ({_first(wrong, show)})")
+    if problems:
+        raise UsageError(f"checkpoint {path} is not of this model: {'; '.join(problems)}")
+
+
+def load_full(path: str | os.PathLike, model: nn.Module,
+              optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Load a full checkpoint into an already sharded model (and optimizer); returns the step.
+
+    Every rank must call this. Only rank 0 reads the file (its CPU holds one full copy); the
+    tensors reach the other ranks' shards through ``broadcast_from_rank0=True``. The keys are
+    checked first on rank 0 and the verdict is shared, so every rank raises the same UsageError.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    expected = expected_shapes(model)
+    ckpt, error = None, None
+    if _rank() == 0:
+        try:
+            ckpt = read_full(path)
+            check_model_keys(path, ckpt["model"], expected)
+            if optimizer is not None:
+                osd = ckpt.get("optimizer") or {}
+                if not osd.get("param_groups"):
+                    raise UsageError(f"checkpoint {path} holds no optimizer state")
+                check_optimizer_keys(path, osd, expected)
+        except UsageError as e:
+            error = str(e)
+    error = _broadcast_object(error)
+    if error is not None:
+        raise UsageError(error)
+    step = int(_broadcast_object(ckpt["step"] if ckpt is not None else None))
+    msd = ckpt["model"] if ckpt is not None else {}
+    fsdp1 = _is_fsdp1(model)
+    if msd and fsdp1:
+        msd = drop_tied_aliases(path, msd, getattr(model, "module", model))
+    # strict: every key must be used. FSDP1 then reports the dropped tied aliases as "missing"
+    # although they share storage with their target, so there we rely on our own check above.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=_offload(model),
+                               broadcast_from_rank0=True, strict=not fsdp1)
+    # Two calls, not set_state_dict: with an empty model dict on ranks > 0, set_state_dict would
+    # treat those ranks as "optimizer only" and skip the model broadcast (a hang in torch 2.13).
+    set_model_state_dict(model, msd, options=options)
+    if optimizer is not None:
+        osd = ckpt["optimizer"] if ckpt is not None else {}
+        set_optimizer_state_dict(model, optimizer, osd, options=options)
+    return step
+
+
+def drop_tied_aliases(path: str | os.PathLike, msd: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """Leave out the tied copies (``lm_head.weight`` = ``shared.weight``...) for FSDP1.
+
+    FSDP1 keeps a tied weight once inside its flat parameter, and the rank-0 broadcast in torch 2.13
+    looks up every key of the full dict among the model's *deduplicated* names, so an alias key
+    fails there. The alias is the same tensor as its target; we check that before dropping it.
+    """
+    tied = getattr(module, "_tied_weights_keys", None) or {}
+    if not isinstance(tied, dict):
+        return msd
+    out = dict(msd)
+    for alias, target in tied.items():
+        if alias in out and target in out:
+            if not torch.equal(out[alias], out[target]):
+                raise UsageError(f"checkpoint {path}: tied weights {alias} and {target} differ")
+            del out[alias]
+    return out
+
+
+def _is_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return isinstance(model, FSDP)
+
+
+def check_optimizer_keys(path: str | os.PathLike, osd: dict[str, Any],
+                         expected: dict[str, tuple[int, ...]]) -> None:
+    names = set(osd.get("state", {}))
+    for group in osd.get("param_groups", []):
+        names.update(group.get("params", []))
+    unexpected = sorted(n for n in names if n not in expected)
+    if unexpected:
+        raise UsageError(f"checkpoint {path} has optimizer state for parameters this model lacks: "
+                         f"{len(unexpected)} ({_first(unexpected, 3)})")
+
+
+# -- Hugging Face export -----------------------------------------------------------------------
+def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory: str | os.PathLike,
+              model_class: type | None = None) -> Path:
+    """Write ``directory`` so ``from_pretrained(directory)`` rebuilds this model (safetensors).
+
+    Run it on rank 0 with the full state dict. Tied weights (T5's ``shared`` / ``embed_tokens`` /
+    ``lm_head``) are one tensor in the model: we load every key strictly into a model built from
+    the config, and ``save_pretrained`` stores each tied tensor once (safetensors refuses aliases).
+    """
+    if model_class is None:
+        from transformers import AutoModelForSeq2SeqLM
+
+        model_class = AutoModelForSeq2SeqLM._model_mapping[type(config)]
+    model = model_class(config)
+    result = model.load_state_dict(model_state_dict, strict=False)
+    tied = set(_tied_keys(model))
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise UsageError(f"cannot export to {directory}: {len(missing)} missing keys "
+                         f"({_first(missing, 3)}), {len(result.unexpected_keys)} unexpected keys "
+                         f"({_first(result.unexpected_keys, 3)})")
+    model.tie_weights()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def _tied_keys(model: nn.Module) -> Iterable[str]:
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return tied.keys() if isinstance(tied, dict) else tied
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _broadcast_object(obj: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _first(items: list[str], n: int) -> str:
+    shown = ", ".join(str(i) for i in items[:n])
+    return shown + (", ..." if len(items) > n else "")
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, dict):
+        return f"a dict with keys {_first([str(k) for k in obj], 3)}"
+    return f"a {type(obj).__name__}"
