@@ -1,0 +1,30 @@
+"""Lesson 13 on one GPU (`pytest -m gpu tests/gpu/test_fp8_smoke.py -s`): the fp8-compiled variant
+runs where torchao and an sm_89+ GPU are present, and is skipped with its reason otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from utilities.low_precision import fp8_available
+
+pytestmark = pytest.mark.gpu
+
+
+def test_fp8_compiled_runs_on_one_gpu(tmp_path):
+    from conftest import run_lesson, variant
+
+    ok, reason = fp8_available("cuda")
+    if not ok:
+        pytest.skip(reason)
+    r = run_lesson("13", tmp_path, "--hidden", "1024", "--layers", "2", "--steps", "8",
+                   "--seq-len", "1024", nproc=1, device="cuda", quick=False)
+    for v in r["variants"]:
+        print(v["name"], v["tokens_per_s"], v["peak_memory_bytes"]["total"], v.get("compile_s"))
+    fp8 = variant(r, "fp8-compiled-h1024")
+    bf16 = variant(r, "compiled-h1024")
+    assert fp8["fp8_linears"] == 2 * 7 and fp8["tokens_per_s"] > 0
+    assert all(torch.isfinite(torch.tensor(fp8["losses"])))
+    assert fp8["losses"][-1] < fp8["losses"][0]
+    # float8 rounds far more coarsely than bf16, but the curves stay close on a short run
+    assert fp8["losses"][-1] == pytest.approx(bf16["losses"][-1], rel=0.1)
