@@ -45,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("check", help="torch / CUDA / NCCL versions, GPUs, bf16 readiness, lessons")
 
+    from .planner import add_plan_arguments
+
+    add_plan_arguments(sub.add_parser(
+        "plan", help="predict per-GPU peak memory by category for any model, strategy and size, "
+                     "without the hardware"))
+
     rec = sub.add_parser(
         "record", help="record a real run of a lesson as an asciinema .cast (the course's demos)",
         usage="fsdp-course record NN|all [--out DIR] [--full] [-- lesson flags]")
@@ -75,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "record":
             return _record(args)
+        if args.command == "plan":
+            from .planner import run_plan
+
+            return run_plan(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

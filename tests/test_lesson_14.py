@@ -1,0 +1,70 @@
+"""Lesson 14's point: a plan made on fake tensors with a fake process group predicts the peak a real
+run measures; it says when a configuration cannot fit and which category overflows; the largest
+batch search returns a batch that fits while the next one does not; bad values are one line."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import cli, notebook_results, variant
+
+from utilities.errors import UsageError
+from utilities.planner import largest_batch, parse_memory, plan
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return notebook_results("14", tmp_path_factory)  # the notebook runs `fsdp-course run 14 --quick`
+
+
+def test_prediction_matches_the_measured_run_within_10_percent(results):
+    assert results["lesson"] == "14" and results["world_size"] == 2
+    v = variant(results, "full_shard-fp32")
+    predicted, measured = v["predicted_peak_bytes"]["total"], v["peak_memory_bytes"]["total"]
+    assert measured > 0 and predicted == pytest.approx(measured, rel=0.10)
+    for other in results["variants"]:  # every configuration the lesson trains
+        assert other["prediction_ratio"]["total"] == pytest.approx(1.0, abs=0.10), other["name"]
+
+
+def test_big_model_plan_is_recorded(results):
+    p = results["plans"]["llama-8b-8x80GB-batch2"]
+    assert p["gpus"] == 8 and p["fits"] is True and p["peak_bytes"]["total"] > 10 * 2**30
+
+
+def test_impossible_configuration_names_the_overflowing_category():
+    p = plan("llama-8b", gpus=1, gpu_memory_bytes=parse_memory("16GB"), strategy="full_shard",
+             precision="fp32", ac="none", batch=1, seq=2048)
+    assert not p.fits and p.overflowing == "optimizer"
+    assert p.peak_bytes["total"] > p.budget_bytes
+
+
+def test_largest_batch_fits_and_the_next_does_not():
+    one = plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 1, 64, "cpu")
+    two = plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 2, 64, "cpu")
+    per_sample = two.peak_bytes["total"] - one.peak_bytes["total"]
+    memory = int((one.peak_bytes["total"] + 2.5 * per_sample) / 0.9)  # room for about batch 3
+    best, best_plan = largest_batch("llama-tiny", 2, memory, "full_shard", "fp32", "none", 64, "cpu")
+    assert best >= 2 and best_plan.fits and best_plan.batch == best
+    assert not plan("llama-tiny", 2, memory, "full_shard", "fp32", "none", best + 1, 64, "cpu").fits
+
+
+def test_memory_sizes_parse():
+    assert parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("80GiB") == 80 * 2**30
+    assert parse_memory("24e9") == 24 * 10**9
+    with pytest.raises(UsageError, match="80XB"):
+        parse_memory("80XB")
+
+
+def test_bad_memory_value_is_one_line():
+    proc = cli("plan", "--gpu-memory", "80XB", timeout=120)
+    if "invalid choice" in proc.stderr:  # the lead has not wired `fsdp-course plan` yet
+        import subprocess
+        import sys
+
+        from conftest import REPO
+
+        proc = subprocess.run([sys.executable, "-m", "utilities.planner", "--gpu-memory", "80XB"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error:")
+    assert "'80XB'" in proc.stderr
