@@ -1,0 +1,58 @@
+"""Lesson 04 (backward prefetch): prefetching changes timing, never numerics; depth is registered."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import cli, notebook_results, variant
+
+# Prefetch only reorders when all-gathers are issued; the arithmetic is identical, so the losses
+# agree to float32 round-off. Stated in the README.
+LOSS_ATOL = 1e-5
+VARIANTS = ("fsdp1-no-prefetch", "fsdp1-backward-post", "fsdp1-backward-pre", "fsdp1-pre+forward",
+            "fsdp2-implicit", "fsdp2-explicit")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return notebook_results("04", tmp_path_factory)  # the notebook runs `fsdp-course run 04 --quick`
+
+
+def test_every_variant_measured(results):
+    assert [v["name"] for v in results["variants"]] == list(VARIANTS)
+    for v in results["variants"]:
+        assert v["step_time_s"] > 0, v["name"]
+        assert v["peak_memory_bytes"]["total"] > v["peak_memory_bytes"]["parameters"] > 0, v["name"]
+
+
+def test_prefetch_never_changes_the_losses(results):
+    reference = variant(results, "fsdp1-no-prefetch")["losses"]
+    assert reference[-1] < reference[0] - 1.0  # it trains
+    for v in results["variants"]:
+        assert v["losses"] == pytest.approx(reference, abs=LOSS_ATOL), v["name"]
+
+
+def test_fsdp1_options_recorded(results):
+    assert variant(results, "fsdp1-no-prefetch")["backward_prefetch"] is None
+    assert variant(results, "fsdp1-backward-post")["backward_prefetch"] == "BACKWARD_POST"
+    assert variant(results, "fsdp1-pre+forward")["forward_prefetch"] is True
+
+
+def test_explicit_depth_is_registered_by_fsdp2(results):
+    # prefetch_plan is read back from each block's FSDP state after set_explicit_prefetch
+    depth = results["settings"]["prefetch_depth"]
+    assert depth == 2
+    plan = variant(results, "fsdp2-explicit")["prefetch_plan"]
+    n = len(plan)
+    assert n == 8  # t5-tiny: 4 encoder + 4 decoder blocks, in forward order
+    for i, p in enumerate(plan):
+        assert p["forward"] == list(range(i + 1, min(n, i + 1 + depth)))
+        assert p["backward"] == list(range(i - 1, max(-1, i - 1 - depth), -1))
+    implicit = variant(results, "fsdp2-implicit")["prefetch_plan"]
+    assert all(p == {"forward": [], "backward": []} for p in implicit)
+
+
+def test_bad_depth_is_one_line_exit_2():
+    proc = cli("run", "04", "--quick", "--", "--prefetch-depth", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert proc.stderr.startswith("error:") and "0" in proc.stderr and ">= 1" in proc.stderr

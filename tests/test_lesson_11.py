@@ -1,0 +1,44 @@
+"""Lesson 11 (rate limiter): limit_all_gathers changes scheduling, never the losses."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import cli, notebook_results, variant
+
+LOSS_ATOL = 1e-5  # the same arithmetic in every variant; only the issue order of gathers differs
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return notebook_results("11", tmp_path_factory)  # the notebook runs `fsdp-course run 11 --quick`
+
+
+def test_all_three_variants(results):
+    assert [v["name"] for v in results["variants"]] == ["fsdp1-limit-all-gathers", "fsdp1-unlimited",
+                                                        "fsdp2"]
+    assert variant(results, "fsdp1-limit-all-gathers")["limit_all_gathers"] is True
+    assert variant(results, "fsdp1-unlimited")["limit_all_gathers"] is False
+    for v in results["variants"]:
+        assert v["step_time_s"] > 0 and v["peak_memory_bytes"]["total"] > 0, v["name"]
+        assert "gpu" in v["memory_maximizer"], v["name"]
+
+
+def test_rate_limit_never_changes_the_losses(results):
+    reference = variant(results, "fsdp1-limit-all-gathers")["losses"]
+    assert reference[-1] < reference[0] - 1.0  # it trains
+    for v in results["variants"]:
+        assert v["losses"] == pytest.approx(reference, abs=LOSS_ATOL), v["name"]
+
+
+def test_cpu_run_says_the_effect_is_gpu_only(results):
+    if results["device"] != "cpu":
+        pytest.skip("CPU-only statement")
+    assert all(v["memory_maximizer"]["gpu"] is False for v in results["variants"])
+    assert any("caching allocator" in n for n in results["notes"])
+
+
+def test_bad_variant_is_one_line_exit_2():
+    proc = cli("run", "11", "--quick", "--", "--variants", "fsdp1-limitless")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "fsdp1-limitless" in proc.stderr and "fsdp1-unlimited" in proc.stderr
