@@ -1,0 +1,88 @@
+"""Lesson 12's point: TP computes the same numbers as the unsplit model with 1/tp of the split
+weights on each rank, and 2-D (FSDP across, TP inside) keeps both properties."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import cli, notebook_results, run_lesson, variant
+
+TOL = 1e-5  # fp32; splitting a matmul only reorders its sums (measured: ~5e-7 on logits)
+LLAMA_TINY = 836_736
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return notebook_results("12", tmp_path_factory)  # the notebook runs `fsdp-course run 12 --quick`
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory):
+    # The one extra launch: 4 gloo ranks on CPU, for tp=4 and a real 2 x 2 (dp, tp) mesh.
+    out = tmp_path_factory.mktemp("lesson12_4ranks")
+    return run_lesson("12", out, "--variants", "tp4-mlp,dp2xtp2-2d", nproc=4)
+
+
+def test_quick_run_has_the_variants(results):
+    assert results["lesson"] == "12" and results["world_size"] == 2 and results["device"] == "cpu"
+    assert results["model"] == {"name": "llama-tiny", "parameters": LLAMA_TINY}
+    names = {v["name"] for v in results["variants"]}
+    assert names == {"tp1-mlp", "tp2-mlp", "tp1-llama", "tp2-llama", "dp1xtp2-2d"}
+    assert any("tp4-mlp" in n and "skipped" in n for n in results["notes"])
+    for v in results["variants"]:
+        mem = v["peak_memory_bytes"]
+        assert mem["total"] > 0 and v["step_time_s"] > 0, v["name"]
+        assert v["tp_size"] * v["dp_size"] in (1, 2), v["name"]
+
+
+def test_split_model_equals_unsplit(results):
+    for v in results["variants"]:
+        assert v["max_abs_diff_output"] < TOL, (v["name"], v["max_abs_diff_output"])
+        assert v["max_abs_diff_grads"] < TOL, (v["name"], v["max_abs_diff_grads"])
+        assert v["max_abs_diff_vs_unsplit"] < TOL
+
+
+def test_training_curves_do_not_depend_on_the_split(results):
+    reference = variant(results, "tp1-llama")["losses"]
+    assert reference[-1] < reference[0] - 0.5, reference  # the reversal task is being learned
+    for name in ("tp2-llama", "dp1xtp2-2d"):
+        assert variant(results, name)["losses"] == pytest.approx(reference, abs=1e-4), name
+
+
+def test_mlp_weights_halve_with_tp(results):
+    tp1, tp2 = variant(results, "tp1-mlp"), variant(results, "tp2-mlp")
+    assert tp2["weight_bytes_per_rank"] * 2 == tp1["weight_bytes_per_rank"]
+    assert tp2["weight_ratio_vs_tp1"] == 0.5
+    # the peak also falls about by half (the replicated input activation does not split)
+    assert 0.45 < tp2["peak_ratio_vs_tp1"] < 0.62, tp2["peak_ratio_vs_tp1"]
+    assert tp2["published_ratio_vs_tp1"] == pytest.approx(2.03 / 4.04, abs=1e-3)
+
+
+def test_llama_split_weights_halve_and_the_rest_is_replicated(results):
+    full, tp2 = variant(results, "tp1-llama"), variant(results, "tp2-llama")
+    assert full["weight_bytes_per_rank"] == 4 * LLAMA_TINY
+    # embeddings, norms and the LM head stay whole on every rank
+    replicated = tp2["replicated_weight_bytes_per_rank"]
+    assert tp2["split_weight_bytes_per_rank"] * 2 + replicated == full["weight_bytes_per_rank"]
+    assert tp2["weight_bytes_per_rank"] < 0.6 * full["weight_bytes_per_rank"]
+    two_d = variant(results, "dp1xtp2-2d")  # a dp group of 1: FSDP shards nothing more
+    assert two_d["weight_bytes_per_rank"] == tp2["weight_bytes_per_rank"]
+
+
+def test_four_ranks_tp4_and_two_d(results, results4):
+    assert results4["world_size"] == 4
+    tp1 = variant(results, "tp1-mlp")  # same MLP size (--quick) in both runs
+    tp4 = variant(results4, "tp4-mlp")
+    assert tp4["weight_bytes_per_rank"] * 4 == tp1["weight_bytes_per_rank"]
+    two_d = variant(results4, "dp2xtp2-2d")
+    assert two_d["tp_size"] == 2 and two_d["dp_size"] == 2
+    assert two_d["max_abs_diff_vs_unsplit"] < TOL
+    # TP halves the split weights; FSDP over dp=2 halves everything a TP rank holds again, the
+    # TP-replicated embeddings, norms and head included: exactly half of the tp2-llama rank.
+    assert two_d["weight_bytes_per_rank"] * 2 == variant(results, "tp2-llama")["weight_bytes_per_rank"]
+
+
+def test_bad_flag_value_is_one_line_exit_2():
+    proc = cli("run", "12", "--quick", "--", "--variants", "tp3-mlp")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error:")
+    assert "tp3-mlp" in proc.stderr and "tp2-llama" in proc.stderr
