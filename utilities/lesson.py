@@ -20,6 +20,7 @@ import os
 import random
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,24 +38,34 @@ from .training import TrainStats, train
 CPU_MODEL = "t5-tiny"
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: integers >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: integers >= 1")
-    return value
+def bounded(kind: type = int, low: float | None = None, high: float | None = None,
+            low_open: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type``: a number of ``kind`` within bounds. A bad value is refused in one
+    line naming it and the allowed range ("integers >= 1", "numbers in (0, 1]", ...)."""
+    noun = "integers" if kind is int else "numbers"
+    if low is not None and high is not None:
+        allowed = f"{noun} in {'(' if low_open else '['}{low}, {high}]"
+    elif low is not None:
+        allowed = f"{noun} {'>' if low_open else '>='} {low}"
+    else:
+        allowed = noun
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: {allowed}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: {allowed}")
+        return value
+
+    parse.__name__ = f"{noun} ({allowed})"
+    return parse
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: numbers > 0") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: numbers > 0")
-    return value
+positive_int = bounded(int, 1)
+positive_float = bounded(float, 0, low_open=True)
 
 
 class LessonParser(argparse.ArgumentParser):

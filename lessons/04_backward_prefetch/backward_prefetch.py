@@ -49,19 +49,12 @@ VARIANTS = {
 
 def parse_args(argv=None):
     p = lesson_parser(__doc__)
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    p.add_variants(VARIANTS)
     p.add_argument("--prefetch-depth", type=positive_int, default=2,
                    help="FSDP2 explicit prefetch: how many blocks ahead to all-gather (default 2)")
     p.add_argument("--trace", action="store_true",
                    help="also record a torch.profiler Chrome trace per variant on CPU (always on GPU)")
     args = p.parse(argv)
-    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in chosen if v not in VARIANTS]
-    if bad or not chosen:
-        p.exit(2, f"error: --variants {bad[0] if bad else args.variants!r} is not allowed; "
-                  f"allowed: {', '.join(VARIANTS)}\n")
-    args.variants = chosen
     return args
 
 

@@ -50,7 +50,7 @@ from torch.utils.data import Dataset  # noqa: E402
 from utilities.child_tuning import ChildTuning, local  # noqa: E402
 from utilities.data import LETTERS, ByteTokenizer, batches, make_loader  # noqa: E402
 from utilities.errors import UsageError  # noqa: E402
-from utilities.lesson import Lesson, lesson_parser, positive_int  # noqa: E402
+from utilities.lesson import Lesson, bounded, lesson_parser, positive_int  # noqa: E402
 from utilities.measure import fmt_bytes  # noqa: E402
 from utilities.training import train  # noqa: E402
 from utilities.wrapping import shard_model  # noqa: E402
@@ -91,28 +91,8 @@ class ShiftTask(Dataset):
         return {"input_ids": src, "attention_mask": torch.ones_like(src), "labels": tgt}
 
 
-def reserve_p(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: numbers in (0, 1]") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: numbers in (0, 1]")
-    return value
-
-
-def shift_value(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: 1..25") from None
-    if not 1 <= value <= 25:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: 1..25")
-    return value
+reserve_p = bounded(float, 0, 1, low_open=True)
+shift_value = bounded(int, 1, 25)
 
 
 def parse_args(argv=None):

@@ -45,7 +45,7 @@ from utilities.checkpointing import apply_activation_checkpointing, block_units 
 from utilities.data import ReverseTask, make_loader  # noqa: E402
 from utilities.dcp import check_checkpoint, training_state  # noqa: E402
 from utilities.errors import UsageError  # noqa: E402
-from utilities.lesson import LessonParser, positive_float, positive_int  # noqa: E402
+from utilities.lesson import LessonParser, bounded, positive_float, positive_int  # noqa: E402
 from utilities.measure import MemoryProbe, fmt_bytes  # noqa: E402
 from utilities.models import META_INIT_THRESHOLD, get_model_spec, init_weights  # noqa: E402
 from utilities.precision import default_policy, fsdp1_policy, fsdp2_policy  # noqa: E402
@@ -58,21 +58,8 @@ PRECISIONS = ("auto", "fp32", "bf16", "bf16-fp32-reduce")
 
 
 # -- 1. Config -------------------------------------------------------------------------------------
-def nonnegative_int(text: str) -> int:
-    value = int(text) if text.lstrip("-").isdigit() else None
-    if value is None or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: integers >= 0")
-    return value
-
-
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: numbers in [0, 1]")
-    return value
+nonnegative_int = bounded(int, 0)
+fraction = bounded(float, 0, 1)
 
 
 def opt(default, help: str, **argparse_kwargs):
