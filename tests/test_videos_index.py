@@ -30,3 +30,35 @@ def test_links_resolve():
             assert url.scheme == "https" and url.netloc and url.path not in ("", "/"), link
         else:
             assert (REPO / link).exists(), f"{link} does not exist"
+
+
+def test_index_is_up_to_date():
+    from utilities.videos_index import render
+
+    assert INDEX == render(), "videos_index.md is stale: run `python -m utilities.videos_index`"
+
+
+def test_recordings_are_asciinema_v2_of_real_runs():
+    from utilities.recording import read_cast
+
+    casts = sorted((REPO / "videos").glob("*.cast"))
+    assert casts
+    for cast in casts:
+        header, events = read_cast(cast)
+        assert header["version"] == 2 and header["command"].startswith("fsdp-course run")
+        times = [e[0] for e in events]
+        assert times == sorted(times) and all(e[1] == "o" for e in events)
+        text = "".join(e[2] for e in events)
+        assert "results written to" in text and text.rstrip().endswith("[exit 0]"), cast.name
+
+
+def test_record_command_writes_a_cast(tmp_path):
+    from conftest import cli
+
+    from utilities.recording import read_cast
+
+    proc = cli("record", "01", "--out", str(tmp_path), "--", "--variants", "fsdp2-per-block",
+               "--steps", "3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header, events = read_cast(tmp_path / "01_auto_wrap.cast")
+    assert "fsdp2-per-block" in "".join(e[2] for e in events)

@@ -1,22 +1,32 @@
 """fsdp-course utilities: what the lessons share and what users import into their own training.
 
     from utilities import Memory_Maximizer, bf16_ready, verify_bfloat_support
-    from utilities import shard_model, get_model_spec, ReverseTask, train
+    from utilities import shard_model, apply_activation_checkpointing, fsdp2_policy, fsdp1_policy
+    from utilities import save_full, load_full, save_checkpoint, load_checkpoint, find_max_batch
 """
 
+from .batch_search import find_max_batch
 from .bf16 import Bf16Report, bf16_ready, verify_bfloat_support
+from .checkpointing import apply_activation_checkpointing
+from .child_tuning import ChildTuning
 from .data import ByteTokenizer, ReverseTask, TextFileDataset, make_loader
+from .dcp import async_save_checkpoint, load_checkpoint, save_checkpoint
 from .distributed import DistInfo, print0, setup, teardown
 from .errors import UsageError
 from .measure import MemoryProbe
 from .memory_maximizer import Memory_Maximizer
 from .models import MODELS, ModelSpec, get_model_spec
+from .precision import POLICIES, default_policy, fsdp1_policy, fsdp2_policy
+from .state_dict import export_hf, load_full, save_full
 from .training import TrainStats, train
 from .wrapping import fsdp1_block_policy, fsdp1_size_policy, fsdp_units, shard_model
 
 __all__ = [
-    "Bf16Report", "ByteTokenizer", "DistInfo", "MODELS", "Memory_Maximizer", "MemoryProbe",
-    "ModelSpec", "ReverseTask", "TextFileDataset", "TrainStats", "UsageError", "bf16_ready",
-    "fsdp1_block_policy", "fsdp1_size_policy", "fsdp_units", "get_model_spec", "make_loader",
-    "print0", "setup", "shard_model", "teardown", "train", "verify_bfloat_support",
+    "POLICIES", "Bf16Report", "ByteTokenizer", "ChildTuning", "DistInfo", "MODELS",
+    "Memory_Maximizer", "MemoryProbe", "ModelSpec", "ReverseTask", "TextFileDataset", "TrainStats",
+    "UsageError", "apply_activation_checkpointing", "async_save_checkpoint", "bf16_ready",
+    "default_policy", "export_hf", "find_max_batch", "fsdp1_block_policy", "fsdp1_policy",
+    "fsdp1_size_policy", "fsdp2_policy", "fsdp_units", "get_model_spec", "load_checkpoint",
+    "load_full", "make_loader", "print0", "save_checkpoint", "save_full", "setup", "shard_model",
+    "teardown", "train", "verify_bfloat_support",
 ]

@@ -109,6 +109,10 @@ def _record(args: argparse.Namespace) -> int:
         code = record(info, cast, run_args)
         print(f"lesson {info.number}: {'recorded ' + str(cast) if code == 0 else f'failed (exit {code})'}")
         rc = rc or code
+    from .videos_index import VIDEOS, write
+
+    if Path(args.out).resolve() == VIDEOS.resolve():  # the course's own demos: refresh the index
+        print(f"updated {write()}")
     return rc
 
 
