@@ -88,6 +88,27 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
     return DistInfo(rank, local_rank, world_size, torch_device, be)
 
 
+# Warnings that torch raises about its own internals, which a learner can do nothing about:
+TORCH_INTERNAL_WARNINGS = (
+    # T5 blocks (and checkpoint wrappers around them) return slices of a tuple; FSDP2 warns in case
+    # the caller modifies them in place, which the course's models never do (losses match FSDP1).
+    "FSDP2-wrapped module .* returned a view tensor",
+    # FSDP1's state-dict code still uses the ShardedTensor and helpers torch itself deprecates.
+    "Please use DTensor instead", "`_get_pg_default_device`", "Multiple backends are registered",
+    # torch.distributed._tools' module tracker, around FSDP1's hook-less backward wrappers.
+    "Module is None",
+)
+
+
+def quiet_torch_internal_warnings() -> None:
+    """Hide the warnings torch raises about its own internals (listed above), so lesson output
+    shows what the lesson prints. Every other warning still shows."""
+    import warnings
+
+    for message in TORCH_INTERNAL_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
 def teardown() -> None:
     """Leave the process group cleanly (a barrier first, so no rank exits mid-collective)."""
     if dist.is_initialized():

@@ -19,7 +19,6 @@ import argparse
 import os
 import random
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -153,9 +152,7 @@ class Lesson:
 
     def _setup(self) -> None:
         a, d = self.args, self._defaults
-        # T5 blocks return views (slices of their output tuple); the lessons never modify them in
-        # place, which is what torch >= 2.13 warns about once per block and step.
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        D.quiet_torch_internal_warnings()
         self.dist = D.setup(a.device, a.backend)
         self.device = self.dist.device
         on_gpu = self.device.type == "cuda"

@@ -24,7 +24,6 @@ Run: fsdp-course run 02 [--quick]   or   torchrun --nproc-per-node 2 activation_
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
@@ -54,9 +53,6 @@ def parse_args(argv=None):
     return p.parse(argv)
 
 
-# FSDP2 warns that a CheckpointWrapper "returned a view tensor" (T5Block returns a tuple slice); it
-# matters only if the caller changes that output in place, which T5 does not (the losses match).
-warnings.filterwarnings("ignore", message=".*returned a view tensor")
 
 
 def build(L, api: str, every: int | None):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
@@ -52,10 +51,6 @@ from utilities.measure import fmt_bytes  # noqa: E402
 from utilities.results import write_json  # noqa: E402
 from utilities.training import train  # noqa: E402
 from utilities.wrapping import shard_model  # noqa: E402
-
-# FSDP1's state dict code still uses the ShardedTensor it deprecates; keep the lesson's output readable
-for _msg in ("Please use DTensor instead", "`_get_pg_default_device`", "Multiple backends are"):
-    warnings.filterwarnings("ignore", message=_msg)
 
 
 def parse_args(argv=None):

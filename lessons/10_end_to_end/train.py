@@ -30,7 +30,6 @@ import statistics
 import sys
 import time
 import typing
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -317,7 +316,7 @@ def max_over_ranks(value: float, device: torch.device) -> float:
 
 def main(cfg: Config) -> None:
     # -- 2. setup
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    D.quiet_torch_internal_warnings()
     info = D.setup(cfg.device, cfg.backend)
     device, rank, world = info.device, info.rank, info.world_size
     try:
