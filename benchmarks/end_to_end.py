@@ -1,0 +1,136 @@
+"""End-to-end benchmark: lesson 10's training program on a ~1B Llama, configuration by configuration.
+
+Measures tokens/s, MFU and peak memory per rank for FSDP1 vs FSDP2, eager vs torch.compile, and
+activation checkpointing none vs full. Each configuration is one launch of lesson 10 through the
+course CLI (torchrun underneath); its results.json is read back. Lesson 10 times every step after
+the first two (warm-up, memory probe), synchronized, and reports the median; min and max are
+computed here from its step times. Use --steps >= 12 for at least 10 timed steps.
+
+Selective activation checkpointing is listed but not run: lesson 10 has one switch,
+--activation-checkpointing, which checkpoints every block (full). The planner (planner_check.py)
+covers "selective" (every other block) as a prediction only.
+
+GPU (default): llama-1b, seq 2048, bf16, batch 4 per GPU, 20 steps, every GPU of the host.
+--tiny (CPU): llama-tiny, seq 32, fp32, 4 steps, 2 ranks, two configurations.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    REPO,
+    base_parser,
+    metadata,
+    output_path,
+    pick_device,
+    run_lesson,
+    save,
+)
+
+NAME = "end_to_end"
+APIS = ("fsdp2", "fsdp1")
+MODES = ("eager", "compile")
+ACS = ("none", "full")  # lesson 10 cannot do selective
+ALL_CONFIGS = [f"{a}-{m}-ac_{c}" for a in APIS for m in MODES for c in ACS]
+TINY_CONFIGS = ["fsdp2-eager-ac_none", "fsdp1-eager-ac_full"]
+UNSUPPORTED = {"ac_selective": "lesson 10 has no selective activation checkpointing (its "
+                               "--activation-checkpointing wraps every block: full)"}
+
+
+def parse_args(argv=None):
+    p = base_parser(__doc__)
+    p.add_argument("--model", default=None, help="named model (default llama-1b; llama-tiny with --tiny)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048; 32 tiny)")
+    p.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (default 4; 8 tiny)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps per configuration; the first 2 are not timed (default 20; 4 tiny)")
+    p.add_argument("--precision", default=None, choices=("fp32", "bf16", "bf16-fp32-reduce"),
+                   help="mixed precision policy (default bf16 on GPU, fp32 tiny/CPU)")
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; 2 on CPU)")
+    p.add_argument("--configs", nargs="+", default=None, choices=ALL_CONFIGS, metavar="CONFIG",
+                   help=f"configurations to run, API-MODE-AC (default all 8 on GPU; tiny: "
+                        f"{' '.join(TINY_CONFIGS)}); choices: {' '.join(ALL_CONFIGS)}")
+    p.add_argument("--work-dir", default=None,
+                   help="where each configuration's lesson-10 run goes (default runs/benchmarks/end_to_end)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration (default 1800)")
+    args = p.parse_args(argv)
+    on_gpu = pick_device(args.device).type == "cuda"
+    tiny = args.tiny or not on_gpu and args.model is None
+    args.model = args.model or ("llama-tiny" if tiny else "llama-1b")
+    args.seq_len = args.seq_len or (32 if tiny else 2048)
+    args.batch_size = args.batch_size or (8 if tiny else 4)
+    args.steps = args.steps or (4 if tiny else 20)
+    args.precision = args.precision or ("bf16" if on_gpu and not args.tiny else "fp32")
+    if args.nproc is None:
+        import torch
+
+        args.nproc = torch.cuda.device_count() if on_gpu else 2
+    args.configs = args.configs or (TINY_CONFIGS if args.tiny else ALL_CONFIGS)
+    args.work_dir = args.work_dir or str(REPO / "runs" / "benchmarks" / NAME)
+    return args
+
+
+def lesson_flags(args, config: str) -> list[str]:
+    api, mode, ac = config.split("-")
+    flags = ["--api", api, "--model", args.model, "--seq-len", str(args.seq_len),
+             "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+             "--precision", args.precision, "--ckpt-every", "0", "--eval-every", str(args.steps),
+             "--eval-batches", "1", "--log-every", str(args.steps), "--warmup-steps", "1"]
+    if mode == "compile":
+        flags.append("--compile")
+    if ac == "ac_full":
+        flags.append("--activation-checkpointing")
+    return flags
+
+
+def summarize(config: str, res: dict) -> dict:
+    api, mode, ac = config.split("-")
+    v = res["variants"][0]
+    times = v.get("step_times_s") or []
+    peak = v.get("peak_memory_bytes") or {}
+    return {
+        "config": config, "api": api, "compile": mode == "compile", "ac": ac.removeprefix("ac_"),
+        "status": "ok", "world_size": res["world_size"], "model": res["model"],
+        "tokens_per_s": v.get("tokens_per_s"), "mfu": v.get("mfu"),
+        "step_time_median_s": v.get("step_time_s"),
+        "step_time_min_s": min(times) if times else None,
+        "step_time_max_s": max(times) if times else None,
+        "timed_steps": len(times), "peak_memory_bytes": peak.get("total"),
+        "peak_memory_detail": {k: val for k, val in peak.items() if k != "detail"},
+        "lesson_settings": res["settings"], "lesson_notes": res.get("notes", []),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    data = metadata(NAME, device, args)
+    data["runs"] = []
+    data["skipped"] = [{"config": f"*-*-{k}", "reason": r} for k, r in UNSUPPORTED.items()]
+    failed = 0
+    for config in args.configs:
+        out = Path(args.work_dir) / config
+        rc, res, tail = run_lesson("10", out, device.type, args.nproc, lesson_flags(args, config),
+                                   timeout=args.timeout)
+        if res is None:
+            failed += 1
+            data["runs"].append({"config": config, "status": f"failed (exit {rc})", "log_tail": tail[-800:]})
+            continue
+        row = summarize(config, res)
+        data["runs"].append(row)
+        mfu = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
+        print(f"{config}: {row['tokens_per_s'] or 0:,.0f} tokens/s{mfu}, peak "
+              f"{(row['peak_memory_bytes'] or 0) / 2**20:,.1f} MiB/rank", flush=True)
+    if device.type == "cpu":
+        data["notes"] = ["CPU, tiny: step times on a shared CPU are only indicative; MFU needs a GPU; "
+                         "peak memory from the torch.distributed._tools trackers."]
+    save(data, output_path(NAME, device, args.out))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
