@@ -6,6 +6,8 @@ same model, ranks, precision, activation checkpointing, batch and sequence lengt
 training step on FakeTensorMode + a fake process group, no real memory). Reports predicted,
 measured and the relative error (predicted / measured - 1).
 
+Runs whose "peak" is a census of resident state (FSDP1 with use_orig_params on CPU, where the
+trackers cannot follow) are left out: they hold no activations and are no peak to compare with.
 What the planner does not model: FSDP1 (it simulates FSDP2; FSDP1 runs are compared anyway and
 marked), torch.compile (eager activations are planned), and on a GPU the CUDA context, NCCL buffers
 and allocator fragmentation (the planner keeps 10% headroom for these when it says "fits"; it does
@@ -57,11 +59,13 @@ def measured_configs(directory: Path, device_type: str) -> list[dict]:
         for run in data.get("runs", []):
             if run.get("status") != "ok" or not run.get("peak_memory_bytes"):
                 continue
+            if run.get("peak_memory_method") == "census":
+                continue  # resident state only (FSDP1 use_orig_params on CPU): not a peak
             s = run["lesson_settings"]
             configs.append({
                 "source": f"{name}:{run['config']}", "model": s["model"], "gpus": run["world_size"],
                 "precision": "fp32" if s["precision"] == "fp32" else "bf16",
-                "ac": "full" if s["activation_checkpointing"] else "none", "batch": s["batch_size"],
+                "ac": run["ac"], "batch": s["batch_size"],
                 "seq": s["seq_len"], "measured_bytes": run["peak_memory_bytes"],
                 "caveats": [c for c, on in (("FSDP1 run, FSDP2 planned", run["api"] == "fsdp1"),
                                             ("compiled run, eager planned", run["compile"])) if on],

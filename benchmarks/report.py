@@ -18,12 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import NO_GPU, RESULTS_DIR  # noqa: E402
+from end_to_end import ALL_CONFIGS as E2E_GPU_CONFIGS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 EMPTY = f"*{NO_GPU}*"
-E2E_GPU_CONFIGS = [f"{a}-{m}-ac_{c}" for a in ("fsdp2", "fsdp1") for m in ("eager", "compile")
-                   for c in ("none", "full")]
 PUB_E2E = ("torchtitan, Llama 3.1 8B, 8x H100, FSDP2 + selective AC: MFU 33-39%; 5,762 tokens/s/GPU "
            "(+compile 6,667)")
 PUB_LAYER = {("eager", 8): "TransformerEngine, H100: bf16 PyTorch baseline 48.28 ms",
@@ -69,6 +68,8 @@ def e2e_rows(files: list[dict]) -> list[list[str]]:
             if r.get("status") != "ok":
                 rows.append(["end_to_end", label, where(f), r.get("status", "failed"), "", "", ""])
                 continue
+            if r.get("peak_memory_method") == "census":
+                label += " (peak: census of resident state, no activations)"
             mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "n/a (CPU)" if f["device"] == "cpu" else ""
             lo, hi = r.get("step_time_min_s"), r.get("step_time_max_s")
             spread = f" (step {r['step_time_median_s'] * 1e3:.1f} ms, {lo * 1e3:.1f}-{hi * 1e3:.1f})" \

@@ -141,6 +141,27 @@ def test_bf16_ready_says_why_not():
     assert str(report).startswith("bf16 not ready:")
 
 
+@pytest.mark.parametrize("capability, ready", [((7, 0), False), ((7, 5), False), ((8, 0), True),
+                                               ((9, 0), True)])
+def test_bf16_ready_wants_native_bf16_not_emulation(monkeypatch, capability, ready):
+    """A V100 (7.0) or T4 (7.5) emulates bf16, and torch.cuda.is_bf16_supported() says yes by
+    default; the checker must say no there, naming the compute capability."""
+    import utilities.bf16 as B
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(B, "nccl_version", lambda: (2, 21, 5))
+    report = B.bf16_ready()
+    assert bool(report) is ready, report.reasons
+    assert report.details["compute capability"] == f"{capability[0]}.{capability[1]}"
+    if not ready:
+        assert report.reasons == [f"GPU Some GPU (compute capability {capability[0]}.{capability[1]}) "
+                                  "has no native bf16 (needs 8.0+: Ampere or newer)"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answers")
 def test_memory_maximizer_without_gpu_is_harmless(capsys):
     with Memory_Maximizer() as mm:
@@ -149,6 +170,31 @@ def test_memory_maximizer_without_gpu_is_harmless(capsys):
     report = mm.summary()
     out = capsys.readouterr().out.strip().splitlines()
     assert report["gpu"] is False and len(out) == 1 and "no CUDA GPU" in out[0]
+
+
+def test_memory_maximizer_report_survives_stop(monkeypatch):
+    """summary() after stop() (or after a with block) is the report of the run that ended, not a
+    fresh start: the classic usage reads it after training. A fake allocator stands in for CUDA."""
+    import utilities.memory_maximizer as M
+
+    reserved = iter([1, 2, 3])
+    stats = {"num_alloc_retries": 5, "num_ooms": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: dict(stats))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: next(reserved) * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(M, "gpu_total_memory", lambda *a: (80 * 2**30, "fake"))
+    with M.Memory_Maximizer(verbose=False) as mm:
+        for _ in range(3):
+            mm.update()
+        stats["num_alloc_retries"] = 7  # two retries during the run
+    report = mm.summary()
+    assert report["reserved_gb"] == [1.0, 2.0, 3.0] and report["cuda_malloc_retries"] == 2
+    assert report["max_reserved_gb"] == 3.0 and "retries happened" in report["advice"]
 
 
 def test_bf16_checker_does_not_use_pkg_resources():

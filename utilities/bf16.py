@@ -67,8 +67,12 @@ def bf16_ready() -> Bf16Report:
     else:
         name = torch.cuda.get_device_name()
         details["GPU"] = name
-        if not torch.cuda.is_bf16_supported():
-            reasons.append(f"GPU {name} has no native bf16 (needs compute capability 8.0+)")
+        major, minor = torch.cuda.get_device_capability()
+        details["compute capability"] = f"{major}.{minor}"
+        # Not torch.cuda.is_bf16_supported(): by default it also says yes to emulated bf16 (V100, T4).
+        if major < 8:
+            reasons.append(f"GPU {name} (compute capability {major}.{minor}) has no native bf16 "
+                           "(needs 8.0+: Ampere or newer)")
     nccl = nccl_version()
     if nccl is None:
         reasons.append("NCCL is not available in this torch build")

@@ -39,35 +39,50 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-class ReverseTask(Dataset):
-    """``n`` deterministic examples of reversing ``seq_len - 1`` random letters.
+class LetterTask(Dataset):
+    """Base of the synthetic tasks on random lowercase letters: ``n`` examples of ``seq_len``
+    tokens, example ``i`` a function of ``(seed, i)`` only, so every rank, every run and every
+    resume sees the same data in the same order. Subclasses define ``__getitem__``."""
 
-    Example ``i`` depends only on ``(seed, i)``, so every rank, every run and every resume sees the
-    same data in the same order.
-    """
-
-    def __init__(self, n: int, seq_len: int, mode: str = "seq2seq", seed: int = 0):
-        if mode not in ("seq2seq", "causal"):
-            raise UsageError(f"data mode {mode!r} is not allowed; allowed: seq2seq, causal")
+    def __init__(self, n: int, seq_len: int, seed: int = 0):
         if seq_len < 4:
             raise UsageError(f"seq_len {seq_len} is too short; allowed: 4 or more")
-        self.n, self.seq_len, self.mode, self.seed = n, seq_len, mode, seed
+        self.n, self.seq_len, self.seed = n, seq_len, seed
         self.tok = ByteTokenizer()
 
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def letters(self, i: int, k: int) -> list[int]:
+        """Example ``i``'s ``k`` random letters, as alphabet positions 0..25."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        return torch.randint(0, 26, (k,), generator=g).tolist()
+
+    def seq2seq(self, source: bytes, target: bytes) -> dict[str, torch.Tensor]:
+        """An encoder-decoder example: both texts as byte tokens, each ending with EOS."""
+        t = self.tok
+        src = torch.tensor([b + t.offset for b in source] + [t.eos_id])
+        tgt = torch.tensor([b + t.offset for b in target] + [t.eos_id])
+        return {"input_ids": src, "attention_mask": torch.ones_like(src), "labels": tgt}
+
+
+class ReverseTask(LetterTask):
+    """Reverse ``seq_len - 1`` random letters (``mode="seq2seq"``), or, for decoder-only models
+    (``mode="causal"``), read ``letters SEP reversed EOS`` with the loss on the answer only."""
+
+    def __init__(self, n: int, seq_len: int, mode: str = "seq2seq", seed: int = 0):
+        if mode not in ("seq2seq", "causal"):
+            raise UsageError(f"data mode {mode!r} is not allowed; allowed: seq2seq, causal")
+        super().__init__(n, seq_len, seed)
+        self.mode = mode
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         t = self.tok
         if self.mode == "seq2seq":
-            letters = torch.randint(0, 26, (self.seq_len - 1,), generator=g)
-            src = torch.tensor([LETTERS[j] + t.offset for j in letters] + [t.eos_id])
-            tgt = torch.cat([src[:-1].flip(0), src[-1:]])
-            return {"input_ids": src, "attention_mask": torch.ones_like(src), "labels": tgt}
+            source = bytes(LETTERS[j] for j in self.letters(i, self.seq_len - 1))
+            return self.seq2seq(source, source[::-1])
         half = (self.seq_len - 2) // 2
-        letters = torch.randint(0, 26, (half,), generator=g)
-        src = [LETTERS[j] + t.offset for j in letters]
+        src = [LETTERS[j] + t.offset for j in self.letters(i, half)]
         ids = src + [SEP + t.offset] + src[::-1] + [t.eos_id]
         ids += [t.pad_id] * (self.seq_len - len(ids))
         ids = torch.tensor(ids)

@@ -64,6 +64,7 @@ class Memory_Maximizer:  # noqa: N801 - the classic lessons' name, kept for thei
         self.reserved_gb: list[float] = []
         self.reserved_pct: list[float] = []
         self.started = False
+        self._final: dict[str, Any] | None = None  # the report stop() printed
         self._retries_at_start = 0
         self._ooms_at_start = 0
         self._warned = False
@@ -79,6 +80,7 @@ class Memory_Maximizer:  # noqa: N801 - the classic lessons' name, kept for thei
         self.total_bytes, self.total_source = gpu_total_memory(self.device)
         self.reserved_gb.clear()
         self.reserved_pct.clear()
+        self._final = None
         self.started = True
         self._say(f"Memory_Maximizer started: GPU {self.device} total "
                   f"{self.total_bytes / GB:.2f} GB (via {self.total_source})")
@@ -97,12 +99,15 @@ class Memory_Maximizer:  # noqa: N801 - the classic lessons' name, kept for thei
         if report.get("gpu"):
             self._say(self.format(report))
         self.started = False
+        self._final = report
         return report
 
     def summary(self) -> dict[str, Any]:
         if not self._gpu():
             return {"gpu": False, "message": "no CUDA GPU: Memory_Maximizer records nothing"}
         if not self.started:
+            if self._final is not None:  # after stop(): the report of the run that ended
+                return self._final
             self.start()
         stats = torch.cuda.memory_stats(self.device)
         retries = stats.get("num_alloc_retries", 0) - self._retries_at_start

@@ -45,10 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
 
 from utilities.child_tuning import ChildTuning, local  # noqa: E402
-from utilities.data import LETTERS, ByteTokenizer, batches, make_loader  # noqa: E402
+from utilities.data import LETTERS, LetterTask, batches, make_loader  # noqa: E402
 from utilities.errors import UsageError  # noqa: E402
 from utilities.lesson import Lesson, bounded, lesson_parser, positive_int  # noqa: E402
 from utilities.measure import fmt_bytes  # noqa: E402
@@ -67,7 +66,7 @@ UPPER = string.ascii_uppercase.encode()
 HELD_OUT_SEED = 10_007  # the held-out split: examples no training batch ever contains
 
 
-class ShiftTask(Dataset):
+class ShiftTask(LetterTask):
     """The fine-tuning task: each of ``seq_len - 1`` random letters, upper-cased and rotated by
     ``shift`` places (abc -> DEF with shift 3).
 
@@ -76,19 +75,13 @@ class ShiftTask(Dataset):
     """
 
     def __init__(self, n: int, seq_len: int, shift: int = 3, seed: int = 0):
-        self.n, self.seq_len, self.shift, self.seed = n, seq_len, shift, seed
-        self.tok = ByteTokenizer()
-
-    def __len__(self) -> int:
-        return self.n
+        super().__init__(n, seq_len, seed)
+        self.shift = shift
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        t = self.tok
-        letters = torch.randint(0, 26, (self.seq_len - 1,), generator=g)
-        src = torch.tensor([LETTERS[j] + t.offset for j in letters] + [t.eos_id])
-        tgt = torch.tensor([UPPER[(j + self.shift) % 26] + t.offset for j in letters] + [t.eos_id])
-        return {"input_ids": src, "attention_mask": torch.ones_like(src), "labels": tgt}
+        letters = self.letters(i, self.seq_len - 1)
+        return self.seq2seq(bytes(LETTERS[j] for j in letters),
+                            bytes(UPPER[(j + self.shift) % 26] for j in letters))
 
 
 reserve_p = bounded(float, 0, 1, low_open=True)

@@ -83,6 +83,8 @@ class Config:
     precision: str = opt("auto", "mixed precision policy; auto: bf16 on a bf16-ready GPU, else fp32",
                          choices=PRECISIONS)
     activation_checkpointing: bool = opt(False, "recompute each block's activations in backward")
+    ac_every: int = opt(1, "with --activation-checkpointing: checkpoint every N-th block (1: all, "
+                           "full; 2: every other, selective)", type=positive_int)
     prefetch: int = opt(0, "FSDP2: all-gather this many blocks ahead explicitly (0: its implicit "
                            "one-ahead); FSDP1: >0 turns on forward_prefetch", type=nonnegative_int)
     compile: bool = opt(False, "torch.compile each block (slow to start; worth it on GPUs)")
@@ -173,6 +175,13 @@ def build_model(cfg: Config, device: torch.device):
     return spec.build(device="meta" if on_meta else device)
 
 
+def ac_label(cfg: Config) -> str:
+    """none, full (every block) or selective (every N-th block, N > 1)."""
+    if not cfg.activation_checkpointing:
+        return "none"
+    return "full" if cfg.ac_every == 1 else f"selective (every {cfg.ac_every})"
+
+
 # -- 4. parallelize: everything FSDP, apart from the model ------------------------------------------
 def parallelize(model, cfg: Config, device: torch.device):
     block = get_model_spec(cfg.model).block_class()
@@ -180,7 +189,7 @@ def parallelize(model, cfg: Config, device: torch.device):
         from torch.distributed.fsdp import fully_shard
 
         if cfg.activation_checkpointing:  # FSDP2: checkpoint first, then shard the wrappers
-            apply_activation_checkpointing(model, block, api="fsdp2")
+            apply_activation_checkpointing(model, block, every=cfg.ac_every, api="fsdp2")
         units = block_units(model, block)  # each block (or its checkpoint wrapper), in forward order
         mp = fsdp2_policy(cfg.precision)
         for unit in units:
@@ -205,7 +214,7 @@ def parallelize(model, cfg: Config, device: torch.device):
                         mixed_precision=fsdp1_policy(cfg.precision), use_orig_params=True,
                         forward_prefetch=cfg.prefetch > 0)
     if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model, block, api="fsdp1")
+        apply_activation_checkpointing(model, block, every=cfg.ac_every, api="fsdp1")
     return model
 
 
@@ -332,7 +341,7 @@ def main(cfg: Config) -> None:
     model = parallelize(build_model(cfg, device), cfg, device)
     D.print0(f"lesson 10 ({TITLE}): {spec.name} ({spec.num_parameters:,} parameters), {world} "
              f"rank(s) on {device.type}/{info.backend}, {cfg.api}, precision {cfg.precision}, "
-             f"AC {'on' if cfg.activation_checkpointing else 'off'}, {cfg.steps} steps of "
+             f"AC {ac_label(cfg)}, {cfg.steps} steps of "
              f"{cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens per rank")
 
     # -- 6. optimizer and schedule; 7. resume if asked and possible
@@ -452,7 +461,7 @@ def main(cfg: Config) -> None:
                       dict(settings, backend=info.backend))
     results.add(cfg.api, stats, start_step=start_step, first_loss_step=start_step + 1, lrs=lrs,
                 eval_losses=evals, checkpoints=ckpts, resumed_from=str(latest) if latest else None,
-                precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing)
+                precision=cfg.precision, activation_checkpointing=ac_label(cfg))
     if device.type == "cpu":
         results.note("CPU run: memory from torch.distributed._tools trackers (one step); step times "
                      "on a shared CPU are only indicative; MFU needs a GPU with a known peak.")
