@@ -11,9 +11,40 @@ def test_list_shows_every_lesson_with_status():
     proc = cli("list")
     assert proc.returncode == 0
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) >= 11
-    assert lines[0].startswith("01") and "ready" in lines[0]
-    assert all(("ready" in line or "not yet written" in line) for line in lines)
+    from utilities.catalog import LESSONS
+
+    assert len(lines) == len(LESSONS) >= 14
+    assert [line[:2] for line in lines] == [f"{n:02d}" for n in range(1, len(LESSONS) + 1)]
+    assert all("ready" in line and "not yet written" not in line for line in lines), lines
+
+
+def test_run_all_runs_every_lesson_and_summarizes(monkeypatch, tmp_path, capsys):
+    """`fsdp-course run all`: every ready lesson launched once, a failure reported and counted,
+    and a summary (table + summary.json) naming each lesson's fastest variant. The launches are
+    stubbed here; each lesson's own test runs it for real."""
+    import json
+
+    import utilities.cli as C
+
+    launched = []
+
+    def fake_launch(info, device, nproc, out, quick, model, flags):
+        launched.append(info.folder)
+        if info.folder.startswith("05"):
+            return 1
+        out.mkdir(parents=True, exist_ok=True)
+        variants = [{"name": "slow", "step_time_s": 0.2}, {"name": "fast", "step_time_s": 0.1}]
+        (out / "results.json").write_text(json.dumps({"variants": variants}))
+        return 0
+
+    monkeypatch.setattr(C, "launch", fake_launch)
+    rc = C.main(["run", "all", "--quick", "--device", "cpu", "--out", str(tmp_path)])
+    assert rc == 1  # lesson 05 failed
+    assert launched == [info.folder for info in C.LESSONS.values() if info.ready]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [row[0] for row in summary] == list(C.LESSONS)
+    assert summary[4][2] == "FAILED" and summary[0][3:] == ["fast", "0.1000s"]
+    assert "FAILED" in capsys.readouterr().out
 
 
 def test_list_models_shows_parameter_counts():

@@ -39,6 +39,53 @@ def test_hf_export_loads_with_identical_outputs(results, name):
     assert torch.isfinite(model(input_ids=x, labels=x).loss)
 
 
+def test_hf_export_of_a_causal_model(tmp_path):
+    """export_hf picks the causal-LM class for a Llama config (the seq2seq one for T5)."""
+    from transformers import AutoModelForCausalLM
+
+    from utilities.models import get_model_spec
+    from utilities.state_dict import export_hf
+
+    spec = get_model_spec("llama-tiny")
+    torch.manual_seed(0)
+    model = spec.build(device="cpu").eval()
+    export_hf(model.state_dict(), spec.config(), tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(loaded) is type(model)
+    x = torch.randint(3, 259, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("this pickle ran code",))
+
+
+def test_pickle_with_code_is_refused_not_run(tmp_path, capsys):
+    path = tmp_path / "evil.pt"
+    torch.save({"format": FORMAT, "step": 1, "model": {}, "payload": _RunsCode()}, path)
+    with pytest.raises(UsageError, match="not readable") as e:
+        read_full(path)
+    assert "\n" not in str(e.value) and "this pickle ran code" not in capsys.readouterr().out
+
+
+def test_crash_mid_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    path = _checkpoint(tmp_path / "ck.pt", {"w": torch.ones(4)})
+    before = path.read_bytes()
+
+    def crash(obj, f, *a, **k):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt  # as a kill in the middle of torch.save would
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _checkpoint(path, {"w": torch.zeros(4)})
+    monkeypatch.undo()
+    assert path.read_bytes() == before and [f.name for f in tmp_path.iterdir()] == ["ck.pt"]
+    assert torch.equal(read_full(path)["model"]["w"], torch.ones(4))
+
+
 def _checkpoint(path, model_sd):
     atomic_torch_save({"format": FORMAT, "step": 1, "model": model_sd, "optimizer": {}}, path)
     return path

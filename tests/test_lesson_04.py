@@ -56,3 +56,55 @@ def test_bad_depth_is_one_line_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert proc.stderr.startswith("error:") and "0" in proc.stderr and ">= 1" in proc.stderr
+
+
+@pytest.mark.parametrize("comm, compute, exposed", [
+    ([(0, 10)], [], 10),                          # nothing to hide behind
+    ([(0, 10)], [(0, 10)], 0),                    # fully overlapped
+    ([(0, 10)], [(2, 4), (6, 7)], 7),             # two holes covered, 7 left
+    ([(0, 4), (3, 10)], [(5, 20)], 5),            # overlapping comm kernels count once
+    ([(0, 10)], [(1, 3), (2, 5), (9, 30)], 5),    # overlapping compute kernels count once
+    ([(10, 20)], [(0, 5), (25, 30)], 10),         # compute entirely outside
+])
+def test_exposed_communication_is_the_uncovered_time(comm, compute, exposed):
+    from utilities.prefetch import uncovered
+
+    assert uncovered(comm, compute) == pytest.approx(exposed)
+
+
+def test_exposed_communication_reads_nccl_kernels_from_a_profile():
+    """GPU profiles are read by kernel name: nccl* kernels are communication, the rest compute."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from utilities.prefetch import exposed_communication
+
+    def kernel(name, start, end, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    prof = SimpleNamespace(events=lambda: [
+        kernel("ncclDevKernel_AllGather_RING_LL", 0, 100), kernel("ampere_sgemm_128x64", 40, 80),
+        kernel("ncclDevKernel_ReduceScatter_Sum_f32", 200, 260), kernel("vectorized_elementwise", 250, 400),
+        kernel("aten::mm", 0, 1000, torch.autograd.DeviceType.CPU),  # CPU ops are not kernels
+    ])
+    got = exposed_communication(prof)
+    assert got["comm_s"] == pytest.approx(160e-6) and got["exposed_s"] == pytest.approx(110e-6)
+
+
+def test_cpu_trace_is_written(tmp_path):
+    """--trace on CPU: a Chrome trace a learner can open in Perfetto (no exposed time: no CUDA)."""
+    import json
+
+    import torch
+
+    from utilities.prefetch import profile_steps
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    data = iter([{"x": torch.randn(4, 8)}] * 3)
+    out = profile_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), data, torch.device("cpu"),
+                        tmp_path / "t.json", steps=2, step_fn=lambda m, b: m(b["x"]).sum().backward())
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert out["profiled_steps"] == 2 and out["exposed_comm_s_per_step"] is None
+    assert any("addmm" in e.get("name", "") for e in trace["traceEvents"])

@@ -58,6 +58,8 @@ def test_saved_on_2_loaded_on_1_gives_same_outputs(saved, tmp_path):
                      nproc=1)
     v = variant(res, "dcp-load-resharded")
     assert v["world_size"] == 1 and v["step"] == k and v["batches_consumed"] == k
+    # the same run's FSDP1 LOCAL_STATE_DICT cannot follow: its flat shards belong to 2 ranks
+    assert "Local world size at save time was 2, but at load time was 1" in v["local_state_dict_error"]
     before = torch.load(out / "outputs_saved.pt")
     after = torch.load(tmp_path / "run1" / "outputs_loaded.pt")
     assert before.shape == after.shape

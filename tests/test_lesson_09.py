@@ -59,7 +59,11 @@ def test_frozen_weights_are_bit_identical_and_cost_nothing(results, name):
 
 
 def test_fsdp1_needs_use_orig_params(results):
-    assert any("use_orig_params" in n for n in results["notes"])
+    """Wrapping a unit that mixes frozen and trainable parameters fails without use_orig_params;
+    with it, the frozen-fsdp1 variant trains."""
+    error = variant(results, "frozen-fsdp1")["fsdp1_without_orig_params_error"]
+    assert error and "requires_grad" in error, error
+    assert any(error in n for n in results["notes"])
 
 
 def test_child_tuning_d_keeps_reserve_p(results):

@@ -26,7 +26,7 @@ def test_quick_run_has_the_variants(results):
     assert results["lesson"] == "12" and results["world_size"] == 2 and results["device"] == "cpu"
     assert results["model"] == {"name": "llama-tiny", "parameters": LLAMA_TINY}
     names = {v["name"] for v in results["variants"]}
-    assert names == {"tp1-mlp", "tp2-mlp", "tp1-llama", "tp2-llama", "dp1xtp2-2d"}
+    assert names == {"tp1-mlp", "tp2-mlp", "tp1-llama", "tp2-llama", "tp2-llama-sp", "dp1xtp2-2d"}
     assert any("tp4-mlp" in n and "skipped" in n for n in results["notes"])
     for v in results["variants"]:
         mem = v["peak_memory_bytes"]
@@ -44,7 +44,7 @@ def test_split_model_equals_unsplit(results):
 def test_training_curves_do_not_depend_on_the_split(results):
     reference = variant(results, "tp1-llama")["losses"]
     assert reference[-1] < reference[0] - 0.5, reference  # the reversal task is being learned
-    for name in ("tp2-llama", "dp1xtp2-2d"):
+    for name in ("tp2-llama", "tp2-llama-sp", "dp1xtp2-2d"):
         assert variant(results, name)["losses"] == pytest.approx(reference, abs=1e-4), name
 
 
@@ -66,6 +66,37 @@ def test_llama_split_weights_halve_and_the_rest_is_replicated(results):
     assert tp2["weight_bytes_per_rank"] < 0.6 * full["weight_bytes_per_rank"]
     two_d = variant(results, "dp1xtp2-2d")  # a dp group of 1: FSDP shards nothing more
     assert two_d["weight_bytes_per_rank"] == tp2["weight_bytes_per_rank"]
+
+
+def test_sequence_parallel_shards_the_activations_between_blocks(results):
+    """SP: same numbers (checked above), less activation memory per rank than plain TP (the norms
+    and the residual stream hold 1/tp of the tokens), and only the norms left replicated."""
+    tp2, sp = variant(results, "tp2-llama"), variant(results, "tp2-llama-sp")
+    assert sp["peak_memory_bytes"]["activations"] < 0.9 * tp2["peak_memory_bytes"]["activations"]
+    assert sp["peak_memory_bytes"]["total"] < tp2["peak_memory_bytes"]["total"]
+    norms = (2 * 4 + 1) * 128 * 4  # llama-tiny: 4 blocks x 2 RMSNorms + the final one, hidden 128, fp32
+    assert sp["replicated_weight_bytes_per_rank"] == norms
+    assert sp["split_weight_bytes_per_rank"] * 2 + norms == 4 * LLAMA_TINY
+
+
+def test_tp_ranks_of_one_dp_group_see_the_same_batches():
+    """The data loader shards over dp ranks only: both TP ranks of a group, which pass the same
+    (dp_rank, dp_size), get identical batches; the two dp groups get disjoint examples."""
+    import torch
+
+    from utilities.data import ReverseTask
+    from utilities.tensor_parallel import data_parallel_loader
+
+    ds = ReverseTask(32, 12, mode="causal", seed=0)
+
+    def ids(dp_rank):
+        return [b["input_ids"] for b in data_parallel_loader(ds, 4, dp_rank, 2, seed=0)]
+
+    tp_rank0, tp_rank1, other_group = ids(0), ids(0), ids(1)
+    assert len(tp_rank0) == 4 and all(torch.equal(a, b) for a, b in zip(tp_rank0, tp_rank1))
+    mine = {tuple(r.tolist()) for b in tp_rank0 for r in b}
+    theirs = {tuple(r.tolist()) for b in other_group for r in b}
+    assert len(mine) == 16 and not mine & theirs
 
 
 def test_four_ranks_tp4_and_two_d(results, results4):

@@ -57,14 +57,23 @@ def test_memory_sizes_parse():
 
 def test_bad_memory_value_is_one_line():
     proc = cli("plan", "--gpu-memory", "80XB", timeout=120)
-    if "invalid choice" in proc.stderr:  # the lead has not wired `fsdp-course plan` yet
-        import subprocess
-        import sys
-
-        from conftest import REPO
-
-        proc = subprocess.run([sys.executable, "-m", "utilities.planner", "--gpu-memory", "80XB"],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error:")
     assert "'80XB'" in proc.stderr
+
+
+def test_the_issue_command_plans_llama_8b_on_a_laptop():
+    """The documented command, as a user types it: a per-category breakdown and a verdict."""
+    import json
+
+    proc = cli("plan", "--model", "llama-8b", "--gpus", "8", "--gpu-memory", "80GB", "--strategy",
+               "full_shard", "--precision", "bf16", "--ac", "full", "--batch", "2", "--seq", "8192",
+               "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    p = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert p["fits"] is True and p["gpus"] == 8 and p["batch"] == 2 and p["seq"] == 8192
+    peak = p["peak_bytes"]
+    assert set(peak) >= {"parameters", "gradients", "optimizer", "activations", "total"}
+    # fp32 AdamW moments of an 8B model, sharded 8 ways: 2 x 4 bytes x 8.03e9 / 8
+    assert peak["optimizer"] == pytest.approx(2 * 4 * 8_030_261_248 / 8, rel=0.01)
+    assert peak["total"] < p["budget_bytes"]

@@ -25,7 +25,12 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fsdp-course", description="The FSDP course: lessons, runs and checks.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    ls = sub.add_parser("list", help="every lesson with its number, title and status")
+    ls = sub.add_parser(
+        "list", help="every lesson with its number, title and status",
+        description="List the course's lessons (number, title, ready / not yet written, folder), "
+                    "or with --models the named model configurations (parameters, block class), "
+                    "all built from transformers configs with random weights: nothing is "
+                    "downloaded.")
     ls.add_argument("--models", action="store_true", help="list the named models instead")
 
     run = sub.add_parser(
@@ -43,13 +48,23 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", choices=DEVICES, help="force cpu or cuda")
     run.add_argument("--model", default=None, help="named model (fsdp-course list --models)")
 
-    sub.add_parser("check", help="torch / CUDA / NCCL versions, GPUs, bf16 readiness, lessons")
+    sub.add_parser(
+        "check", help="torch / CUDA / NCCL versions, GPUs, bf16 readiness, lessons",
+        description="Report this machine: torch, CUDA and NCCL versions; each GPU's name and "
+                    "memory (through NVML where present); whether native bf16 is ready and, if "
+                    "not, why; and which lessons can run here (and on what: GPUs or CPU ranks).")
 
     from .planner import add_plan_arguments
 
     add_plan_arguments(sub.add_parser(
         "plan", help="predict per-GPU peak memory by category for any model, strategy and size, "
-                     "without the hardware"))
+                     "without the hardware",
+        description="Predict the peak memory per GPU, by category (parameters, gradients, "
+                    "optimizer state, activations), of one training step of a named model on N "
+                    "GPUs, on this machine and without them: the model is built under "
+                    "FakeTensorMode with a fake process group and the real FSDP2 step runs under "
+                    "PyTorch's memory tracker. Says whether it fits (90% of --gpu-memory) and, "
+                    "with --max-batch, the largest batch that does (lesson 14)."))
 
     rec = sub.add_parser(
         "record", help="record a real run of a lesson as an asciinema .cast (the course's demos)",

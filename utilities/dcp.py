@@ -248,6 +248,35 @@ def fsdp1_state_dict(model: nn.Module, kind: str = "local") -> dict[str, Any]:
             return model.state_dict()
 
 
+def load_fsdp1_local(model: nn.Module, path: str | os.PathLike) -> None:
+    """Load a ``LOCAL_STATE_DICT`` file (``fsdp1_state_dict(model, "local")`` + ``torch.save``)
+    into an FSDP1 model. It only works for the same wrapping on the same number of ranks: anything
+    else is a one-line UsageError saying what did not match (the flat shards cannot be resharded).
+
+    ``weights_only=False``: a local state dict holds ShardedTensors, which the safe unpickler
+    refuses; load only files you wrote yourself.
+    """
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+                model.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise UsageError(f"local state dict {path} does not fit this model and world size "
+                         f"({_world()} rank(s)): {reason}") from None
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

@@ -257,9 +257,7 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory:
     the config, and ``save_pretrained`` stores each tied tensor once (safetensors refuses aliases).
     """
     if model_class is None:
-        from transformers import AutoModelForSeq2SeqLM
-
-        model_class = AutoModelForSeq2SeqLM._model_mapping[type(config)]
+        model_class = hf_model_class(config)
     model = model_class(config)
     result = model.load_state_dict(model_state_dict, strict=False)
     tied = set(_tied_keys(model))
@@ -273,6 +271,18 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory:
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def hf_model_class(config: Any) -> type:
+    """The transformers class with a language-model head for ``config``: seq2seq (T5) or causal
+    (Llama), the one ``AutoModelFor...LM.from_pretrained`` gives back."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    for auto in (AutoModelForSeq2SeqLM, AutoModelForCausalLM):
+        if type(config) in auto._model_mapping:
+            return auto._model_mapping[type(config)]
+    raise UsageError(f"cannot export a {type(config).__name__}: no seq2seq or causal LM class "
+                     "in transformers for it")
 
 
 def _tied_keys(model: nn.Module) -> Iterable[str]:

@@ -56,8 +56,8 @@ def apply_mlp_tp(mlp: FeedForward, tp_mesh) -> FeedForward:
     return parallelize_module(mlp, tp_mesh, mlp_tp_plan())
 
 
-def llama_tp_plan() -> dict[str, Any]:
-    """The plan for one ``LlamaDecoderLayer``: attention heads and MLP columns split, norms replicated.
+def llama_tp_plan(sequence_parallel: bool = False) -> dict[str, Any]:
+    """The plan for one ``LlamaDecoderLayer``: attention heads and MLP columns split.
 
     ``use_local_output=True`` (the default) hands plain local tensors to the module's own code, so
     ``LlamaAttention`` sees only its local heads. In transformers 5.x it reshapes with
@@ -65,17 +65,63 @@ def llama_tp_plan() -> dict[str, Any]:
     and ``num_key_value_groups`` (query heads per kv head) is the same ratio locally as globally:
     no attribute needs changing. (Older versions reshaped with ``self.num_heads``; there you would
     divide ``num_heads`` and ``num_key_value_heads`` by tp yourself.)
-    """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    Without ``sequence_parallel`` the norms and the residual stream are replicated: every TP rank
+    holds the whole ``(batch, seq, hidden)`` activations between the split layers. With it
+    (``SequenceParallel``), they are sharded along the sequence: the norms run on each rank's
+    slice of the tokens, an all-gather brings the whole sequence back before q/k/v and gate/up, and
+    o and down end in a reduce-scatter instead of an all-reduce (the same bytes moved, less memory
+    held). Use it with ``llama_model_sp_plan`` on the model's embeddings, final norm and head.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if not sequence_parallel:
+        return {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+    # The residual stream stays a DTensor sharded on the sequence (dim 1) from block to block.
+    to_seq = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     return {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
+        "self_attn.o_proj": to_seq,
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
+        "mlp.down_proj": to_seq,
+    }
+
+
+def llama_model_sp_plan() -> dict[str, Any]:
+    """Sequence parallelism outside the blocks: the embedding (split over the vocabulary) hands
+    out sequence shards, the final norm works on them, the head gathers them back and returns the
+    whole logits on every rank. The output stays a DTensor (not a local slice) so that the model's
+    own code (positions, rotary embeddings, masks) still sees the whole sequence length."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
 
 
@@ -89,16 +135,25 @@ def check_llama_tp(config, tp: int) -> None:
                              f"size that divides {n}")
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
     """Tensor-parallelize every decoder block of a Hugging Face Llama over ``tp_mesh``, in place.
 
-    Embeddings, norms and the LM head stay replicated (every rank holds them whole).
+    Without ``sequence_parallel``, embeddings, norms and the LM head stay replicated (every rank
+    holds them whole, and the activations between blocks too). With it, the norms and the
+    activations between the split layers are sharded along the sequence, the embedding over the
+    vocabulary and the head over its outputs (see ``llama_tp_plan``).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
     check_llama_tp(model.config, tp_mesh.size())
+    if sequence_parallel:
+        vocab = model.config.vocab_size
+        if vocab % tp_mesh.size():
+            raise UsageError(f"tp={tp_mesh.size()} does not divide the vocabulary ({vocab}); "
+                             "sequence parallelism splits the embedding and the head over it")
+        parallelize_module(model, tp_mesh, llama_model_sp_plan())
     for block in model.model.layers:
-        parallelize_module(block, tp_mesh, llama_tp_plan())
+        parallelize_module(block, tp_mesh, llama_tp_plan(sequence_parallel))
     return model
 
 

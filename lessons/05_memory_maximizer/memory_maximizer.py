@@ -79,9 +79,9 @@ def main(args) -> None:
                 stats = train(model, optimizer, L.data(batch_size=batch), L.steps, L.device,
                               flops_per_token=L.spec.flops_per_token(L.seq_len))
                 mm.update()
-            finally:
+            finally:  # an OOM ends the trial too: the search sees it, the GPU gets its memory back
+                report = mm.stop()
                 del model, optimizer
-            report = mm.stop()
             peak = stats.peak_memory_bytes.get("total")
             samples_per_s = batch * world / stats.step_time_s if stats.step_time_s else None
             stats_by_batch[batch] = stats

@@ -42,6 +42,7 @@ from utilities.dcp import (  # noqa: E402
     fsdp1_state_dict,
     layout,
     load_checkpoint,
+    load_fsdp1_local,
     save_checkpoint,
     to_torch_save,
 )
@@ -127,9 +128,28 @@ def load_mode(L, src: Path) -> None:
     L.results.add("dcp-load-resharded", None, loaded_from=str(src), world_size=L.dist.world_size,
                   load_s=round(resumed.seconds, 4), step=resumed.step,
                   batches_consumed=resumed.batches_consumed, resave_s=round(save_s, 4),
-                  resaved_to=str(resaved))
+                  resaved_to=str(resaved), local_state_dict_error=local_on_this_world(L, src))
     L.print(f"  loaded {src} on {L.dist.world_size} rank(s) in {resumed.seconds:.3f}s: step "
             f"{resumed.step}, {resumed.batches_consumed} batches consumed; re-saved to {resaved}")
+
+
+def local_on_this_world(L, src: Path) -> str | None:
+    """The same run's FSDP1 LOCAL_STATE_DICT files, loaded here: on another number of ranks they
+    fail (flat shards know their world size); DCP, above, reshards. Returns the error, if any."""
+    files = sorted((src.parent / "fsdp1_local").glob("rank*_of_*.pt"))
+    if not files:
+        return None
+    saved_world = int(files[0].stem.split("_of_")[1])
+    model = shard_model(L.build_model(), api="fsdp1", block_class=L.spec.block_class(), device=L.device)
+    model = L.materialize(model)
+    path = files[0].parent / f"rank{min(L.dist.rank, saved_world - 1)}_of_{saved_world}.pt"
+    try:
+        load_fsdp1_local(model, path)
+    except UsageError as e:
+        L.print(f"  LOCAL_STATE_DICT saved on {saved_world} rank(s), loaded on {L.dist.world_size}: {e}")
+        return str(e)
+    L.print(f"  LOCAL_STATE_DICT saved on {saved_world} rank(s) loaded on {L.dist.world_size}")
+    return None
 
 
 def default_mode(L, args) -> None:

@@ -228,10 +228,16 @@ def main(args) -> None:
             freeze(model, frozen_part)
             n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+            step_fn, extra = None, {}
             if api == "fsdp1":
                 error = fsdp1_without_orig_params_error(L, state)
-                L.print(f"  FSDP1 without use_orig_params: {error}")
-                L.results.note(f"FSDP1 with a frozen encoder and use_orig_params=False fails: {error}")
+                extra["fsdp1_without_orig_params_error"] = error
+                if error:
+                    L.print(f"  FSDP1 without use_orig_params: {error}")
+                    L.results.note(f"FSDP1 with a frozen encoder and use_orig_params=False fails: "
+                                   f"{error}")
+                else:
+                    L.print("  FSDP1 without use_orig_params: accepted the mixed units here")
                 model = shard_model(model, api="fsdp1", block_class=block, device=L.device,
                                     use_orig_params=True)
             else:
@@ -242,7 +248,6 @@ def main(args) -> None:
             loss_before, acc_before = evaluate(model, L, args.shift, eval_batches)
 
             optimizer = torch.optim.AdamW(trainable, lr=L.lr, weight_decay=0.0)
-            step_fn, extra = None, {}
             data = task_data(L, args.shift, 1, max(L.batch_size * L.dist.world_size * L.steps, 64))
             if mode is not None:
                 ct = ChildTuning(trainable, mode=mode, reserve_p=args.reserve_p, seed=args.seed)

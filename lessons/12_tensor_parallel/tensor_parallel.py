@@ -15,10 +15,12 @@ they are), and the loss curve.
     tpN-mlp      a standalone SwiGLU MLP (Lightning's TP example) split over N ranks
     tp1-llama    the unsplit Llama, trained alone on each rank (the 1-GPU baseline)
     tp2-llama    q/k/v and gate/up column-wise, o and down row-wise, in every block
+    tp2-llama-sp the same plus sequence parallelism: norms and the activations between the split
+                 layers sharded along the sequence, embedding and LM head split too
     dpAxtpB-2d   TP over B ranks inside, FSDP2 (fully_shard on mesh["dp"]) over A groups
 
 A variant needing another number of ranks than the run has is skipped, with a note: tpN-mlp needs
-a multiple of N ranks, tpN-llama (N > 1) exactly N, dpAxtpB-2d exactly A*B.
+a multiple of N ranks, tpN-llama[-sp] (N > 1) exactly N, dpAxtpB-2d exactly A*B.
 
 Run: fsdp-course run 12 [--quick]   or   torchrun --nproc-per-node 2 tensor_parallel.py --device cpu
 """
@@ -60,6 +62,7 @@ VARIANTS = {
     "tp4-mlp": ("mlp", None, 4),
     "tp1-llama": ("llama", 1, 1),
     "tp2-llama": ("llama", 1, 2),
+    "tp2-llama-sp": ("llama-sp", 1, 2),
     "dp1xtp2-2d": ("2d", 1, 2),
     "dp2xtp2-2d": ("2d", 2, 2),
 }
@@ -89,7 +92,7 @@ def fits(kind: str, dp: int | None, tp: int, world: int) -> bool:
         return world % tp == 0
     if tp == 1 and kind == "llama":
         return True
-    return dp * tp == world
+    return dp * tp == world  # "llama-sp" and "2d": exactly dp x tp ranks
 
 
 def run_mlp(L, name: str, tp: int, tp_mesh, dim: int, hidden: int) -> dict:
@@ -156,7 +159,8 @@ def run_llama(L, name: str, kind: str, dp: int, tp: int, mesh) -> dict:
     ref = L.build_model()
     model = copy.deepcopy(ref)
     if tp > 1:
-        apply_tp(model, mesh["tp"])  # TP first: FSDP then shards the TP shards over dp
+        # TP first: FSDP then shards the TP shards over dp
+        apply_tp(model, mesh["tp"], sequence_parallel=kind == "llama-sp")
     split = split_parameter_names(model) if tp > 1 else set()
     if kind == "2d":
         shard_model(model, block_class=L.spec.block_class(), mesh=mesh["dp"], device=L.device)
@@ -234,7 +238,9 @@ def main(args) -> None:
         L.results.note(f"max_abs_diff_vs_unsplit: largest |difference| of outputs and gradients from "
                        f"the unsplit model on the same batch (fp32; expected below {TOLERANCE:g}).")
         L.results.note("split weights: q/k/v/o and gate/up/down of every block (MLP: w1/w2/w3); "
-                       "embeddings, norms and the LM head are replicated on every TP rank.")
+                       "embeddings, norms and the LM head are replicated on every TP rank, except "
+                       "with -sp, where the embedding and the head are split too (norms stay "
+                       "whole: they are tiny; their activations are what SP shards).")
         L.results.note("published (Lightning TP docs, FeedForward(8192, 8192), peak per GPU): "
                        "4.04 / 2.03 / 1.02 / 0.60 GB on 1 / 2 / 4 / 8 GPUs.")
         if L.device.type == "cpu":
