@@ -31,6 +31,19 @@ def test_prefetch_never_changes_the_losses(results):
         assert v["losses"] == pytest.approx(reference, abs=LOSS_ATOL), v["name"]
 
 
+def test_prefetching_costs_memory(results):
+    """The README's memory claims: BACKWARD_PRE holds a second unit's unsharded parameters at the
+    peak (FSDP1 counts them as parameters); FSDP2's deeper explicit prefetch keeps more gathers in
+    flight (the tracker counts them as all-gather / temporary buffers), so its peak is higher."""
+    def peak(name, key="total"):
+        return variant(results, name)["peak_memory_bytes"][key]
+
+    assert peak("fsdp1-backward-pre", "parameters") > peak("fsdp1-backward-post", "parameters")
+    assert peak("fsdp1-backward-pre") > peak("fsdp1-backward-post")
+    assert peak("fsdp1-backward-post") == peak("fsdp1-no-prefetch")
+    assert peak("fsdp2-explicit") > peak("fsdp2-implicit")
+
+
 def test_fsdp1_options_recorded(results):
     assert variant(results, "fsdp1-no-prefetch")["backward_prefetch"] is None
     assert variant(results, "fsdp1-backward-post")["backward_prefetch"] == "BACKWARD_POST"

@@ -16,9 +16,10 @@ from utilities.low_precision import (
 )
 from utilities.models import get_model_spec
 
-# fp32 on CPU: inductor only reorders / fuses fp32 arithmetic, so after 6 AdamW steps the losses
-# agree to ~1e-6 (measured: 3e-7); 1e-4 leaves room for other CPUs' vector widths.
-COMPILE_LOSS_TOLERANCE = 1e-4
+# bf16 compute on CPU (the issue's "bf16 eager / compiled part"): inductor fuses ops and keeps some
+# intermediates in fp32 where eager rounds them to bf16, so after 6 AdamW steps the losses differ by
+# ~3e-4 (measured: 2.9e-4); 2e-3 leaves room for other CPUs. In fp32 they agree to ~3e-7.
+COMPILE_LOSS_TOLERANCE = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def results(tmp_path_factory):
 
 def test_results_have_the_documented_keys(results):
     assert results["lesson"] == "13" and results["device"] == "cpu" and results["world_size"] == 2
-    assert results["settings"]["precision"] == "fp32"
+    assert results["settings"]["precision"] == "bf16"
     assert [v["name"] for v in results["variants"]] == ["eager", "compiled"]
     for v in results["variants"]:
         assert v["step_time_s"] > 0 and v["tokens_per_s"] > 0 and v["first_step_s"] > 0

@@ -191,3 +191,35 @@ def find_max_batch(
         reason = (f"batch {good} is the largest clean batch; batch {bad} was tried and gave "
                   f"{failed.verdict}")
     return SearchResult(good, reason, trials)
+
+
+def training_trial(batch: int, build: Callable[[], torch.nn.Module],
+                   make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer], data,
+                   steps: int, device: torch.device, world: int = 1,
+                   **train_kwargs: Any) -> tuple[Trial, Any]:
+    """One trial of a batch search: build a fresh model at this batch, train ``steps`` steps under
+    ``Memory_Maximizer``, and say what happened (peak, samples/s over all ranks, and on a GPU the
+    cudaMalloc retries and OOMs). Returns the trial and the ``TrainStats``. An OOM propagates, for
+    ``find_max_batch`` to record; the model is released either way."""
+    from .memory_maximizer import Memory_Maximizer
+    from .training import train
+
+    model = build()
+    optimizer = make_optimizer(model)
+    mm = Memory_Maximizer(verbose=False)
+    mm.start()
+    try:
+        stats = train(model, optimizer, data, steps, device, **train_kwargs)
+        mm.update()
+    finally:
+        report = mm.stop()
+        del model, optimizer
+    peak = stats.peak_memory_bytes.get("total")
+    samples_per_s = batch * world / stats.step_time_s if stats.step_time_s else None
+    if report.get("gpu"):
+        trial = Trial(batch, throughput=samples_per_s, peak_bytes=peak,
+                      max_reserved_bytes=int(report["max_reserved_gb"] * 2**30),
+                      retries=report["cuda_malloc_retries"], ooms=report["ooms"])
+    else:
+        trial = Trial(batch, throughput=samples_per_s, peak_bytes=peak)
+    return trial, stats

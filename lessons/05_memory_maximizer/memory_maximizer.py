@@ -26,11 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from utilities.batch_search import Trial, all_ranks_agree, find_max_batch  # noqa: E402
+from utilities.batch_search import Trial, all_ranks_agree, find_max_batch, training_trial  # noqa: E402
 from utilities.lesson import Lesson, lesson_parser, positive_float, positive_int  # noqa: E402
 from utilities.measure import fmt_bytes  # noqa: E402
-from utilities.memory_maximizer import Memory_Maximizer  # noqa: E402
-from utilities.training import train  # noqa: E402
 from utilities.wrapping import shard_model  # noqa: E402
 
 MIB = 2**20
@@ -70,26 +68,14 @@ def main(args) -> None:
         stats_by_batch = {}
 
         def try_batch(batch: int) -> Trial:
-            model = L.materialize(shard_model(L.build_model(), api="fsdp2", block_class=block,
-                                              device=L.device))
-            optimizer = L.optimizer(model)
-            mm = Memory_Maximizer(verbose=False)
-            mm.start()
-            try:
-                stats = train(model, optimizer, L.data(batch_size=batch), L.steps, L.device,
-                              flops_per_token=L.spec.flops_per_token(L.seq_len))
-                mm.update()
-            finally:  # an OOM ends the trial too: the search sees it, the GPU gets its memory back
-                report = mm.stop()
-                del model, optimizer
-            peak = stats.peak_memory_bytes.get("total")
-            samples_per_s = batch * world / stats.step_time_s if stats.step_time_s else None
-            stats_by_batch[batch] = stats
-            if report.get("gpu"):
-                return Trial(batch, throughput=samples_per_s, peak_bytes=peak,
-                             max_reserved_bytes=int(report["max_reserved_gb"] * 2**30),
-                             retries=report["cuda_malloc_retries"], ooms=report["ooms"])
-            return Trial(batch, throughput=samples_per_s, peak_bytes=peak)
+            def build():
+                return L.materialize(shard_model(L.build_model(), api="fsdp2", block_class=block,
+                                                 device=L.device))
+
+            trial, stats_by_batch[batch] = training_trial(
+                batch, build, L.optimizer, L.data(batch_size=batch), L.steps, L.device, world,
+                flops_per_token=L.spec.flops_per_token(L.seq_len))
+            return trial
 
         def log(t: Trial) -> None:
             rate = f"{t.throughput:.1f} samples/s" if t.throughput else "-"
