@@ -74,12 +74,16 @@ def test_fp16_scaler_skips_overflow_and_keeps_small_gradients(results):
 
 
 def test_fsdp1_mixed_precision_dtypes(tmp_path):
-    res = run_lesson("07", tmp_path / "fsdp1", "--api", "fsdp1", "--policies", "bf16,bf16-fp32-reduce",
-                     "--steps", "2")
-    for policy in ("bf16", "bf16-fp32-reduce"):
+    res = run_lesson("07", tmp_path / "fsdp1", "--api", "fsdp1", "--policies",
+                     "bf16,bf16-fp32-reduce,fp16", "--steps", "2")
+    for policy in ("bf16", "bf16-fp32-reduce", "fp16"):
         v = variant(res, f"fsdp1-{policy}")
         assert (v["forward_param_dtypes"][0], v["reduce_dtypes"][0]) == DTYPES[policy]
         assert len(v["forward_param_dtypes"]) == len(v["reduce_dtypes"]) == 1
+    # FSDP1 + fp16 + ShardedGradScaler: the first step overflows at the default scale, is skipped
+    # on every rank, and the scale halves, as with FSDP2
+    fp16 = variant(res, "fsdp1-fp16")
+    assert fp16["nonfinite_reductions"] > 0 and fp16["loss_scales"][0] == 2.0**15
 
 
 def test_default_policy_falls_back_to_fp32_without_bf16(results):

@@ -66,6 +66,16 @@ def test_fsdp1_needs_use_orig_params(results):
     assert any(error in n for n in results["notes"])
 
 
+def test_fsdp1_and_fsdp2_freeze_to_the_same_model(results):
+    """Same weights, same frozen part, same data: the two APIs end at the same held-out loss and
+    accuracy (they differ only in float summation order; the README shows them equal to 3 decimals)."""
+    two, one = variant(results, "frozen-encoder"), variant(results, "frozen-fsdp1")
+    assert two["trainable_parameters"] == one["trainable_parameters"]
+    assert one["held_out_loss_after"] == pytest.approx(two["held_out_loss_after"], abs=1e-3)
+    assert one["held_out_accuracy"] == pytest.approx(two["held_out_accuracy"], abs=1e-3)
+    assert one["losses"] == pytest.approx(two["losses"], abs=1e-3)
+
+
 def test_child_tuning_d_keeps_reserve_p(results):
     v = variant(results, "child-tuning-d")
     assert v["kept_fraction"] == pytest.approx(results["settings"]["reserve_p"], abs=0.01)
@@ -102,6 +112,27 @@ def test_child_tuning_f_zeroes_and_rescales_on_a_plain_module():
         kept += int(nz.sum())
         total += p.numel()
     assert 0.2 < kept / total < 0.4
+
+
+def test_child_tuning_f_never_lets_sgd_touch_the_dropped_entries():
+    """ChildTuning-F draws a fresh mask every step; whatever it drops that step gets no update."""
+    model = _toy()
+    ct = ChildTuning(model.parameters(), mode="F", reserve_p=0.3, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # plain SGD: no momentum carries old grads
+    data = _batches()
+    for _ in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        _backward(model, next(data))
+        ct.apply()
+        dropped = [p.grad == 0 for p in model.parameters()]
+        opt.step()
+        moved = 0
+        for d, b, p in zip(dropped, before, model.parameters()):
+            assert torch.equal(p.detach()[d], b[d])
+            moved += int((p.detach()[~d] != b[~d]).sum())
+        kept = sum(int((~d).sum()) for d in dropped)
+        assert moved == kept > 0  # every kept entry moved, and only those
 
 
 def test_child_tuning_d_masked_weights_do_not_move_under_fsdp2(world1):
