@@ -6,8 +6,9 @@ same model, ranks, precision, activation checkpointing, batch and sequence lengt
 training step on FakeTensorMode + a fake process group, no real memory). Reports predicted,
 measured and the relative error (predicted / measured - 1).
 
-Runs whose "peak" is a census of resident state (FSDP1 with use_orig_params on CPU, where the
-trackers cannot follow) are left out: they hold no activations and are no peak to compare with.
+Runs whose "peak" is a census of resident state (where no tracker could follow the step, e.g.
+gradient accumulation on CPU) are left out: they hold no activations and are no peak to compare
+with.
 What the planner does not model: FSDP1 (it simulates FSDP2; FSDP1 runs are compared anyway and
 marked), torch.compile (eager activations are planned), and on a GPU the CUDA context, NCCL buffers
 and allocator fragmentation (the planner keeps 10% headroom for these when it says "fits"; it does
@@ -36,10 +37,10 @@ def parse_args(argv=None):
     p.add_argument("--gpu-memory", default="80GB",
                    help="GPU memory given to the planner for its 'fits' verdict (default 80GB)")
     p.add_argument("--max-checks", type=int, default=None,
-                   help="compare at most this many configurations (default all; 3 tiny)")
+                   help="compare at most this many configurations (default all; 4 tiny)")
     args = p.parse_args(argv)
     if args.tiny and args.max_checks is None:
-        args.max_checks = 3
+        args.max_checks = 4
     return args
 
 

@@ -97,6 +97,20 @@ def notebook_run_dir(number: str, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def world1(monkeypatch):
+    """A one-process gloo world, the way a notebook or plain python uses the utilities; the
+    torchrun variables it sets are restored afterwards."""
+    from utilities.distributed import setup, teardown
+
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")  # recorded first, so that whatever setup() sets is undone
+        monkeypatch.delenv(k)
+    info = setup("cpu")
+    yield info
+    teardown()
+
+
+@pytest.fixture
 def lesson_runner(tmp_path):
     def run(number: str, *flags: str, **kw) -> dict:
         return run_lesson(number, tmp_path / f"run_{number}", *flags, **kw)

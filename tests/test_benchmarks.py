@@ -73,7 +73,7 @@ def test_end_to_end(tiny):
     assert selective["lesson_settings"]["ac_every"] == 2 and selective["ac"] == "selective"
     # every other block recomputed: fewer activations kept than with none
     assert selective["peak_memory_detail"]["activations"] < none["peak_memory_detail"]["activations"]
-    assert full["peak_memory_method"] == "census"  # FSDP1 use_orig_params on CPU: trackers cannot follow
+    assert full["peak_memory_method"] == "MemTracker"  # FSDP1 (use_orig_params) followed on CPU too
 
 
 def test_layer(tiny):
@@ -97,7 +97,9 @@ def test_planner_check_and_report(tiny, tmp_path):
     data = _load(tiny, "planner_check")
     sources = [r["source"] for r in data["rows"]]
     assert any(s.startswith("end_to_end") for s in sources)
-    assert not any(s.endswith("fsdp1-eager-ac_full") for s in sources)  # a census is no peak
+    fsdp1 = next(r for r in data["rows"] if r["source"].endswith("fsdp1-eager-ac_full"))
+    assert fsdp1["caveats"] == ["FSDP1 run, FSDP2 planned"]
+    assert any(s.startswith("memory_maximizer") for s in sources)
     for r in data["rows"]:
         assert r["predicted_bytes"] > 0 and r["measured_bytes"] > 0 and "relative_error" in r
 

@@ -107,6 +107,22 @@ def test_hsdp_with_shard_group_of_two(results, tmp_path):
         assert v["losses"] == pytest.approx(reference, abs=5e-3), name
 
 
+def test_int_reshard_sits_between_true_and_false_on_4_ranks(tmp_path):
+    """reshard_after_forward=2 on 4 ranks (the only lesson-06 variant a 2-rank run skips): after
+    forward each block is resharded over 2 ranks, not 4, so backward all-gathers over 2 only. Its
+    peak and its traffic sit between True and False, and it trains the same model."""
+    r = run_lesson("06", tmp_path, "--variants", "fsdp2-reshard-true,fsdp2-reshard-int,"
+                   "fsdp2-reshard-false", nproc=4)
+    true, two, false = (variant(r, f"fsdp2-reshard-{k}") for k in ("true", "int", "false"))
+
+    def peak(v):
+        return v["peak_memory_bytes"]["total"]
+
+    assert peak(true) < peak(two) < peak(false)
+    assert false["comm_bytes_per_step"] < two["comm_bytes_per_step"] < true["comm_bytes_per_step"]
+    assert two["losses"] == pytest.approx(true["losses"], abs=1e-5)
+
+
 def test_bad_variant_is_one_line_exit_2():
     proc = cli("run", "06", "--quick", "--", "--variants", "zero3")
     assert proc.returncode == 2

@@ -3,8 +3,6 @@ gradient entries never reach the update; every fine-tuning variant improves held
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 from conftest import cli, notebook_results, variant
@@ -18,20 +16,6 @@ def results(tmp_path_factory):
     return notebook_results("09", tmp_path_factory)  # the notebook runs `fsdp-course run 09 --quick`
 
 
-@pytest.fixture
-def world1(monkeypatch):
-    """A one-process gloo world; the environment it sets is undone afterwards."""
-    from utilities.distributed import setup, teardown
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(port)).items():
-        monkeypatch.setenv(k, v)
-    info = setup("cpu")
-    yield info
-    teardown()
 
 
 # -- the notebook's quick run ----------------------------------------------------------------------

@@ -289,8 +289,7 @@ def main(args) -> None:
         L.results.note("gradient_bytes_per_rank / optimizer_bytes_per_rank: what each rank keeps "
                        "between steps (sharded); frozen weights have neither.")
         if L.device.type == "cpu":
-            L.results.note("CPU run: memory from torch.distributed._tools trackers (FSDP1 with "
-                           "use_orig_params: a census of params/grads/optimizer); step times are "
+            L.results.note("CPU run: memory from torch.distributed._tools trackers; step times are "
                            "only indicative.")
 
 
