@@ -36,7 +36,8 @@ from .errors import UsageError, bad_value
 from .measure import categorize, fmt_bytes
 from .models import get_model_spec
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
+NODE_GPUS = 8  # hybrid_shard's default shard group: one node
 PRECISIONS = ("fp32", "bf16")
 AC_MODES = ("none", "selective", "full")
 HEADROOM = 0.10  # of the GPU's memory, kept for what the trackers cannot see
@@ -73,6 +74,7 @@ class Plan:
     batch: int
     seq: int
     device_type: str
+    shard_size: int | None  # hybrid_shard: the ranks that shard among themselves (one replica)
     peak_bytes: dict[str, int]  # total, parameters, gradients, optimizer, activations, other
     detail: dict[str, int]  # the tracker's finer categories (sharded/unsharded params, buffers...)
     budget_bytes: int  # gpu memory minus the headroom
@@ -113,7 +115,7 @@ def _prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devi
     block = spec.block_class()
     if ac != "none":
         apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
-    opts = dict(mesh=mesh, reshard_after_forward=strategy == "full_shard",
+    opts = dict(mesh=mesh, reshard_after_forward=strategy != "shard_grad_op",
                 mp_policy=fsdp2_policy(precision))
     for unit in block_units(model, block):
         fully_shard(unit, **opts)
@@ -170,9 +172,14 @@ def _fake_device(device_type: str) -> tuple[torch.device, list[str]]:
 
 def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_shard",
          precision: str = "bf16", ac: str = "none", batch: int = 1, seq: int | None = None,
-         device_type: str = "cuda") -> Plan:
-    """Predict the per-rank peak of one training step by running it on fake tensors."""
+         device_type: str = "cuda", shard_size: int | None = None) -> Plan:
+    """Predict the per-rank peak of one training step by running it on fake tensors.
+
+    ``hybrid_shard`` (HSDP) runs FSDP2 on a 2-D ``(gpus / shard_size, shard_size)`` mesh: shards
+    within a group of ``shard_size`` ranks (default: one node of 8, or all GPUs if fewer),
+    replicas across the groups."""
     spec = get_model_spec(model)
+    shard_size = _shard_size(strategy, gpus, shard_size)
     _check(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq)
     seq = seq or spec.default_seq_len
     device, notes = _fake_device(device_type)
@@ -185,17 +192,18 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     else:
         world = gpus
     budget = int(gpu_memory_bytes * (1 - HEADROOM))
-    floor = _resident_floor(spec.num_parameters, world)
+    floor = _resident_floor(spec.num_parameters, shard_size or world)
     if floor["total"] > budget:
         # No need to run anything: what every rank holds at all times already overflows.
         return Plan(
             model=spec.name, parameters_total=spec.num_parameters, gpus=gpus,
             gpu_memory_bytes=gpu_memory_bytes, strategy=strategy, precision=precision, ac=ac,
-            batch=batch, seq=seq, device_type=device.type, peak_bytes=floor, detail={},
+            batch=batch, seq=seq, device_type=device.type, shard_size=shard_size,
+            peak_bytes=floor, detail={},
             budget_bytes=budget, fits=False, overflowing=_overflowing(floor, budget),
             method="lower bound: fp32 parameter shards + AdamW state alone exceed the budget "
                    "(activations not simulated)", notes=notes)
-    snap = _simulate(spec, world, strategy, precision, ac, batch, seq, device)
+    snap = _simulate(spec, world, strategy, precision, ac, batch, seq, device, shard_size)
     cats = categorize(snap)
     detail = cats.pop("detail")
     if strategy == "no_shard":
@@ -213,23 +221,42 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     return Plan(
         model=spec.name, parameters_total=spec.num_parameters, gpus=gpus,
         gpu_memory_bytes=gpu_memory_bytes, strategy=strategy, precision=precision, ac=ac,
-        batch=batch, seq=seq, device_type=device.type,
+        batch=batch, seq=seq, device_type=device.type, shard_size=shard_size,
         peak_bytes={k: int(v) for k, v in cats.items()}, detail=detail, budget_bytes=budget,
         fits=fits, overflowing=None if fits else _overflowing(cats, budget),
         method="FSDPMemTracker on FakeTensorMode + fake process group", notes=notes)
 
 
-def _simulate(spec, world, strategy, precision, ac, batch, seq, device) -> dict[str, int]:
+def _simulate(spec, world, strategy, precision, ac, batch, seq, device,
+              shard_size: int | None = None) -> dict[str, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
     with fake_world(world):
-        mesh = init_device_mesh(device.type, (world,))
+        if shard_size:  # HSDP: replicate across the first dim, shard along the second
+            mesh = init_device_mesh(device.type, (world // shard_size, shard_size),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (world,))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = _prepare(spec, strategy, precision, ac, mesh, fake_mode, device)
         with fake_mode:
             data = _fake_batch(spec, batch, seq, device)
             return _train_step_tracked(model, data, device)
+
+
+def _shard_size(strategy: str, gpus: int, shard_size: int | None) -> int | None:
+    """hybrid_shard's shard group size (checked), None for the other strategies."""
+    if strategy != "hybrid_shard":
+        if shard_size is not None:
+            raise bad_value("--shard-size", shard_size, "only with --strategy hybrid_shard")
+        return None
+    if shard_size is None:
+        shard_size = min(gpus, NODE_GPUS) if isinstance(gpus, int) else None
+    if not isinstance(shard_size, int) or shard_size < 1 or not isinstance(gpus, int) \
+            or gpus % shard_size:
+        raise bad_value("--shard-size", shard_size, f"a divisor of --gpus ({gpus})")
+    return shard_size
 
 
 def _resident_floor(num_parameters: int, world: int) -> dict[str, int]:
@@ -268,14 +295,16 @@ def _check(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq) -> None:
 
 def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_shard",
                   precision: str = "bf16", ac: str = "none", seq: int | None = None,
-                  device_type: str = "cuda", limit: int = 4096) -> tuple[int, Plan | None]:
+                  device_type: str = "cuda", limit: int = 4096,
+                  shard_size: int | None = None) -> tuple[int, Plan | None]:
     """The largest per-rank batch that fits (0 when even batch 1 does not), and its plan.
 
     Doubling until a batch does not fit, then bisection between the last fit and the first miss:
     about 2 * log2(batch) plans.
     """
     def run(b: int) -> Plan:
-        return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type)
+        return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
+                    shard_size)
 
     first = run(1)
     if not first.fits:
@@ -309,6 +338,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="memory per GPU: 80GB (10^9), 80GiB (2^30), 24e9...; default 80GB")
     parser.add_argument("--strategy", default="full_shard",
                         help=f"one of {', '.join(STRATEGIES)}; default full_shard")
+    parser.add_argument("--shard-size", default=None,
+                        help="hybrid_shard only: GPUs that shard among themselves, a divisor of "
+                             f"--gpus (default {NODE_GPUS}, one node, or --gpus if fewer)")
     parser.add_argument("--precision", default="bf16", help=f"one of {', '.join(PRECISIONS)}")
     parser.add_argument("--ac", default="none", help=f"activation checkpointing: {', '.join(AC_MODES)}")
     parser.add_argument("--batch", default="1", help="per-rank batch size; default 1")
@@ -334,9 +366,11 @@ def _int_arg(flag: str, text: str | None) -> int | None:
 def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
     kw = dict(model=args.model, gpus=_int_arg("--gpus", args.gpus),
               gpu_memory_bytes=parse_memory(args.gpu_memory), strategy=args.strategy,
-              precision=args.precision, ac=args.ac, seq=_int_arg("--seq", args.seq))
+              precision=args.precision, ac=args.ac, seq=_int_arg("--seq", args.seq),
+              shard_size=_int_arg("--shard-size", args.shard_size))
     batch = _int_arg("--batch", args.batch)
     get_model_spec(kw["model"])
+    _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"])
     _check(kw["gpus"], kw["gpu_memory_bytes"], kw["strategy"], kw["precision"], kw["ac"], batch,
            kw["seq"])
     if args.max_batch:
@@ -347,8 +381,9 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
 
 def format_plan(p: Plan, largest: int | None = None) -> str:
     lines = [f"{p.model} ({p.parameters_total:,} parameters) on {p.gpus} x "
-             f"{fmt_bytes(p.gpu_memory_bytes)}: {p.strategy}, {p.precision}, AC {p.ac}, "
-             f"batch {p.batch} x seq {p.seq} per rank",
+             f"{fmt_bytes(p.gpu_memory_bytes)}: {p.strategy}"
+             f"{f' (shard groups of {p.shard_size})' if p.shard_size else ''}, {p.precision}, "
+             f"AC {p.ac}, batch {p.batch} x seq {p.seq} per rank",
              f"{'category':<14}{'peak per rank' if p.detail else 'at least':>16}{'share':>8}"]
     total = max(p.peak_bytes["total"], 1)
     for c in CATEGORY_ORDER:
