@@ -1,20 +1,27 @@
 """Lesson 10's promises: the training program learns, a crashed run resumes to the very same numbers,
 and a bad config value is one line and exit 2.
 
-Four torchrun launches in all: the notebook's quick run (30 steps, a checkpoint every 10), a run of
-the same configuration that crashes after step 15, its --resume from the step-10 checkpoint, and
-the same training through every other switch at once (FSDP1, selective checkpointing, gradient
-accumulation, prefetch, profiler).
+Five torchrun launches in all: the notebook's quick run (30 steps, a checkpoint every 10), the same
+run killed from outside (SIGKILL to its process group) once its first checkpoint is published, its
+--resume, a short run that crashes itself (--crash-after-step), and the same training through every
+other switch at once (FSDP1, selective checkpointing, gradient accumulation, prefetch, profiler).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, cli, notebook_results, notebook_run_dir
 
-QUICK_STEPS, CKPT_EVERY, CRASH_AFTER = 30, 10, 15
+QUICK_STEPS, CKPT_EVERY = 30, 10
 
 
 @pytest.fixture(scope="module")
@@ -53,28 +60,82 @@ def test_schedule_warms_up_then_decays(results):
     assert lrs[-1] < 0.2 * peak
 
 
-def test_crash_then_resume_matches_the_uninterrupted_run(results, tmp_path_factory):
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (Linux /proc). torchrun starts each rank in a session of its
+    own, so killing the launcher's process group would leave the ranks running."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        try:
+            children = Path(f"/proc/{tree[i]}/task/{tree[i]}/children").read_text().split()
+        except OSError:
+            children = []
+        tree += [int(c) for c in children]
+        i += 1
+    return tree
+
+
+def _kill_after_first_checkpoint(out: Path) -> int:
+    """Start the quick run and SIGKILL the whole job (the CLI, torchrun and every rank) as soon as
+    a checkpoint has been published, as a preempting scheduler would. Returns the step of the
+    first checkpoint seen."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "utilities", "run", "10", "--device", "cpu",
+                             "--quick", "--out", str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = out / "checkpoints"
+    deadline = time.monotonic() + 300
+    try:
+        while not (ckpts.is_dir() and any(ckpts.glob("step_*"))):
+            assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before any checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint after 300 s"
+            time.sleep(0.01)
+    finally:
+        for pid in reversed(_process_tree(proc.pid)):  # the ranks first, then their launchers
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    return int(sorted(ckpts.glob("step_*"))[0].name.removeprefix("step_"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks through /proc")
+def test_killed_then_resumed_matches_the_uninterrupted_run(results, tmp_path_factory):
+    """Kill the process group mid-run, from outside; --resume from the latest complete checkpoint
+    gives the very same losses, learning rates and evals as the uninterrupted run from there on."""
     reference = results["variants"][0]
     assert reference["checkpoints"] == [10, 20, 30]
-    out = tmp_path_factory.mktemp("run10_crash")
-    crashed = cli("run", "10", "--device", "cpu", "--quick", "--out", str(out), "--",
-                  "--crash-after-step", str(CRASH_AFTER), timeout=300)
-    assert crashed.returncode != 0  # every rank hard-exited after step 15, as in a crash
-    assert not (out / "results.json").exists()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000010"]
+    out = tmp_path_factory.mktemp("run10_killed")
+    assert _kill_after_first_checkpoint(out) == CKPT_EVERY
+    assert not (out / "results.json").exists()  # killed before the end
+    done = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+    start = int(done[-1].removeprefix("step_"))  # a save cut short stays a .tmp and is not used
+    assert start in (10, 20), done
 
     resumed = cli("run", "10", "--device", "cpu", "--quick", "--out", str(out), "--", "--resume",
                   timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     v = json.loads((out / "results.json").read_text())["variants"][0]
-    assert v["start_step"] == CKPT_EVERY and v["resumed_from"].endswith("step_000010")
-    # Steps 11..30 again: same weights, optimizer state, schedule and batches -> same numbers.
-    assert v["losses"] == pytest.approx(reference["losses"][CKPT_EVERY:], abs=1e-5)
-    assert v["lrs"] == pytest.approx(reference["lrs"][CKPT_EVERY:], rel=1e-9)
-    expected = [e for e in reference["eval_losses"] if e[0] > CKPT_EVERY]
-    assert [e[0] for e in v["eval_losses"]] == [e[0] for e in expected] == [20, 30]
+    assert v["start_step"] == start and v["resumed_from"].endswith(done[-1])
+    # Steps start+1..30 again: same weights, optimizer state, schedule and batches -> same numbers.
+    assert v["losses"] == pytest.approx(reference["losses"][start:], abs=1e-5)
+    assert v["lrs"] == pytest.approx(reference["lrs"][start:], rel=1e-9)
+    expected = [e for e in reference["eval_losses"] if e[0] > start]
+    assert [e[0] for e in v["eval_losses"]] == [e[0] for e in expected]
     assert [e[1] for e in v["eval_losses"]] == pytest.approx([e[1] for e in expected], abs=1e-5)
+
+    # and resuming a run that is already complete has nothing to do, and says so
+    again = cli("run", "10", "--device", "cpu", "--quick", "--out", str(out), "--", "--resume",
+                timeout=300)
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr[-2000:]
+
+
+def test_crash_flag_leaves_only_the_checkpoints_before_it(tmp_path):
+    """--crash-after-step (every rank hard-exits, deterministic): what a crash leaves on disk."""
+    crashed = cli("run", "10", "--device", "cpu", "--quick", "--out", str(tmp_path), "--",
+                  "--steps", "12", "--ckpt-every", "5", "--crash-after-step", "11", timeout=300)
+    assert crashed.returncode != 0 and not (tmp_path / "results.json").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000005",
+                                                                           "step_000010"]
 
 
 # FSDP1 vs FSDP2, checkpointing and 2 x 4 accumulated micro-batches instead of 1 x 8 change the

@@ -351,6 +351,11 @@ def main(cfg: Config) -> None:
     if latest is not None:
         start_step, consumed = load_checkpoint(latest, model, optimizer, scheduler)
         D.print0(f"resumed from {latest} (step {start_step}, {consumed} batches consumed)")
+        if start_step >= cfg.steps:
+            D.print0(f"nothing to do: the checkpoint is at step {start_step} and --steps is "
+                     f"{cfg.steps} (raise --steps to train further); {out} is left as it is")
+            D.teardown()
+            return
     elif cfg.resume:
         D.print0(f"--resume: no checkpoint in {ckpt_dir}, starting from step 0")
     elif latest_checkpoint(ckpt_dir) is not None:
