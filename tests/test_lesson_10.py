@@ -1,10 +1,11 @@
 """Lesson 10's promises: the training program learns, a crashed run resumes to the very same numbers,
 and a bad config value is one line and exit 2.
 
-Five torchrun launches in all: the notebook's quick run (30 steps, a checkpoint every 10), the same
-run killed from outside (SIGKILL to its process group) once its first checkpoint is published, its
---resume, a short run that crashes itself (--crash-after-step), and the same training through every
-other switch at once (FSDP1, selective checkpointing, gradient accumulation, prefetch, profiler).
+Six torchrun launches in all: the notebook's quick run (30 steps, a checkpoint every 10), the same
+run killed from outside (SIGKILL to the CLI, torchrun and every rank) once its first checkpoint is
+published, its --resume, the --resume of the then finished run, a short run that crashes itself
+(--crash-after-step), and the same training through every other switch at once (FSDP1, selective
+checkpointing, gradient accumulation, prefetch, profiler).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _kill_after_first_checkpoint(out: Path) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks through /proc")
 def test_killed_then_resumed_matches_the_uninterrupted_run(results, tmp_path_factory):
-    """Kill the process group mid-run, from outside; --resume from the latest complete checkpoint
+    """Kill the whole job mid-run, from outside; --resume from the latest complete checkpoint
     gives the very same losses, learning rates and evals as the uninterrupted run from there on."""
     reference = results["variants"][0]
     assert reference["checkpoints"] == [10, 20, 30]

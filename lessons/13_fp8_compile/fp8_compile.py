@@ -15,7 +15,7 @@ Variants, each trained on the same data from the same weights:
     compiled       the same, each transformer block torch.compile'd
     fp8-compiled   torchao Float8Linear (tensorwise, float8 all-gather) + compile: GPU sm_89+ only
 
-On CPU the lesson runs eager and compiled (fp32: inductor's CPU code is fastest to build in fp32)
+On CPU the lesson runs eager and compiled in bf16 (--precision fp32 makes them agree to ~1e-7)
 and records why FP8 was skipped. Compile time is the first step, reported apart from the timed steps.
 
 Run: fsdp-course run 13 [--quick]   or   fsdp-course run 13 -- --hidden 1024,4096 (GPU)
