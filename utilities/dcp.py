@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from .distributed import world_size
 from .errors import UsageError
 
 METADATA = ".metadata"
@@ -270,11 +271,7 @@ def load_fsdp1_local(model: nn.Module, path: str | os.PathLike) -> None:
     except (RuntimeError, ValueError, KeyError) as e:
         reason = " ".join(str(e).split())[:200]
         raise UsageError(f"local state dict {path} does not fit this model and world size "
-                         f"({_world()} rank(s)): {reason}") from None
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+                         f"({world_size()} rank(s)): {reason}") from None
 
 
 def _rank() -> int:

@@ -179,8 +179,8 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     within a group of ``shard_size`` ranks (default: one node of 8, or all GPUs if fewer),
     replicas across the groups."""
     spec = get_model_spec(model)
-    shard_size = _shard_size(strategy, gpus, shard_size)
     _check(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq)
+    shard_size = _shard_size(strategy, gpus, shard_size)
     seq = seq or spec.default_seq_len
     device, notes = _fake_device(device_type)
     if strategy == "no_shard":
@@ -246,15 +246,14 @@ def _simulate(spec, world, strategy, precision, ac, batch, seq, device,
 
 
 def _shard_size(strategy: str, gpus: int, shard_size: int | None) -> int | None:
-    """hybrid_shard's shard group size (checked), None for the other strategies."""
+    """hybrid_shard's shard group size (checked; ``gpus`` already is), None for the others."""
     if strategy != "hybrid_shard":
         if shard_size is not None:
             raise bad_value("--shard-size", shard_size, "only with --strategy hybrid_shard")
         return None
     if shard_size is None:
-        shard_size = min(gpus, NODE_GPUS) if isinstance(gpus, int) else None
-    if not isinstance(shard_size, int) or shard_size < 1 or not isinstance(gpus, int) \
-            or gpus % shard_size:
+        shard_size = min(gpus, NODE_GPUS)
+    if not isinstance(shard_size, int) or shard_size < 1 or gpus % shard_size:
         raise bad_value("--shard-size", shard_size, f"a divisor of --gpus ({gpus})")
     return shard_size
 
@@ -370,9 +369,9 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
               shard_size=_int_arg("--shard-size", args.shard_size))
     batch = _int_arg("--batch", args.batch)
     get_model_spec(kw["model"])
-    _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"])
     _check(kw["gpus"], kw["gpu_memory_bytes"], kw["strategy"], kw["precision"], kw["ac"], batch,
            kw["seq"])
+    _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"])
     if args.max_batch:
         best, p = largest_batch(**kw)
         return p, best

@@ -116,9 +116,9 @@ def main(args) -> None:
     if widths and on_gpu and args.seq_len is None:
         args.seq_len = GPU_SEQ_LEN
     if args.precision == "auto":  # bf16 on CPU too: the part of the lesson a laptop can run
-        from utilities.bf16 import bf16_ready
+        from utilities.precision import default_policy
 
-        precision = "bf16" if not on_gpu or bf16_ready() else "fp32"
+        precision = default_policy()[0] if on_gpu else "bf16"
     else:
         precision = args.precision
     fp8_ok, fp8_reason = fp8_available("cuda" if on_gpu else "cpu")
