@@ -41,7 +41,11 @@ def run_lesson(number: str, out: Path, *lesson_flags: str, nproc: int = 2, quick
         args += ["--", *lesson_flags]
     proc = cli(*args, timeout=timeout)
     assert proc.returncode == 0, f"lesson {number} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    return json.loads((out / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
+    # Every lesson run in the suite is also a leak test: a finished variant leaves nothing alive.
+    for name, rel in (results.get("releases") or {}).items():
+        assert rel["leaked_objects"] == 0 and rel["leaked_tensors"] == 0, (number, name, rel)
+    return results
 
 
 def variant(results: dict, name: str) -> dict:

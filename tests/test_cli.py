@@ -71,6 +71,7 @@ def test_check_reports_versions_and_bf16():
         (["run", "01", "--device", "tpu"], ["tpu", "cuda"]),
         (["run", "01", "--", "--steps", "0"], ["0", "integers >= 1"]),
         (["run", "01", "--", "--model", "gpt-17"], ["gpt-17", "t5-tiny"]),
+        (["run", "01", "--out", "/proc/forbidden"], ["--out", "/proc/forbidden"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, must_mention):
@@ -89,11 +90,87 @@ def test_cuda_requests_without_gpu_are_refused():
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr and "\n" not in proc.stderr.strip()
 
 
-def test_nproc_larger_than_gpus_is_refused(monkeypatch, capsys):
+def test_nproc_larger_than_gpus_shares_them(monkeypatch, capsys, tmp_path):
+    """More ranks than GPUs: they share the GPUs over gloo (issue 15; tests/test_shared_gpu_cpu.py
+    has the rest), planned first, and say so on the first line."""
     from utilities import cli as cli_module
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    rc = cli_module.main(["run", "01", "--device", "cuda", "--nproc", "4"])
+    monkeypatch.setattr(cli_module, "check_fit", lambda *a, **k: "planned: stub")
+    calls = []
+    monkeypatch.setattr(cli_module.subprocess, "call", lambda cmd, env=None: calls.append(cmd) or 0)
+    rc = cli_module.main(["run", "01", "--device", "cuda", "--nproc", "4", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "--nproc-per-node=4" in calls[0]
+    assert out.startswith("4 ranks share 2 GPUs (2 per GPU) over gloo (cpu:gloo,cuda:gloo")
+
+
+def test_unwritable_out_is_refused_before_launch(monkeypatch, capsys, tmp_path):
+    """`--out` that cannot be written: one line, exit 2, nothing started (issue 14 item 5). A
+    folder under a regular file cannot be created even by root."""
+    from utilities import cli as cli_module
+
+    calls = []
+    monkeypatch.setattr(cli_module.subprocess, "call", lambda cmd, env=None: calls.append(cmd) or 0)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for argv in (["run", "01", "--quick", "--device", "cpu", "--out", str(blocker / "out")],
+                 ["run", "all", "--quick", "--device", "cpu", "--out", str(blocker / "out")]):
+        rc = cli_module.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and not calls, err
+        assert err.startswith(f"error: --out '{blocker / 'out'}' is not allowed") and "\n" not in err
+
+
+def _results(tmp_path):
+    from utilities.results import Results
+    from utilities.training import TrainStats
+
+    r = Results("01", "transformer auto-wrap", torch.device("cpu"), 2, "t5-tiny", 1_887_232, {})
+    r.add("per-block", TrainStats(losses=[2.0, 1.0], step_times_s=[0.1],
+                                  peak_memory_bytes={"total": 123}))
+    return r
+
+
+def test_results_go_to_a_fallback_when_out_fails_at_the_end(tmp_path, monkeypatch, capsys):
+    """The run's end: ``--out`` passed the launcher's check but cannot be written now. What was
+    measured is kept: written under the temporary directory, with one line saying where."""
+    import json
+    import tempfile
+
+    from utilities.results import table
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    blocker = tmp_path / "gone"
+    blocker.write_text("")  # the output folder's place is now taken by a file
+    r = _results(tmp_path)
+    path = r.write(blocker)
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and "--nproc 4" in err and "1..2" in err and "\n" not in err
+    assert path.parent.parent == tmp_path / "tmp" and path.name == "results.json"
+    saved = json.loads(path.read_text())
+    assert saved["variants"][0]["name"] == "per-block" and saved["variants"][0]["losses"] == [2.0, 1.0]
+    assert err.startswith(f"warning: could not write {blocker / 'results.json'}") and "\n" not in err
+    assert str(path) in err and str(path) in saved["notes"][-1]
+    assert "per-block" in table(r.data)  # what the lesson then prints, as usual
+    # a writable folder is used as before, with no note
+    ok = _results(tmp_path).write(tmp_path / "ok")
+    assert ok == tmp_path / "ok" / "results.json" and json.loads(ok.read_text())["notes"] == []
+
+
+def test_results_are_printed_when_no_copy_can_be_written(tmp_path, monkeypatch, capsys):
+    import json
+    import tempfile
+
+    def no_temp(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_temp)
+    blocker = tmp_path / "gone"
+    blocker.write_text("")
+    with pytest.raises(OSError):
+        _results(tmp_path).write(blocker)
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["variants"][0]["losses"] == [2.0, 1.0]
+    assert captured.err.strip().startswith("error: could not write")

@@ -1,4 +1,12 @@
-"""``fsdp-course``: list the lessons, run one (through torchrun), check the environment."""
+"""``fsdp-course``: list the lessons, run one (through torchrun), check the environment.
+
+``run`` decides how many ranks to start and where before it starts any (``decide_launch``): on
+CPU 2 gloo ranks; on CUDA one rank per GPU, except that a machine with one GPU runs a per-rank
+memory lesson as 2 ranks sharing it (``LessonInfo.one_gpu_nproc``), and ``--nproc`` above the GPU
+count makes the ranks share the GPUs (over gloo: NCCL refuses two ranks on one device). Ranks
+that share a GPU are first planned (``check_fit``: the memory planner, with the GPU's free memory)
+and refused in one line if they would not fit.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import LESSONS, LessonInfo, get_lesson
-from .distributed import DEVICES, resolve_device
+from .catalog import LESSONS, LessonInfo, get_lesson, run_defaults
+from .distributed import BACKENDS, DEVICES, SHARED_GPU_NOTE, ranks_per_gpu, resolve_backend, resolve_device
 from .errors import UsageError, bad_value
 from .models import MODELS, get_model_spec
 
@@ -43,7 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("lesson", help="lesson number (01..14) or 'all'")
     run.add_argument("--quick", action="store_true", help="the small CPU-sized configuration")
     run.add_argument("--nproc", type=int, default=None,
-                     help="processes (ranks) on this node; default: number of GPUs, or 2 on CPU")
+                     help="processes (ranks) on this node; default: number of GPUs (on one GPU: "
+                          "2 sharing it for the per-rank memory lessons 01, 06, 11, 14), or 2 on "
+                          "CPU; more than the GPUs: ranks share them over gloo")
     run.add_argument("--out", default=None, help="output directory (default runs/NN_topic)")
     run.add_argument("--device", default="auto", choices=DEVICES, help="force cpu or cuda")
     run.add_argument("--model", default=None, help="named model (fsdp-course list --models)")
@@ -148,33 +160,131 @@ def _run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.model is not None:
         get_model_spec(args.model)
-    nproc = _nproc(args.nproc, device)
+    if args.nproc is not None and args.nproc < 1:
+        raise bad_value("--nproc", args.nproc, "integers >= 1")
     if args.lesson == "all":
-        return _run_all(args, device, nproc, flags)
+        return _run_all(args, device, args.nproc, flags)
     info = get_lesson(args.lesson)
     if not info.ready:
         ready = [n for n, i in LESSONS.items() if i.ready]
         raise bad_value("lesson", args.lesson, f"{', '.join(ready)} (lesson {info.number} is "
                                                "not written yet)")
     out = Path(args.out or Path("runs") / info.folder)
+    nproc = decide_launch(info, device, args.nproc).nproc
     return launch(info, device, nproc, out, args.quick, args.model, flags)
 
 
-def _nproc(nproc: int | None, device: str) -> int:
-    import torch
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How a lesson will be started: where, how many ranks, how many share each GPU, and the
+    backend its ``setup()`` will ask for (the same decision, from the same numbers)."""
 
-    if device == "cuda":
-        gpus = torch.cuda.device_count()
-        if nproc is None:
-            return gpus
-        if not 1 <= nproc <= gpus:
-            raise bad_value("--nproc", nproc, f"1..{gpus} (GPUs visible here)")
-        return nproc
-    if nproc is None:
-        return 2
-    if nproc < 1:
+    device: str
+    nproc: int
+    gpus: int  # visible GPUs; 0 on CPU
+    ranks_per_gpu: int  # 1 unless ranks share a GPU
+    backend: str
+
+    @property
+    def shared(self) -> bool:
+        return self.ranks_per_gpu > 1
+
+    def first_line(self) -> str | None:
+        """What a run prints first when its ranks share GPUs (None otherwise)."""
+        if not self.shared:
+            return None
+        return (f"{self.nproc} ranks share {self.gpus} GPU{'s' if self.gpus > 1 else ''} "
+                f"({self.ranks_per_gpu} per GPU) over gloo ({self.backend}; NCCL refuses two "
+                f"ranks on one device): memory per rank is real, {SHARED_GPU_NOTE}")
+
+
+def decide_launch(info: LessonInfo | None, device: str, nproc: int | None = None,
+                  gpus: int | None = None, backend: str = "auto") -> LaunchPlan:
+    """Ranks, ranks per GPU and backend for a lesson on ``device`` (``cpu`` or ``cuda``).
+
+    No GPU is touched: the count comes from ``torch.cuda.device_count()`` (or ``gpus``)."""
+    if nproc is not None and nproc < 1:
         raise bad_value("--nproc", nproc, "integers >= 1")
-    return nproc
+    if device != "cuda":
+        n = nproc or 2
+        return LaunchPlan(device, n, 0, 1, resolve_backend(device, backend))
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    if nproc is None:
+        nproc = info.one_gpu_nproc if (gpus == 1 and info is not None) else gpus
+    per_gpu = ranks_per_gpu(nproc, gpus)
+    return LaunchPlan(device, nproc, gpus, per_gpu, resolve_backend(device, backend, per_gpu > 1))
+
+
+def gpu_free_bytes() -> list[int]:
+    """Free memory of each visible GPU (``torch.cuda.mem_get_info``), read in a child process:
+    asking here would give this launcher a CUDA context (several hundred MiB of the GPU) for as
+    long as the lesson runs."""
+    code = ("import json, torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] "
+            "for i in range(torch.cuda.device_count())]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise UsageError(f"could not read the GPUs' free memory: {proc.stderr.strip()[-300:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _lesson_settings(flags: list[str]) -> argparse.Namespace:
+    """The lesson flags the launcher needs to plan (already validated by the lesson's parser)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--backend", default="auto")
+    return p.parse_known_args(flags)[0]
+
+
+def check_fit(info: LessonInfo, plan: LaunchPlan, quick: bool, model: str | None,
+              flags: list[str], free_bytes: list[int] | None = None) -> str:
+    """Refuse, in one line, ranks sharing a GPU that would not fit in its free memory.
+
+    Each rank is planned by ``utilities.planner.plan`` as one of ``nproc`` ranks with the
+    lesson's model, batch and sequence (fp32, ``full_shard`` per block, no checkpointing: the
+    lightest of a lesson's usual variants, so a refusal is never wrong by the plan; a heavier
+    variant, e.g. lesson 06's no_shard, may still run out). Its budget is the least free GPU
+    memory divided by the ranks per GPU, of which the planner counts 90% usable (the rest: each
+    process's CUDA context, the allocator's fragmentation). The fake tensors live on CPU, so the
+    launcher never touches the GPU. Returns the line to print when it fits.
+    """
+    from .measure import fmt_bytes
+    from .planner import plan as plan_memory
+
+    lesson = _lesson_settings(flags)
+    default_model, default_batch = run_defaults(info, quick)
+    name = lesson.model or model or default_model
+    batch = lesson.batch_size or default_batch
+    free = min(free_bytes if free_bytes is not None else gpu_free_bytes())
+    share = max(1, free // plan.ranks_per_gpu)
+    p = plan_memory(name, plan.nproc, share, strategy="full_shard", precision="fp32", ac="none",
+                    batch=batch, seq=lesson.seq_len, device_type="cpu")
+    need = p.peak_bytes["total"]
+    what = (f"{plan.nproc} ranks of {name} (batch {batch} x seq {p.seq}, fp32, full_shard), "
+            f"{plan.ranks_per_gpu} per GPU,")
+    if not p.fits:
+        raise UsageError(
+            f"--nproc {plan.nproc} is not allowed: {what} need {fmt_bytes(need)} each by the "
+            f"planner, but a GPU has {fmt_bytes(free)} free ({fmt_bytes(p.budget_bytes)} usable "
+            "per rank); allowed: fewer ranks, a smaller --batch-size or --model")
+    return (f"planned: {what} need {fmt_bytes(need)} each; {fmt_bytes(free)} free per GPU, "
+            f"{fmt_bytes(p.budget_bytes)} usable per rank")
+
+
+def check_output_dir(out: Path) -> None:
+    """Refuse an output folder that cannot be written, before a long run fills it (one line)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {str(out)!r} is not allowed: it cannot be written "
+                         f"({type(e).__name__}: {e.strerror or e}); allowed: a folder you can "
+                         "write to") from None
 
 
 def _validate_lesson_flags(info: LessonInfo, argv: list[str]) -> None:
@@ -200,10 +310,19 @@ def lesson_command(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
 
 def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
            model: str | None, flags: list[str]) -> int:
+    """Start the lesson through torchrun, after every check that can fail in one line: the output
+    folder, the lesson's flags and, for ranks sharing a GPU, whether they fit."""
     cmd = lesson_command(info, device, nproc, out, quick, model, flags)
     if "-h" in flags or "--help" in flags:
         return subprocess.call([sys.executable, str(info.script_path), *flags])
+    check_output_dir(out)
     _validate_lesson_flags(info, cmd[cmd.index(str(info.script_path)) + 1:])
+    backend = _lesson_settings(flags).backend
+    plan = decide_launch(info, device, nproc, backend=backend if backend in BACKENDS else "auto")
+    if plan.shared:
+        fit = check_fit(info, plan, quick, model, flags)
+        print(plan.first_line(), flush=True)
+        print(fit, flush=True)
     env = dict(os.environ)
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
@@ -214,17 +333,23 @@ def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
     return subprocess.call(cmd, env=env)
 
 
-def _run_all(args, device: str, nproc: int, flags: list[str]) -> int:
+def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
     from .results import load
 
     summary = []
     failed = []
     base = Path(args.out or "runs")
+    check_output_dir(base)
     for num, info in LESSONS.items():
         if not info.ready:
             continue
         out = base / info.folder
-        rc = launch(info, device, nproc, out, args.quick, args.model, flags)
+        n = decide_launch(info, device, nproc).nproc
+        try:
+            rc = launch(info, device, n, out, args.quick, args.model, flags)
+        except UsageError as e:  # e.g. ranks that would not fit: this lesson fails, the rest run
+            print(f"error: lesson {num}: {e}", file=sys.stderr, flush=True)
+            rc = 2
         if rc != 0:
             failed.append(num)
             summary.append((num, info.title, "FAILED", "", ""))

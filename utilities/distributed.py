@@ -3,11 +3,22 @@
 Lessons never branch on the hardware themselves: ``setup()`` picks NCCL + cuda when GPUs are there
 and gloo + cpu otherwise, and both are overridable, so the same script teaches on a laptop and on a
 GPU node.
+
+On CUDA the process group always has a CPU backend too (``cpu:gloo,cuda:nccl``): the course runs
+CPU-side collectives there (``dcp.async_save`` stages the checkpoint through host memory and needs
+one; lesson 09's evaluation all-reduces a CPU tensor), and an NCCL-only group refuses both.
+
+When torchrun starts more ranks on a node than it has GPUs, they share the GPUs (rank i on GPU
+``i % GPUs``) over gloo for both devices (``cpu:gloo,cuda:gloo``): NCCL refuses two ranks on one
+device. Every rank is its own process with its own caching allocator, so its memory figures are
+true per-rank figures; its collectives go through the host, so its step times are not.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
+import math
 import os
 from dataclasses import dataclass
 
@@ -18,21 +29,40 @@ from .errors import UsageError, bad_value
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
+# What ``--backend auto`` asks for on CUDA: NCCL for GPU tensors, gloo for the CPU-side collectives.
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+# ... and with ranks sharing a GPU, where NCCL refuses to run: gloo for both.
+SHARED_GPU_BACKEND = "cpu:gloo,cuda:gloo"
+SHARED_GPU_NOTE = "step times host-staged: not comparable"
 
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process runs: its rank, the world size, its device and the backend."""
+    """Where this process runs: its rank, the world size, its device and the backend (the exact
+    string given to ``init_process_group``), and how many ranks of this node share its GPU."""
 
     rank: int
     local_rank: int
     world_size: int
     device: torch.device
     backend: str
+    ranks_per_gpu: int = 1  # > 1 only when ranks share a GPU (see ``ranks_per_gpu``)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def shares_gpu(self) -> bool:
+        return self.device.type == "cuda" and self.ranks_per_gpu > 1
+
+    def shared_gpu_note(self) -> str | None:
+        """The sentence a run whose ranks share a GPU prints first and records (None otherwise)."""
+        if not self.shares_gpu:
+            return None
+        return (f"{self.world_size} ranks, {self.ranks_per_gpu} per GPU, over {self.backend} "
+                f"(NCCL refuses two ranks on one device): memory per rank is the allocator's "
+                f"own; {SHARED_GPU_NOTE}")
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -46,11 +76,31 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
-def resolve_backend(device: str, backend: str = "auto") -> str:
+def ranks_per_gpu(local_ranks: int, gpus: int) -> int:
+    """How many of a node's ``local_ranks`` ranks the busiest of its ``gpus`` GPUs carries
+    (rank i runs on GPU ``i % gpus``); 1 when every rank has a GPU of its own."""
+    if gpus < 1:
+        raise UsageError("no CUDA GPU is visible here; allowed: --device cpu")
+    return max(1, math.ceil(local_ranks / gpus))
+
+
+def resolve_backend(device: str, backend: str = "auto", shared_gpu: bool = False) -> str:
+    """The backend string for ``init_process_group``.
+
+    ``auto``: ``gloo`` on CPU; on CUDA ``cpu:gloo,cuda:nccl`` (a CPU backend beside NCCL, for
+    ``dcp.async_save`` and CPU-tensor all-reduces), or ``cpu:gloo,cuda:gloo`` when ranks share a
+    GPU. A forced ``gloo`` or ``nccl`` is used as given; ``nccl`` is refused on CPU and on a shared
+    GPU, where NCCL cannot run.
+    """
     if backend not in BACKENDS:
         raise bad_value("--backend", backend, BACKENDS)
+    if device == "cuda" and shared_gpu:
+        if backend == "nccl":
+            raise UsageError("--backend 'nccl' is not allowed with several ranks sharing a GPU "
+                             "(NCCL refuses two ranks on one device); allowed: gloo, auto")
+        return SHARED_GPU_BACKEND if backend == "auto" else backend
     if backend == "auto":
-        return "nccl" if device == "cuda" else "gloo"
+        return CUDA_BACKEND if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
         raise UsageError("--backend 'nccl' is not allowed with --device cpu; allowed: gloo")
     return backend
@@ -61,31 +111,41 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
 
     Under torchrun the rendezvous variables are already set; in a plain ``python`` process or a
     notebook we make a world of size 1 on a free local port so the same FSDP code runs unchanged.
+    On CUDA, when torchrun started more ranks on this node (``LOCAL_WORLD_SIZE``) than there are
+    visible GPUs, the ranks share them: every rank takes the same decision from the same numbers,
+    so all of them ask for the same backend.
     """
     dev = resolve_device(device)
-    be = resolve_backend(dev, backend)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
+    per_gpu = 1
     if dev == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(
-                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
-                "lower --nproc"
-            )
-        torch.cuda.set_device(local_rank)
-        torch_device = torch.device("cuda", local_rank)
+        gpus = torch.cuda.device_count()
+        local_ranks = os.environ.get("LOCAL_WORLD_SIZE")
+        if local_ranks is None:  # not torchrun: no way to know what the other ranks decide
+            if local_rank >= gpus:
+                raise UsageError(f"local rank {local_rank} has no GPU: only {gpus} visible; "
+                                 "lower --nproc, or launch with torchrun to share the GPUs")
+        else:
+            per_gpu = ranks_per_gpu(int(local_ranks), gpus)
+        index = local_rank % gpus
+        torch.cuda.set_device(index)
+        torch_device = torch.device("cuda", index)
     else:
         torch_device = torch.device("cpu")
+    be = resolve_backend(dev, backend, shared_gpu=per_gpu > 1)
     if not dist.is_initialized():
         kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
-        if dev == "cuda":
+        if dev == "cuda" and "nccl" in be:
+            # Binds NCCL to this GPU at once; gloo has no use for it (and older torch refuses
+            # eager connection on it), so a shared GPU goes without.
             kwargs["device_id"] = torch_device
         dist.init_process_group(backend=be, rank=rank, world_size=world_size, **kwargs)
-    return DistInfo(rank, local_rank, world_size, torch_device, be)
+    return DistInfo(rank, local_rank, world_size, torch_device, be, per_gpu)
 
 
 # Warnings that torch raises about its own internals, which a learner can do nothing about:
@@ -110,10 +170,14 @@ def quiet_torch_internal_warnings() -> None:
 
 
 def teardown() -> None:
-    """Leave the process group cleanly (a barrier first, so no rank exits mid-collective)."""
+    """Leave the process group cleanly: a barrier first, so no rank exits mid-collective; then
+    collect garbage, so no tensor or collective handle of a finished model is left for the
+    interpreter's own shutdown to destroy after the process group's threads are gone (a rank
+    that exits that way dies of SIGABRT: "terminate called without an active exception")."""
     if dist.is_initialized():
         try:
             dist.barrier()
+            gc.collect()
         finally:
             dist.destroy_process_group()
 

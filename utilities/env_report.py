@@ -52,8 +52,12 @@ def report() -> dict[str, object]:
     for num, info in LESSONS.items():
         if not info.ready:
             lessons[num] = "not yet written"
+        elif len(gpu_list) == 1 and info.memory_lesson:
+            lessons[num] = (f"runs here as {info.one_gpu_nproc} ranks sharing the GPU over gloo "
+                            "(per-rank memory is real; step times are not comparable)")
         elif gpu_list:
-            lessons[num] = f"runs here on {len(gpu_list)} GPU(s) with NCCL"
+            lessons[num] = (f"runs here on {len(gpu_list)} GPU(s) with NCCL (gloo for CPU-side "
+                            "collectives)")
         else:
             lessons[num] = "runs here on CPU (2 gloo ranks, tiny model)" + (
                 f"; {info.gpu_note}" if info.gpu_note else "")

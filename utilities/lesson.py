@@ -16,10 +16,11 @@ and prints the comparison on rank 0. A bad flag value ends the run with one line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from .catalog import LESSONS
 from .data import ReverseTask, batches, make_loader
 from .errors import UsageError, bad_value
 from .models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
+from .release import VariantScope, live_parameters
 from .results import Results, table
 from .training import TrainStats, train
 
@@ -134,13 +136,15 @@ class Lesson:
     def __init__(self, number: str, title: str, args: argparse.Namespace, *,
                  gpu_model: str = "t5-large", steps: int = 12, quick_steps: int = 6,
                  batch_size: int = 8, gpu_batch_size: int | None = None, lr: float = 3e-3,
-                 settings: dict[str, Any] | None = None):
+                 settings: dict[str, Any] | None = None, needs_ranks: str | None = None):
         self.number, self.title, self.args = number, title, args
         self._defaults = dict(gpu_model=gpu_model, steps=steps, quick_steps=quick_steps,
                               batch_size=batch_size, gpu_batch_size=gpu_batch_size or batch_size,
                               lr=lr)
         self._settings = settings or {}
+        self._needs_ranks = needs_ranks  # what this lesson cannot show on one rank
         self.results: Results | None = None
+        self._scope: VariantScope | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def __enter__(self) -> Lesson:
@@ -169,16 +173,34 @@ class Lesson:
                         **self._settings)
         self.results = Results(self.number, self.title, self.device, self.dist.world_size,
                                self.spec.name, self.spec.num_parameters, settings)
+        # -- issue 15 (ranks sharing a GPU; edit by the shared-GPU work): say so first, record it.
+        if self.dist.shares_gpu:
+            self.results.data["settings"]["ranks_per_gpu"] = self.dist.ranks_per_gpu
+            self.results.note(self.dist.shared_gpu_note())
+            self.print(self.dist.shared_gpu_note())
         self.print(f"lesson {self.number} ({self.title}): {self.spec.name} "
                    f"({self.spec.num_parameters:,} parameters), {self.dist.world_size} rank(s) on "
                    f"{self.device.type} with {self.dist.backend}, {self.steps} steps, batch "
                    f"{self.batch_size} x seq {self.seq_len}")
+        if self._needs_ranks and self.dist.world_size == 1:
+            self._one_rank_caveat()
+
+    def _one_rank_caveat(self) -> None:
+        """On one rank FSDP shards nothing and communicates nothing (FSDP1 switches to NO_SHARD,
+        FSDP2's collectives are local copies): say what the run cannot show, before any number."""
+        text = (f"one rank: nothing is sharded or communicated, so {self._needs_ranks} cannot show "
+                f"here; differences between variants below are not the lesson's effect. Run on 2 or "
+                f"more GPUs, or 2 ranks sharing one: fsdp-course run {self.number} --nproc 2")
+        self.results.data["single_rank"] = {"caveat": text, "needs": self._needs_ranks}
+        self.results.note(text)
+        self.print(f"note: {text}")
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is UsageError:
             self._fail(exc)
         try:
             if exc_type is None and self.results is not None and self.dist.is_main:
+                self.results.data["live_parameters_at_exit"] = live_parameters()
                 path = self.results.write(self.out)
                 print("\n" + table(self.results.data), flush=True)
                 print(f"\nresults written to {path}", flush=True)
@@ -204,6 +226,34 @@ class Lesson:
         random.seed(s)
         torch.manual_seed(s)
 
+    @contextlib.contextmanager
+    def variant(self, name: str) -> Iterator[VariantScope]:
+        """Run one variant and free it completely before the next one starts.
+
+        Every model and optimizer made through this lesson inside the block is tracked weakly; at
+        the end (after the lesson's own ``del``) they are freed, FSDP1's reference loops included,
+        and what survived is recorded on the block's results (``release``), so one variant's
+        memory can never inflate the next one's peak. On GPU it also records
+        ``torch.cuda.memory_allocated`` before and after.
+        """
+        first = len(self.results.data["variants"])
+        self._scope = scope = VariantScope(self.device).start()
+        try:
+            yield scope
+        finally:
+            self._scope = None
+            report = scope.release()
+            self.results.data.setdefault("releases", {})[name] = report
+            for entry in self.results.data["variants"][first:]:
+                entry["release"] = report
+            if report["leaked_tensors"] or report["leaked_objects"]:
+                self.print(f"    warning: {name} left {report['leaked_objects']} model/optimizer "
+                           f"object(s) and {report['leaked_tensors']} tensor(s) alive")
+
+    def _track(self, *objs: Any) -> None:
+        if self._scope is not None:
+            self._scope.track(*objs)
+
     def build_model(self, spec: ModelSpec | None = None) -> nn.Module:
         """The model with identical random weights on every rank, on this rank's device.
 
@@ -212,9 +262,9 @@ class Lesson:
         """
         spec = spec or self.spec
         self.seed()
-        if spec.num_parameters > META_INIT_THRESHOLD:
-            return spec.build(device="meta")
-        return spec.build(device=self.device)
+        model = spec.build(device="meta" if spec.num_parameters > META_INIT_THRESHOLD else self.device)
+        self._track(model)
+        return model
 
     def materialize(self, model: nn.Module) -> nn.Module:
         """Allocate a meta-built, already sharded model on this device and initialize it."""
@@ -222,6 +272,7 @@ class Lesson:
             model.to_empty(device=self.device)
             self.seed()
             init_weights(model)
+        self._track(model)
         return model
 
     def data(self, seed_offset: int = 0, mode: str | None = None, batch_size: int | None = None):
@@ -234,7 +285,10 @@ class Lesson:
         return batches(loader, self.device)
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=self.lr, foreach=self.device.type == "cuda")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr,
+                                      foreach=self.device.type == "cuda")
+        self._track(optimizer)
+        return optimizer
 
     def train(self, model: nn.Module, name: str, optimizer: torch.optim.Optimizer | None = None,
               **kwargs: Any) -> TrainStats:
@@ -243,6 +297,7 @@ class Lesson:
         kwargs.setdefault("flops_per_token", self.spec.flops_per_token(self.seq_len))
         stats = train(model, optimizer, self.data(), self.steps, self.device, progress=name,
                       **kwargs)
+        self._track(model, optimizer)  # now with its sharded parameters, gradients and state
         self.print(f"  {name}: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f}, "
                    f"median step {stats.step_time_s or 0:.4f}s")
         return stats

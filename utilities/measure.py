@@ -1,11 +1,17 @@
 """Peak memory by category: parameters, gradients, optimizer state, activations.
 
-On CPU there is no caching allocator to ask, so we use PyTorch's own trackers from
-``torch.distributed._tools``: ``FSDPMemTracker`` for FSDP2 models (it also separates sharded from
-unsharded parameters and the all-gather / reduce-scatter buffers) and ``MemTracker`` for everything
-else. They attribute every tensor allocation to a category and record the breakdown at the peak.
-On GPU the total comes from ``torch.cuda.max_memory_allocated`` (what the allocator really held)
-and the categories from the same tracker when asked, or from a census of the live tensors.
+The categories come from PyTorch's own trackers in ``torch.distributed._tools``, on CPU and GPU
+alike: ``FSDPMemTracker`` for FSDP2 models (it also separates sharded from unsharded parameters and
+the all-gather / reduce-scatter buffers) and ``MemTracker`` for everything else. They sit at the
+dispatcher, attribute every tensor allocation to a category, and record the breakdown at the peak;
+they are written for CUDA (they round each storage up to the caching allocator's 512-byte blocks).
+On CPU, where there is no allocator to ask, the tracker's total is the total. On GPU the total is
+``torch.cuda.max_memory_allocated`` (what the allocator really held, the figure every GPU
+comparison uses); the tracker's own total is kept beside it (``detail.tracker_total``), and
+``activations`` is what the tracker attributed to them. Where no tracker can follow the step (a
+``torch.compile``-d model on GPU: inductor allocates its buffers below the dispatcher), the
+categories are a census of the resident state and ``activations`` is the rest of the allocator's
+peak.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .release import TrackerHooks
 
 CATEGORIES = ("total", "parameters", "gradients", "optimizer", "activations")
 
@@ -55,9 +63,15 @@ class MemoryProbe:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  device: torch.device, use_tracker: bool | None = None):
         self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
-        self.use_tracker = self.device.type == "cpu" if use_tracker is None else use_tracker
+        self.why_census: str | None = None
+        if use_tracker is None:  # the same path on CPU and GPU, except where a tracker is blind
+            use_tracker = not (self.device.type == "cuda" and is_compiled(model))
+            if not use_tracker:
+                self.why_census = "torch.compile on GPU: inductor's buffers bypass the tracker"
+        self.use_tracker = use_tracker
         if self.use_tracker and not tracker_supported(model):
             self.use_tracker = False
+            self.why_census = "FSDP1 use_orig_params: this torch's MemTracker cannot follow it"
         self.peak: dict[str, Any] = {}
         self._tracker = None
 
@@ -71,13 +85,22 @@ class MemoryProbe:
             self._warnings.__enter__()
             # The module tracker warns for FSDP1's hook-less backward wrappers; the numbers stand.
             warnings.filterwarnings("ignore", message="Module is None")
+            self._hooks = TrackerHooks().__enter__()  # or the tracker keeps the model alive
             self._tracker.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         if self._tracker is not None:
-            self._tracker.__exit__(*exc)
-            self._warnings.__exit__(*exc)
+            try:
+                self._tracker.__exit__(*exc)
+            except Exception:
+                if exc[0] is None:
+                    raise
+                # The step already failed (a batch search's out-of-memory, say): let its own
+                # exception through, not the tracker's complaint about the half-done step.
+            finally:
+                self._hooks.__exit__(*exc)
+                self._warnings.__exit__(*exc)
         if exc[0] is not None:
             return
         resident = census(self.model, self.optimizer)
@@ -88,16 +111,27 @@ class MemoryProbe:
             self.peak["detail"]["method"] = type(self._tracker).__name__
         else:
             self.peak = dict(resident, detail={"method": "census"})
+            if self.why_census:
+                self.peak["detail"]["why_census"] = self.why_census
         # What stays allocated between steps: the sharded state each rank keeps.
         self.peak["detail"]["resident_after_step"] = {
             k: resident[k] for k in ("parameters", "gradients", "optimizer")}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            if self.use_tracker:
+                self.peak["detail"]["tracker_total"] = self.peak["total"]
             self.peak["total"] = int(torch.cuda.max_memory_allocated(self.device))
+            self.peak["detail"]["total_from"] = "torch.cuda.max_memory_allocated"
             self.peak["detail"]["max_reserved"] = int(torch.cuda.max_memory_reserved(self.device))
             if not self.use_tracker:
                 known = sum(self.peak[c] for c in ("parameters", "gradients", "optimizer"))
                 self.peak["activations"] = max(0, self.peak["total"] - known)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or any of its submodules is ``torch.compile``-d (in place or wrapped)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None
+               or type(m).__name__ == "OptimizedModule" for m in model.modules())
 
 
 def tracker_supported(model: nn.Module) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,35 @@ class Results:
         self.data["notes"].append(text)
 
     def write(self, out_dir: str | os.PathLike) -> Path:
-        return write_json(Path(out_dir) / "results.json", self.data)
+        """Write ``out_dir/results.json`` and return its path.
+
+        A run can take an hour; losing what it measured because the folder became unwritable at
+        the end (full disk, permissions, a removed mount) helps nobody. If the write fails, the
+        results go to a fresh folder under the system's temporary directory instead, with one
+        warning line saying why and where; the caller prints the table as usual. Only if that
+        fails too is the error raised, after the JSON is printed to stdout so nothing is lost.
+        """
+        target = Path(out_dir) / "results.json"
+        try:
+            return write_json(target, self.data)
+        except OSError as e:
+            first = e
+        try:
+            path = Path(tempfile.mkdtemp(prefix=f"fsdp-course-{self.data['lesson']}-")) / "results.json"
+            self.data["notes"].append(f"written to {path}: {target} was not writable ({_why(first)})")
+            write_json(path, self.data)
+        except OSError:
+            print(json.dumps(self.data, indent=2), flush=True)
+            print(f"error: could not write {target} ({_why(first)}) nor a fallback copy; the "
+                  "results are printed above", file=sys.stderr, flush=True)
+            raise first from None
+        print(f"warning: could not write {target} ({_why(first)}); results written to {path} "
+              "instead", file=sys.stderr, flush=True)
+        return path
+
+
+def _why(e: OSError) -> str:
+    return f"{type(e).__name__}: {e.strerror or e}"
 
 
 def write_json(path: Path, data: Any) -> Path:

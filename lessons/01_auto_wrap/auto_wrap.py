@@ -49,7 +49,8 @@ def parse_args(argv=None):
 
 def main(args) -> None:
     with Lesson("01", "transformer auto-wrap", args, gpu_model="t5-large", gpu_batch_size=8,
-                steps=12, quick_steps=5, batch_size=4) as L:
+                steps=12, quick_steps=5, batch_size=4,
+                needs_ranks="how wrapping bounds the unsharded parameters at the peak") as L:
         block = L.spec.block_class()
         block_params = sum(p.numel() for p in next(m for m in L.spec.build("meta").modules()
                                                    if isinstance(m, block)).parameters())
@@ -57,18 +58,19 @@ def main(args) -> None:
         L.print(f"block class: {block.__name__} ({block_params:,} parameters per block)")
 
         for name in args.variants:
-            api, policy = VARIANTS[name]
-            model = shard_model(L.build_model(), api=api, block_class=block, policy=policy,
-                                device=L.device, min_num_params=min_params)
-            model = L.materialize(model)
-            units = unit_parameter_counts(model)
-            stats = L.train(model, name)
-            unsharded = unsharded_parameter_bytes(stats.peak_memory_bytes)
-            L.results.add(name, stats, api=api, policy=policy, fsdp_units=len(fsdp_units(model)),
-                          largest_unit_parameters=max(units), peak_unsharded_parameter_bytes=unsharded)
-            L.print(f"    {len(units)} units, largest {max(units):,} params, unsharded params at "
-                    f"peak {fmt_bytes(unsharded)}")
-            del model
+            with L.variant(name):  # everything the variant made is freed before the next one
+                api, policy = VARIANTS[name]
+                model = shard_model(L.build_model(), api=api, block_class=block, policy=policy,
+                                    device=L.device, min_num_params=min_params)
+                model = L.materialize(model)
+                units = unit_parameter_counts(model)
+                stats = L.train(model, name)
+                unsharded = unsharded_parameter_bytes(stats.peak_memory_bytes)
+                L.results.add(name, stats, api=api, policy=policy, fsdp_units=len(fsdp_units(model)),
+                              largest_unit_parameters=max(units), peak_unsharded_parameter_bytes=unsharded)
+                L.print(f"    {len(units)} units, largest {max(units):,} params, unsharded params at "
+                        f"peak {fmt_bytes(unsharded)}")
+                del model
 
         L.results.note("peak_unsharded_parameter_bytes: all-gathered parameters alive at the "
                        "memory peak; one unit means the whole model is gathered at once.")

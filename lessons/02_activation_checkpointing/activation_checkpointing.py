@@ -93,16 +93,17 @@ def main(args) -> None:
         L.print(f"block class: {block.__name__}; selective = every {args.every} block(s)")
         peaks: dict[str, int | None] = {}
         for name in args.variants:
-            api, which = VARIANTS[name]
-            every = {"none": None, "every": args.every, "all": 1}[which]
-            model, n = build(L, api, every)
-            stats = L.train(model, name)
-            mem = stats.peak_memory_bytes
-            peaks[name] = mem.get("total")
-            L.results.add(name, stats, api=api, checkpointed_blocks=n)
-            L.print(f"    {n} checkpointed blocks, activations {fmt_bytes(mem.get('activations'))}, "
-                    f"peak {fmt_bytes(mem.get('total'))}")
-            del model
+            with L.variant(name):  # everything the variant made is freed before the next one
+                api, which = VARIANTS[name]
+                every = {"none": None, "every": args.every, "all": 1}[which]
+                model, n = build(L, api, every)
+                stats = L.train(model, name)
+                mem = stats.peak_memory_bytes
+                peaks[name] = mem.get("total")
+                L.results.add(name, stats, api=api, checkpointed_blocks=n)
+                L.print(f"    {n} checkpointed blocks, activations {fmt_bytes(mem.get('activations'))}, "
+                        f"peak {fmt_bytes(mem.get('total'))}")
+                del model
 
         if args.search == "on":
             search_largest_batch(L, args, peaks.get("fsdp2-none"))

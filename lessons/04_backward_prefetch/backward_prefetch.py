@@ -58,48 +58,51 @@ def parse_args(argv=None):
     return args
 
 
+def train_variant(L, name: str, args) -> None:
+    """Shard the model the way ``name`` says, train it, and record step time, memory and trace."""
+    api, option = VARIANTS[name]
+    block = L.spec.block_class()
+    fsdp1_options = option if api == "fsdp1" else {}
+    model = L.materialize(shard_model(L.build_model(), api=api, block_class=block,
+                                      device=L.device, **fsdp1_options))
+    extra = {"api": api}
+    if api == "fsdp2":
+        blocks = [m for m in model.modules() if isinstance(m, block)]  # forward order
+        if option == "explicit":
+            set_explicit_prefetch(blocks, args.prefetch_depth)
+        extra["prefetch_depth"] = args.prefetch_depth if option == "explicit" else None
+        extra["prefetch_plan"] = prefetch_plan(blocks)
+    else:
+        prefetch = fsdp1_options["backward_prefetch"]
+        extra["backward_prefetch"] = prefetch.name if prefetch else None
+        extra["forward_prefetch"] = fsdp1_options.get("forward_prefetch", False)
+
+    optimizer = L.optimizer(model)
+    stats = L.train(model, name, optimizer=optimizer)
+    extra["peak_unsharded_parameter_bytes"] = unsharded_parameter_bytes(stats.peak_memory_bytes)
+    if L.device.type == "cuda" or args.trace:
+        trace = profile_steps(model, optimizer, L.data(seed_offset=1), L.device,
+                              L.out / "traces" / f"{name}.rank{L.dist.rank}.json")
+        extra["trace"] = trace["trace"]
+        extra["exposed_comm_s_per_step"] = trace["exposed_comm_s_per_step"]
+        extra["comm_s_per_step"] = trace["comm_s_per_step"]
+    L.results.add(name, stats, **extra)
+    L.print(f"    peak {fmt_bytes(stats.peak_memory_bytes.get('total'))}, unsharded "
+            f"params at peak {fmt_bytes(extra['peak_unsharded_parameter_bytes'])}")
+
+
 def main(args) -> None:
     with Lesson("04", "backward prefetch", args, gpu_model="t5-large", gpu_batch_size=8,
                 steps=12, quick_steps=4, batch_size=4,
-                settings=dict(prefetch_depth=args.prefetch_depth)) as L:
-        block = L.spec.block_class()
-        on_gpu = L.device.type == "cuda"
-
+                settings=dict(prefetch_depth=args.prefetch_depth),
+                needs_ranks="prefetching (overlap of all-gathers with compute)") as L:
         for name in args.variants:
-            api, option = VARIANTS[name]
-            fsdp1_options = option if api == "fsdp1" else {}
-            model = L.materialize(shard_model(L.build_model(), api=api, block_class=block,
-                                              device=L.device, **fsdp1_options))
-            extra = {"api": api}
-            if api == "fsdp2":
-                blocks = [m for m in model.modules() if isinstance(m, block)]  # forward order
-                if option == "explicit":
-                    set_explicit_prefetch(blocks, args.prefetch_depth)
-                extra["prefetch_depth"] = args.prefetch_depth if option == "explicit" else None
-                extra["prefetch_plan"] = prefetch_plan(blocks)
-            else:
-                prefetch = fsdp1_options["backward_prefetch"]
-                extra["backward_prefetch"] = prefetch.name if prefetch else None
-                extra["forward_prefetch"] = fsdp1_options.get("forward_prefetch", False)
-
-            optimizer = L.optimizer(model)
-            stats = L.train(model, name, optimizer=optimizer)
-            extra["peak_unsharded_parameter_bytes"] = unsharded_parameter_bytes(stats.peak_memory_bytes)
-            if on_gpu or args.trace:
-                rank = L.dist.rank
-                trace = profile_steps(model, optimizer, L.data(seed_offset=1), L.device,
-                                      L.out / "traces" / f"{name}.rank{rank}.json")
-                extra["trace"] = trace["trace"]
-                extra["exposed_comm_s_per_step"] = trace["exposed_comm_s_per_step"]
-                extra["comm_s_per_step"] = trace["comm_s_per_step"]
-            L.results.add(name, stats, **extra)
-            L.print(f"    peak {fmt_bytes(stats.peak_memory_bytes.get('total'))}, unsharded "
-                    f"params at peak {fmt_bytes(extra['peak_unsharded_parameter_bytes'])}")
-            del model, optimizer
+            with L.variant(name):  # everything the variant made is freed before the next one
+                train_variant(L, name, args)
 
         L.results.note("Prefetching changes when all-gathers are issued, never what is computed: "
                        "every variant's losses match.")
-        if not on_gpu:
+        if L.device.type != "cuda":
             L.results.note("CPU run: gloo runs each collective synchronously on the calling thread, "
                            "so nothing overlaps and step times here cannot show prefetching. The "
                            "overlap and the exposed communication time are measured only on GPUs "

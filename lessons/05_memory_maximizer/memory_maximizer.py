@@ -72,9 +72,10 @@ def main(args) -> None:
                 return L.materialize(shard_model(L.build_model(), api="fsdp2", block_class=block,
                                                  device=L.device))
 
-            trial, stats_by_batch[batch] = training_trial(
-                batch, build, L.optimizer, L.data(batch_size=batch), L.steps, L.device, world,
-                flops_per_token=L.spec.flops_per_token(L.seq_len))
+            with L.variant(f"batch-{batch}"):  # each trial is freed before the next one
+                trial, stats_by_batch[batch] = training_trial(
+                    batch, build, L.optimizer, L.data(batch_size=batch), L.steps, L.device, world,
+                    flops_per_token=L.spec.flops_per_token(L.seq_len))
             return trial
 
         def log(t: Trial) -> None:

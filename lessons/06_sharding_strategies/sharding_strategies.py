@@ -107,7 +107,8 @@ def wrap(L, name: str, mesh_2d, reshard_to: int | None):
 
 def main(args) -> None:
     with Lesson("06", "sharding strategies", args, gpu_model="t5-large", gpu_batch_size=8,
-                steps=10, quick_steps=4, batch_size=2) as L:
+                steps=10, quick_steps=4, batch_size=2,
+                needs_ranks="bytes per rank falling with the number of ranks") as L:
         world = L.dist.world_size
         replicate = args.replicate or (2 if world % 2 == 0 else 1)
         L.check(world % replicate == 0, "--replicate", replicate,
@@ -121,40 +122,41 @@ def main(args) -> None:
         measured: dict[str, S.PerParam] = {}
 
         for name in args.variants:
-            api, strategy = VARIANTS[name]
-            if strategy == "reshard_to" and d is None:
-                L.results.note(f"{name} skipped: an int reshard_after_forward must be a non-trivial "
-                               f"divisor of the shard world size ({world} has none); on 8 GPUs per "
-                               "node x N nodes, 8 keeps the backward all-gather inside a node.")
-                L.print(f"  {name}: skipped (no non-trivial divisor of {world})")
-                continue
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # FSDP1 / NO_SHARD deprecations
-                model = wrap(L, name, mesh_2d, d)
-                stats = L.train(model, name)
-            peak = stats.peak_memory_bytes
-            resident = peak["detail"]["resident_after_step"]
-            unsharded = unsharded_parameter_bytes(peak) or 0
-            theory = S.bytes_per_param(strategy, world, replicate=replicate, reshard_to=d)
-            measured[name] = S.PerParam(resident["parameters"] / n, resident["gradients"] / n,
-                                        resident["optimizer"] / n, unsharded / n)
-            comm = S.comm_bytes_per_step(strategy, world, n, replicate=replicate, reshard_to=d)
-            L.results.add(
-                name, stats, api=api, strategy=strategy,
-                resident_bytes=resident,
-                theory_resident_bytes={"parameters": theory.parameters * n,
-                                       "gradients": theory.gradients * n,
-                                       "optimizer": theory.optimizer * n},
-                peak_unsharded_parameter_bytes=unsharded,
-                all_gather_bytes=peak["detail"].get("all_gather"),
-                comm_bytes_per_step=sum(comm.values()), comm_breakdown=comm,
-                mesh=[replicate, shard] if strategy == "hybrid_shard" else [world])
-            L.print(f"    resident params/grads/optim {fmt_bytes(resident['parameters'])} / "
-                    f"{fmt_bytes(resident['gradients'])} / {fmt_bytes(resident['optimizer'])} "
-                    f"(theory {fmt_bytes(theory.parameters * n)} / "
-                    f"{fmt_bytes(theory.gradients * n)} / {fmt_bytes(theory.optimizer * n)}); "
-                    f"sends {fmt_bytes(sum(comm.values()))} per step")
-            del model
+            with L.variant(name):  # everything the variant made is freed before the next one
+                api, strategy = VARIANTS[name]
+                if strategy == "reshard_to" and d is None:
+                    L.results.note(f"{name} skipped: an int reshard_after_forward must be a non-trivial "
+                                   f"divisor of the shard world size ({world} has none); on 8 GPUs per "
+                                   "node x N nodes, 8 keeps the backward all-gather inside a node.")
+                    L.print(f"  {name}: skipped (no non-trivial divisor of {world})")
+                    continue
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)  # FSDP1 / NO_SHARD deprecations
+                    model = wrap(L, name, mesh_2d, d)
+                    stats = L.train(model, name)
+                peak = stats.peak_memory_bytes
+                resident = peak["detail"]["resident_after_step"]
+                unsharded = unsharded_parameter_bytes(peak) or 0
+                theory = S.bytes_per_param(strategy, world, replicate=replicate, reshard_to=d)
+                measured[name] = S.PerParam(resident["parameters"] / n, resident["gradients"] / n,
+                                            resident["optimizer"] / n, unsharded / n)
+                comm = S.comm_bytes_per_step(strategy, world, n, replicate=replicate, reshard_to=d)
+                L.results.add(
+                    name, stats, api=api, strategy=strategy,
+                    resident_bytes=resident,
+                    theory_resident_bytes={"parameters": theory.parameters * n,
+                                           "gradients": theory.gradients * n,
+                                           "optimizer": theory.optimizer * n},
+                    peak_unsharded_parameter_bytes=unsharded,
+                    all_gather_bytes=peak["detail"].get("all_gather"),
+                    comm_bytes_per_step=sum(comm.values()), comm_breakdown=comm,
+                    mesh=[replicate, shard] if strategy == "hybrid_shard" else [world])
+                L.print(f"    resident params/grads/optim {fmt_bytes(resident['parameters'])} / "
+                        f"{fmt_bytes(resident['gradients'])} / {fmt_bytes(resident['optimizer'])} "
+                        f"(theory {fmt_bytes(theory.parameters * n)} / "
+                        f"{fmt_bytes(theory.gradients * n)} / {fmt_bytes(theory.optimizer * n)}); "
+                        f"sends {fmt_bytes(sum(comm.values()))} per step")
+                del model
 
         L.results.data["capacity"] = capacity(args, measured, world, replicate)
         cap = L.results.data["capacity"]

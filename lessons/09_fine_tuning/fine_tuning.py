@@ -223,65 +223,66 @@ def main(args) -> None:
         L.results.data["settings"]["pretrained"] = args.pretrained or "reversal, in this run"
 
         for name in args.variants:
-            api, frozen_part, mode = VARIANTS[name]
-            model = fresh_model(L, state)
-            freeze(model, frozen_part)
-            n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-            step_fn, extra = None, {}
-            if api == "fsdp1":
-                error = fsdp1_without_orig_params_error(L, state)
-                extra["fsdp1_without_orig_params_error"] = error
-                if error:
-                    L.print(f"  FSDP1 without use_orig_params: {error}")
-                    L.results.note(f"FSDP1 with a frozen encoder and use_orig_params=False fails: "
-                                   f"{error}")
+            with L.variant(name):  # everything the variant made is freed before the next one
+                api, frozen_part, mode = VARIANTS[name]
+                model = fresh_model(L, state)
+                freeze(model, frozen_part)
+                n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+                n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+                step_fn, extra = None, {}
+                if api == "fsdp1":
+                    error = fsdp1_without_orig_params_error(L, state)
+                    extra["fsdp1_without_orig_params_error"] = error
+                    if error:
+                        L.print(f"  FSDP1 without use_orig_params: {error}")
+                        L.results.note(f"FSDP1 with a frozen encoder and use_orig_params=False fails: "
+                                       f"{error}")
+                    else:
+                        L.print("  FSDP1 without use_orig_params: accepted the mixed units here")
+                    model = shard_model(model, api="fsdp1", block_class=block, device=L.device,
+                                        use_orig_params=True)
                 else:
-                    L.print("  FSDP1 without use_orig_params: accepted the mixed units here")
-                model = shard_model(model, api="fsdp1", block_class=block, device=L.device,
-                                    use_orig_params=True)
-            else:
-                model = shard_model(model, api="fsdp2", block_class=block, device=L.device)
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            frozen = [p for p in model.parameters() if not p.requires_grad]
-            frozen_before = [local(p).detach().clone() for p in frozen]
-            loss_before, acc_before = evaluate(model, L, args.shift, eval_batches)
+                    model = shard_model(model, api="fsdp2", block_class=block, device=L.device)
+                trainable = [p for p in model.parameters() if p.requires_grad]
+                frozen = [p for p in model.parameters() if not p.requires_grad]
+                frozen_before = [local(p).detach().clone() for p in frozen]
+                loss_before, acc_before = evaluate(model, L, args.shift, eval_batches)
 
-            optimizer = torch.optim.AdamW(trainable, lr=L.lr, weight_decay=0.0)
-            data = task_data(L, args.shift, 1, max(L.batch_size * L.dist.world_size * L.steps, 64))
-            if mode is not None:
-                ct = ChildTuning(trainable, mode=mode, reserve_p=args.reserve_p, seed=args.seed)
-                if mode == "D":
-                    t0 = time.perf_counter()
-                    fisher_data = task_data(L, args.shift, 2, L.batch_size * L.dist.world_size
-                                            * args.fisher_batches)
-                    ct.compute_fisher_mask(model, fisher_data, args.fisher_batches)
-                    extra.update(fisher_time_s=round(time.perf_counter() - t0, 3),
-                                 fisher_threshold=ct.threshold, kept_fraction=ct.kept_fraction)
-                step_fn = ct.step_fn()
-                extra["reserve_p"] = args.reserve_p
-            kwargs = {"step_fn": step_fn} if step_fn else {}
-            stats = train(model, optimizer, data, L.steps, L.device, progress=name,
-                          flops_per_token=L.spec.flops_per_token(L.seq_len), **kwargs)
-            loss_after, acc_after = evaluate(model, L, args.shift, eval_batches)
+                optimizer = torch.optim.AdamW(trainable, lr=L.lr, weight_decay=0.0)
+                data = task_data(L, args.shift, 1, max(L.batch_size * L.dist.world_size * L.steps, 64))
+                if mode is not None:
+                    ct = ChildTuning(trainable, mode=mode, reserve_p=args.reserve_p, seed=args.seed)
+                    if mode == "D":
+                        t0 = time.perf_counter()
+                        fisher_data = task_data(L, args.shift, 2, L.batch_size * L.dist.world_size
+                                                * args.fisher_batches)
+                        ct.compute_fisher_mask(model, fisher_data, args.fisher_batches)
+                        extra.update(fisher_time_s=round(time.perf_counter() - t0, 3),
+                                     fisher_threshold=ct.threshold, kept_fraction=ct.kept_fraction)
+                    step_fn = ct.step_fn()
+                    extra["reserve_p"] = args.reserve_p
+                kwargs = {"step_fn": step_fn} if step_fn else {}
+                stats = train(model, optimizer, data, L.steps, L.device, progress=name,
+                              flops_per_token=L.spec.flops_per_token(L.seq_len), **kwargs)
+                loss_after, acc_after = evaluate(model, L, args.shift, eval_batches)
 
-            unchanged = all(torch.equal(b, local(p).detach()) for b, p in zip(frozen_before, frozen))
-            frozen_in_optimizer = sum(1 for p in frozen if p in optimizer.state)
-            resident = stats.peak_memory_bytes.get("detail", {}).get("resident_after_step", {})
-            L.results.add(
-                name, stats, api=api, frozen=frozen_part or "-", child_tuning=mode or "-",
-                trainable_parameters=n_trainable, frozen_parameters=n_frozen,
-                held_out_loss_before=round(loss_before, 4), held_out_loss_after=round(loss_after, 4),
-                held_out_accuracy_before=round(acc_before, 4), held_out_accuracy=round(acc_after, 4),
-                frozen_bit_identical=_all_true(unchanged, L.device),
-                frozen_with_optimizer_state=frozen_in_optimizer,
-                gradient_bytes_per_rank=resident.get("gradients"),
-                optimizer_bytes_per_rank=resident.get("optimizer"), **extra)
-            L.print(f"    held-out loss {loss_before:.3f} -> {loss_after:.3f}, token accuracy "
-                    f"{acc_before:.1%} -> {acc_after:.1%}; trainable {n_trainable:,}, frozen "
-                    f"{n_frozen:,}; grads {fmt_bytes(resident.get('gradients'))}, optimizer "
-                    f"{fmt_bytes(resident.get('optimizer'))} per rank")
-            del model, optimizer
+                unchanged = all(torch.equal(b, local(p).detach()) for b, p in zip(frozen_before, frozen))
+                frozen_in_optimizer = sum(1 for p in frozen if p in optimizer.state)
+                resident = stats.peak_memory_bytes.get("detail", {}).get("resident_after_step", {})
+                L.results.add(
+                    name, stats, api=api, frozen=frozen_part or "-", child_tuning=mode or "-",
+                    trainable_parameters=n_trainable, frozen_parameters=n_frozen,
+                    held_out_loss_before=round(loss_before, 4), held_out_loss_after=round(loss_after, 4),
+                    held_out_accuracy_before=round(acc_before, 4), held_out_accuracy=round(acc_after, 4),
+                    frozen_bit_identical=_all_true(unchanged, L.device),
+                    frozen_with_optimizer_state=frozen_in_optimizer,
+                    gradient_bytes_per_rank=resident.get("gradients"),
+                    optimizer_bytes_per_rank=resident.get("optimizer"), **extra)
+                L.print(f"    held-out loss {loss_before:.3f} -> {loss_after:.3f}, token accuracy "
+                        f"{acc_before:.1%} -> {acc_after:.1%}; trainable {n_trainable:,}, frozen "
+                        f"{n_frozen:,}; grads {fmt_bytes(resident.get('gradients'))}, optimizer "
+                        f"{fmt_bytes(resident.get('optimizer'))} per rank")
+                del model, optimizer
 
         L.results.note("held_out_*: a split of the fine-tuning task (upper-case + rotate) that no "
                        "training batch contains; accuracy is teacher-forced token accuracy "

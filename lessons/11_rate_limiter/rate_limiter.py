@@ -56,35 +56,37 @@ def parse_args(argv=None):
 
 def main(args) -> None:
     with Lesson("11", "rate limiter (limit_all_gathers)", args, gpu_model="t5-large",
-                gpu_batch_size=8, steps=12, quick_steps=4, batch_size=4) as L:
+                gpu_batch_size=8, steps=12, quick_steps=4, batch_size=4,
+                needs_ranks="the rate limiter (all-gathers in flight)") as L:
         block = L.spec.block_class()
         on_gpu = L.device.type == "cuda"
 
         for name in args.variants:
-            api, options = VARIANTS[name]
-            if on_gpu:  # each variant starts from an empty cache, so reserved memory is its own
-                gc.collect()
-                torch.cuda.empty_cache()
-            model = L.materialize(shard_model(L.build_model(), api=api, block_class=block,
-                                              device=L.device, **options))
-            mm = Memory_Maximizer(verbose=L.dist.is_main)
-            mm.start()
+            with L.variant(name):  # everything the variant made is freed before the next one
+                api, options = VARIANTS[name]
+                if on_gpu:  # each variant starts from an empty cache, so reserved memory is its own
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                model = L.materialize(shard_model(L.build_model(), api=api, block_class=block,
+                                                  device=L.device, **options))
+                mm = Memory_Maximizer(verbose=L.dist.is_main)
+                mm.start()
 
-            def step(model, batch, mm=mm):
-                loss = default_step(model, batch)
-                mm.update()  # reserved memory right after backward, every step
-                return loss
+                def step(model, batch, mm=mm):
+                    loss = default_step(model, batch)
+                    mm.update()  # reserved memory right after backward, every step
+                    return loss
 
-            stats = L.train(model, name, step_fn=step)
-            report = mm.stop()
-            extra = {"api": api, "limit_all_gathers": options.get("limit_all_gathers"),
-                     "memory_maximizer": report}
-            if report.get("gpu"):
-                extra.update(max_reserved_gb=report["max_reserved_gb"],
-                             cuda_malloc_retries=report["cuda_malloc_retries"])
-            L.results.add(name, stats, **extra)
-            L.print(f"    peak {fmt_bytes(stats.peak_memory_bytes.get('total'))}")
-            del model
+                stats = L.train(model, name, step_fn=step)
+                report = mm.stop()
+                extra = {"api": api, "limit_all_gathers": options.get("limit_all_gathers"),
+                         "memory_maximizer": report}
+                if report.get("gpu"):
+                    extra.update(max_reserved_gb=report["max_reserved_gb"],
+                                 cuda_malloc_retries=report["cuda_malloc_retries"])
+                L.results.add(name, stats, **extra)
+                L.print(f"    peak {fmt_bytes(stats.peak_memory_bytes.get('total'))}")
+                del model
 
         L.results.note("limit_all_gathers bounds FSDP1 to 2 all-gathers in flight (default True "
                        "since mid-2023); FSDP2 has no such knob: its stream-ordered all-gather "

@@ -206,32 +206,33 @@ def main(args) -> None:
         skipped = []
         mlp_base = None
         for name in args.variants:
-            kind, dp, tp = VARIANTS[name]
-            if not fits(kind, dp, tp, world):
-                skipped.append(name)
-                continue
-            if kind != "mlp" and tp > 1:
-                check_llama_tp(L.spec.config(), tp)
-            mesh = None
-            if tp > 1 or kind == "2d":
-                if tp not in meshes:
-                    meshes[tp] = D.mesh(L.device.type, (world // tp, tp), ("dp", "tp"))
-                mesh = meshes[tp]
-            if kind == "mlp":
-                r = run_mlp(L, name, tp, mesh["tp"] if mesh is not None else None, dim, hidden)
-            else:
-                r = run_llama(L, name, kind, dp if dp is not None else world // tp, tp, mesh)
-            stats = r.pop("stats")
-            extra = dict(kind=kind, tp_size=tp, dp_size=dp if dp is not None else world // tp, **r)
-            if kind == "mlp":
-                if tp == 1:
-                    mlp_base = (r["weight_bytes_per_rank"], stats.peak_memory_bytes.get("total"))
-                elif mlp_base is not None:
-                    extra["weight_ratio_vs_tp1"] = round(r["weight_bytes_per_rank"] / mlp_base[0], 4)
-                    extra["peak_ratio_vs_tp1"] = round(stats.peak_memory_bytes["total"] / mlp_base[1], 4)
-                    if tp in PUBLISHED_GB:
-                        extra["published_ratio_vs_tp1"] = round(PUBLISHED_GB[tp] / PUBLISHED_GB[1], 4)
-            L.results.add(name, stats, **extra)
+            with L.variant(name):  # everything the variant made is freed before the next one
+                kind, dp, tp = VARIANTS[name]
+                if not fits(kind, dp, tp, world):
+                    skipped.append(name)
+                    continue
+                if kind != "mlp" and tp > 1:
+                    check_llama_tp(L.spec.config(), tp)
+                mesh = None
+                if tp > 1 or kind == "2d":
+                    if tp not in meshes:
+                        meshes[tp] = D.mesh(L.device.type, (world // tp, tp), ("dp", "tp"))
+                    mesh = meshes[tp]
+                if kind == "mlp":
+                    r = run_mlp(L, name, tp, mesh["tp"] if mesh is not None else None, dim, hidden)
+                else:
+                    r = run_llama(L, name, kind, dp if dp is not None else world // tp, tp, mesh)
+                stats = r.pop("stats")
+                extra = dict(kind=kind, tp_size=tp, dp_size=dp if dp is not None else world // tp, **r)
+                if kind == "mlp":
+                    if tp == 1:
+                        mlp_base = (r["weight_bytes_per_rank"], stats.peak_memory_bytes.get("total"))
+                    elif mlp_base is not None:
+                        extra["weight_ratio_vs_tp1"] = round(r["weight_bytes_per_rank"] / mlp_base[0], 4)
+                        extra["peak_ratio_vs_tp1"] = round(stats.peak_memory_bytes["total"] / mlp_base[1], 4)
+                        if tp in PUBLISHED_GB:
+                            extra["published_ratio_vs_tp1"] = round(PUBLISHED_GB[tp] / PUBLISHED_GB[1], 4)
+                L.results.add(name, stats, **extra)
 
         if skipped:
             L.results.note(f"skipped (need another number of ranks than {world}): {', '.join(skipped)}")

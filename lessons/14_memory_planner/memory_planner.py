@@ -105,28 +105,29 @@ def main(args) -> None:
             plans = mine
         block = L.spec.block_class()
         for name in args.variants:
-            strategy, precision, ac = VARIANTS[name]
-            model = L.build_model()
-            if ac != "none":
-                apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
-            opts = dict(reshard_after_forward=strategy == "full_shard",
-                        mp_policy=fsdp2_policy(precision))
-            from torch.distributed.fsdp import fully_shard
+            with L.variant(name):  # everything the variant made is freed before the next one
+                strategy, precision, ac = VARIANTS[name]
+                model = L.build_model()
+                if ac != "none":
+                    apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
+                opts = dict(reshard_after_forward=strategy == "full_shard",
+                            mp_policy=fsdp2_policy(precision))
+                from torch.distributed.fsdp import fully_shard
 
-            for unit in block_units(model, block):
-                fully_shard(unit, **opts)
-            fully_shard(model, **opts)
-            model = L.materialize(model)
-            stats = L.train(model, name)
-            measured = stats.peak_memory_bytes
-            predicted = plans[name]["peak_bytes"]
-            ratio = {c: (predicted[c] / measured[c] if measured[c] else None) for c in CATS}
-            L.results.add(name, stats, strategy=strategy, precision=precision, ac=ac,
-                          predicted_peak_bytes=predicted, predicted_detail=plans[name]["detail"],
-                          prediction_ratio=ratio)
-            L.print(f"    predicted {fmt_bytes(predicted['total'])}, measured "
-                    f"{fmt_bytes(measured['total'])}: ratio {ratio['total']:.3f}")
-            del model
+                for unit in block_units(model, block):
+                    fully_shard(unit, **opts)
+                fully_shard(model, **opts)
+                model = L.materialize(model)
+                stats = L.train(model, name)
+                measured = stats.peak_memory_bytes
+                predicted = plans[name]["peak_bytes"]
+                ratio = {c: (predicted[c] / measured[c] if measured[c] else None) for c in CATS}
+                L.results.add(name, stats, strategy=strategy, precision=precision, ac=ac,
+                              predicted_peak_bytes=predicted, predicted_detail=plans[name]["detail"],
+                              prediction_ratio=ratio)
+                L.print(f"    predicted {fmt_bytes(predicted['total'])}, measured "
+                        f"{fmt_bytes(measured['total'])}: ratio {ratio['total']:.3f}")
+                del model
 
         big = {k: v for k, v in plans.items() if k not in VARIANTS}
         L.results.data["plans"] = big

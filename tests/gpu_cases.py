@@ -1,0 +1,154 @@
+"""The GPU claims of the lessons, each run two ways from one definition.
+
+A GPU test that CI never runs rots: a renamed variant or flag breaks it silently. So every case here
+is run by ``tests/gpu/test_gpu_smoke.py`` on a GPU (the lesson's GPU defaults, ``--device cuda``)
+and by ``tests/test_gpu_twins.py`` on the CPU (the same lesson, variant names and flags, ``--quick``
+on 2 gloo ranks). ``check`` asserts what holds on both; ``gpu_check`` adds what only a GPU shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+
+def variant(results: dict, name: str) -> dict:
+    for v in results["variants"]:
+        if v["name"] == name:
+            return v
+    raise KeyError(f"no variant {name!r} in {[v['name'] for v in results['variants']]}")
+
+
+def total(v: dict) -> int:
+    return v["peak_memory_bytes"]["total"]
+
+
+def every_variant_released(r: dict) -> None:
+    """Nothing a finished variant made is still alive, and on a GPU the allocator is back where it
+    was before the variant (within 1%): one variant's memory never inflates the next one's peak."""
+    releases = r.get("releases") or {}
+    assert releases, "the lesson ran no variant through L.variant()"
+    for name, rel in releases.items():
+        assert rel["leaked_objects"] == 0 and rel["leaked_tensors"] == 0, (name, rel)
+        if r["device"] == "cuda":
+            before, after = rel["allocated_before_bytes"], rel["allocated_after_bytes"]
+            assert after <= before * 1.01 + 2**20, (name, before, after)
+    assert r.get("live_parameters_at_exit", 0) == 0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One GPU claim: the lesson, its flags, and what must hold (``check``: everywhere;
+    ``gpu_check``: on a GPU only, at the lesson's GPU size)."""
+
+    id: str
+    lesson: str
+    flags: tuple[str, ...] = ()
+    check: Callable[[dict], None] = every_variant_released
+    gpu_check: Callable[[dict], None] | None = None
+    gpu_quick: bool = False  # run the quick (tiny) configuration on the GPU as well
+    cpu_flags: tuple[str, ...] = field(default=())  # extra flags that only shorten the CPU twin
+
+
+# -- 01: per-block wrapping bounds the unsharded parameters (FSDP2 shows it even on one rank) -------
+def _wrap(r: dict) -> None:
+    every_variant_released(r)
+    assert total(variant(r, "fsdp2-per-block")) < total(variant(r, "fsdp2-one-unit"))
+
+
+# -- 02: checkpointing lowers activation memory, same losses --------------------------------------
+def _ac(r: dict) -> None:
+    every_variant_released(r)
+    for api in ("fsdp2", "fsdp1"):
+        none, every = variant(r, f"{api}-none"), variant(r, f"{api}-all")
+        assert every["peak_memory_bytes"]["activations"] < none["peak_memory_bytes"]["activations"]
+        assert total(every) < total(none)
+        assert every["losses"] == pytest.approx(none["losses"], rel=1e-2)
+
+
+# -- 03: a full checkpoint reloads exactly, and the next step is the same ---------------------------
+def _full_state_dict(r: dict) -> None:
+    every_variant_released(r)
+    for v in r["variants"]:
+        assert v["outputs_identical"] and v["next_step_identical"], v["name"]
+        assert v["hf_identical"], v["name"]
+
+
+# -- 04: on one GPU the prefetch settings are one configuration: their peaks must agree -----------
+def _prefetch(r: dict) -> None:
+    every_variant_released(r)
+    losses = [v["losses"] for v in r["variants"]]
+    assert all(x == pytest.approx(losses[0], rel=1e-5) for x in losses)
+
+
+def _prefetch_gpu(r: dict) -> None:
+    assert r["world_size"] > 1 or "single_rank" in r, "a one-rank run must say what it cannot show"
+    if r["world_size"] == 1:  # FSDP1 falls back to NO_SHARD: every FSDP1 setting is the same run
+        peaks = [total(v) for v in r["variants"] if v["name"].startswith("fsdp1")]
+        assert max(peaks) <= min(peaks) * 1.02, peaks
+
+
+# -- 05: the largest batch without cudaMalloc retries beats the one with retries ------------------
+def _maximizer(r: dict) -> None:
+    every_variant_released(r)
+    rec = variant(r, "recommendation")
+    trials = [v for v in r["variants"] if v["name"].startswith("batch-")]
+    clean = [t["batch"] for t in trials if t["clean"]]
+    assert rec["batch"] == max(clean)
+    assert any(not t["clean"] and t["batch"] > rec["batch"] for t in trials), "no failing trial"
+
+
+def _maximizer_gpu(r: dict) -> None:
+    trials = [v for v in r["variants"] if v["name"].startswith("batch-")]
+    best = variant(r, f"batch-{variant(r, 'recommendation')['batch']}")
+    retrying = [t for t in trials if t["retries"] and not t["ooms"] and t["samples_per_s"]]
+    assert retrying, "no batch ran with cudaMalloc retries: start the search nearer the limit"
+    worst = min(retrying, key=lambda t: t["batch"])
+    print(f"clean batch {best['batch']}: {best['samples_per_s']} samples/s; batch {worst['batch']} "
+          f"with {worst['retries']} retries: {worst['samples_per_s']} samples/s")
+    assert best["samples_per_s"] > worst["samples_per_s"]
+
+
+# -- 07: bf16 forward weights, and on a GPU nearly 2x the speed of fp32 ----------------------------
+def _precision(r: dict) -> None:
+    every_variant_released(r)
+    assert "bfloat16" in variant(r, "fsdp2-bf16")["forward_param_dtypes"]
+    assert "float32" in variant(r, "fsdp2-fp32")["forward_param_dtypes"]
+
+
+def _precision_gpu(r: dict) -> None:
+    fp32, bf16 = variant(r, "fsdp2-fp32"), variant(r, "fsdp2-bf16")
+    speedup = fp32["step_time_s"] / bf16["step_time_s"]
+    print(f"bf16 speed-up over fp32: {speedup:.2f}x")
+    assert speedup >= 1.5
+
+
+# -- 08: a distributed checkpoint reloads exactly and resumes on the same curve ---------------------
+def _dcp(r: dict) -> None:
+    assert variant(r, "fsdp2-dcp")["reload_outputs_equal"] is True
+    assert variant(r, "resume-check")["max_abs_loss_diff"] <= 1e-5
+
+
+CASES = [
+    Case("01-wrap", "01", ("--variants", "fsdp2-one-unit,fsdp2-per-block,fsdp1-one-unit,"
+                                         "fsdp1-per-block", "--steps", "4"), _wrap),
+    Case("02-activation-checkpointing", "02",
+         ("--variants", "fsdp2-none,fsdp2-all,fsdp1-none,fsdp1-all", "--steps", "4", "--search",
+          "off"), _ac),
+    Case("03-full-state-dict", "03", ("--variants", "fsdp2,fsdp1"), _full_state_dict,
+         gpu_quick=True),
+    Case("04-prefetch", "04", ("--variants", "fsdp1-no-prefetch,fsdp1-backward-pre,fsdp2-implicit",
+                               "--steps", "4"), _prefetch, _prefetch_gpu),
+    Case("05-memory-maximizer", "05", ("--start-batch", "16"), _maximizer, _maximizer_gpu,
+         cpu_flags=("--start-batch", "1")),
+    Case("07-mixed-precision", "07", ("--policies", "fp32,bf16", "--steps", "6"), _precision,
+         _precision_gpu),
+    Case("08-distributed-checkpoint", "08", (), _dcp, gpu_quick=True),
+]
+
+
+def cpu_flags(case: Case) -> list[str]:
+    """The case's flags with the CPU-only overrides applied (a later flag wins in argparse)."""
+    return [*case.flags, *case.cpu_flags]

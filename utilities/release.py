@@ -1,0 +1,144 @@
+"""Freeing a finished variant completely, and proving it was freed.
+
+Lessons train several configurations one after another in the same processes. If one of them
+stays alive, the next one's peak memory includes it: on an H100, lesson 04's six variants once
+reported peaks rising by the size of the AdamW state each time. ``VariantScope`` (used through
+``Lesson.variant``) records weak references to everything a variant trained, frees it at the end
+and reports what survived, so a leak shows up as a number in results.json and fails the tests.
+
+Why ``del model`` is not enough for FSDP1: the module's original parameters become *views* of its
+``FlatParameter``; a view holds its base through C++ (autograd), and the flat parameter's own
+attributes point back at the modules. Python's garbage collector cannot see the C++ edge, so the
+cycle is never collected and every FSDP1 variant stays allocated. ``break_fsdp1_cycles`` cuts the
+Python side of that loop once the model is no longer used.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+# FlatParameter attributes that refer to modules or to the original parameters (torch 2.6-2.14).
+_FLAT_PARAM_BACKREFS = ("_modules", "_params", "_shared_params", "_tensors", "_param_infos",
+                        "_shared_param_infos", "_param_extensions", "_fqns")
+
+
+def break_fsdp1_cycles(model: nn.Module) -> int:
+    """Cut the flat-parameter <-> module reference loops of an FSDP1 model (see the module
+    docstring); returns how many flat parameters were cut. The model is unusable afterwards."""
+    cut = 0
+    for p in list(model.parameters()) + [_flat_param(m) for m in model.modules()]:
+        if p is not None and getattr(p, "_is_flat_param", False):
+            for name in _FLAT_PARAM_BACKREFS:
+                p.__dict__.pop(name, None)
+            cut += 1
+    return cut
+
+
+def _flat_param(module: nn.Module) -> torch.Tensor | None:
+    handle = getattr(module, "_handle", None)  # FSDP1 units keep theirs on a handle
+    return getattr(handle, "flat_param", None)
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, nn.Module):
+        return [*obj.parameters(), *obj.buffers(), *(p.grad for p in obj.parameters()
+                                                      if p.grad is not None)]
+    if isinstance(obj, torch.optim.Optimizer):
+        return [t for state in obj.state.values() for t in state.values()
+                if isinstance(t, torch.Tensor)]
+    return []
+
+
+class VariantScope:
+    """Weak references to one variant's models and optimizers, and the freeing at its end."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._objects: list[weakref.ref] = []
+        self._tensors: list[weakref.ref] = []
+        self.allocated_before: int | None = None
+
+    def start(self) -> VariantScope:
+        """Note the memory in use before the variant (collected first, so it is the baseline)."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.allocated_before = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def track(self, *objs: Any) -> None:
+        """Remember models / optimizers (and their tensors as they are now), weakly."""
+        for obj in objs:
+            if obj is None:
+                continue
+            self._objects.append(weakref.ref(obj))
+            self._tensors.extend(weakref.ref(t) for t in _tensors_of(obj))
+
+    def release(self) -> dict[str, Any]:
+        """Free what is no longer referenced and report what survived (all zeros when clean)."""
+        for ref in self._objects:
+            obj = ref()
+            if isinstance(obj, nn.Module):
+                break_fsdp1_cycles(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                obj.state.clear()
+        obj = None
+        gc.collect()
+        report: dict[str, Any] = {
+            "leaked_objects": sum(r() is not None for r in self._objects),
+            "leaked_tensors": sum(r() is not None for r in self._tensors),
+        }
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            after = torch.cuda.memory_allocated(self.device)
+            report.update(allocated_before_bytes=self.allocated_before, allocated_after_bytes=after)
+        return report
+
+
+def live_parameters() -> int:
+    """How many ``nn.Parameter`` objects this process still holds (a leak check at exit)."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, nn.Parameter))
+
+
+class TrackerHooks:
+    """Remove the autograd hooks that PyTorch's memory trackers leave behind.
+
+    ``torch.distributed._tools``' ``ModTracker`` (inside ``MemTracker`` and ``FSDPMemTracker``)
+    registers ``register_multi_grad_hook`` on every module's inputs and drops the handles. Each
+    hook's closure holds the autograd nodes it is registered on, a loop through C++ that the garbage
+    collector cannot see: the whole graph of the measured step, and with it every parameter of the
+    model, would stay alive for the life of the process. Inside this context the handles are
+    recorded, and removed on exit. A torch without that function is left alone.
+    """
+
+    def __enter__(self) -> TrackerHooks:
+        self.handles: list[Any] = []
+        try:
+            from torch.distributed._tools import mod_tracker
+        except ImportError:
+            self._module = None
+            return self
+        self._module = mod_tracker
+        self._original = getattr(mod_tracker, "register_multi_grad_hook", None)
+        if self._original is not None:
+            def recording(*args: Any, **kwargs: Any):
+                handle = self._original(*args, **kwargs)
+                self.handles.append(handle)
+                return handle
+
+            mod_tracker.register_multi_grad_hook = recording
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._module is not None and self._original is not None:
+            self._module.register_multi_grad_hook = self._original
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
