@@ -2,14 +2,15 @@
 
 A GPU test that CI never runs rots: a renamed variant or flag breaks it silently. So every case here
 is run by ``tests/gpu/test_gpu_smoke.py`` on a GPU (the lesson's GPU defaults, ``--device cuda``)
-and by ``tests/test_gpu_twins.py`` on the CPU (the same lesson, variant names and flags, ``--quick``
-on 2 gloo ranks). ``check`` asserts what holds on both; ``gpu_check`` adds what only a GPU shows.
+and by ``tests/test_gpu_twins.py`` on the CPU (the same flags parsed by the lesson, the same variant
+names, on the lesson's ``--quick`` run with 2 gloo ranks). ``check`` asserts what holds on both;
+``gpu_check`` adds what only a GPU shows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -49,7 +50,6 @@ class Case:
     check: Callable[[dict], None] = every_variant_released
     gpu_check: Callable[[dict], None] | None = None
     gpu_quick: bool = False  # run the quick (tiny) configuration on the GPU as well
-    cpu_flags: tuple[str, ...] = field(default=())  # extra flags that only shorten the CPU twin
 
 
 # -- 01: per-block wrapping bounds the unsharded parameters (FSDP2 shows it even on one rank) -------
@@ -141,14 +141,8 @@ CASES = [
          gpu_quick=True),
     Case("04-prefetch", "04", ("--variants", "fsdp1-no-prefetch,fsdp1-backward-pre,fsdp2-implicit",
                                "--steps", "4"), _prefetch, _prefetch_gpu),
-    Case("05-memory-maximizer", "05", ("--start-batch", "16"), _maximizer, _maximizer_gpu,
-         cpu_flags=("--start-batch", "1")),
+    Case("05-memory-maximizer", "05", ("--start-batch", "16"), _maximizer, _maximizer_gpu),
     Case("07-mixed-precision", "07", ("--policies", "fp32,bf16", "--steps", "6"), _precision,
          _precision_gpu),
     Case("08-distributed-checkpoint", "08", (), _dcp, gpu_quick=True),
 ]
-
-
-def cpu_flags(case: Case) -> list[str]:
-    """The case's flags with the CPU-only overrides applied (a later flag wins in argparse)."""
-    return [*case.flags, *case.cpu_flags]

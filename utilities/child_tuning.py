@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .distributed import reduce_scalar
 from .errors import bad_value
 
 MODES = ("F", "D")
@@ -61,11 +62,7 @@ def _world() -> int:
 
 
 def _all_reduce_sum(value: int, device: torch.device) -> int:
-    if _world() == 1:
-        return int(value)
-    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    dist.all_reduce(t)
-    return int(t.item())
+    return int(reduce_scalar(int(value), "sum", device))  # counts below 2**53: exact in float64
 
 
 def global_topk_threshold(values: list[torch.Tensor], k: int) -> float:

@@ -218,13 +218,28 @@ def mesh(device_type: str, shape: tuple[int, ...] | None = None, names: tuple[st
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def reduce_scalar(value: float, op: str = "mean", device: torch.device | str = "cpu") -> float:
+    """One number reduced over every rank: the loss they average, the step time of the slowest
+    rank, a count they add up. The course's one helper for this; ``device`` is where the
+    collective runs (``cpu`` works on every process group the course makes, CUDA ones included)."""
+    if op not in REDUCE_OPS:
+        raise bad_value("op", op, REDUCE_OPS)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([float(value)], device=device, dtype=torch.float64)
+    red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+           "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(t, op=red)
+    out = float(t.item())
+    return out / dist.get_world_size() if op == "mean" else out
+
+
 def all_reduce_mean(value: float, device: torch.device) -> float:
     """Average a Python float over ranks (loss logging)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return float(value)
-    t = torch.tensor([float(value)], device=device, dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item()) / dist.get_world_size()
+    return float(reduce_scalar(float(value), "mean", device))
 
 
 def _free_port() -> int:

@@ -35,8 +35,21 @@ def break_fsdp1_cycles(model: nn.Module) -> int:
         if p is not None and getattr(p, "_is_flat_param", False):
             for name in _FLAT_PARAM_BACKREFS:
                 p.__dict__.pop(name, None)
+            # A unit with frozen parameters reshards through a multi-grad hook on its inputs,
+            # whose handle FSDP1 keeps until the next forward: its closure holds autograd nodes.
+            for name in ("_post_backward_hook_handle", "_post_backward_hook_state"):
+                held = p.__dict__.pop(name, None)
+                for handle in held if isinstance(held, tuple) else (held,):
+                    if hasattr(handle, "remove"):
+                        handle.remove()
             cut += 1
     return cut
+
+
+def _fsdp1_units() -> list[nn.Module]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [o for o in gc.get_objects() if isinstance(o, FSDP)]
 
 
 def _flat_param(module: nn.Module) -> torch.Tensor | None:
@@ -62,10 +75,12 @@ class VariantScope:
         self._objects: list[weakref.ref] = []
         self._tensors: list[weakref.ref] = []
         self.allocated_before: int | None = None
+        self._units_before: set[int] = set()
 
     def start(self) -> VariantScope:
         """Note the memory in use before the variant (collected first, so it is the baseline)."""
         gc.collect()
+        self._units_before = {id(u) for u in _fsdp1_units()}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.allocated_before = torch.cuda.memory_allocated(self.device)
@@ -88,6 +103,12 @@ class VariantScope:
             elif isinstance(obj, torch.optim.Optimizer):
                 obj.state.clear()
         obj = None
+        # FSDP1 units made during the variant that the loop kept alive after their root was
+        # dropped (also those of models the lesson made without the harness).
+        for unit in _fsdp1_units():
+            if id(unit) not in self._units_before:
+                break_fsdp1_cycles(unit)
+        unit = None
         gc.collect()
         report: dict[str, Any] = {
             "leaked_objects": sum(r() is not None for r in self._objects),

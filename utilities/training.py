@@ -18,22 +18,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed import all_reduce_mean, is_main
+from .distributed import all_reduce_mean, is_main, reduce_scalar
 from .measure import MemoryProbe
 
-# Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets, SXM parts).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+# Dense bf16 tensor-core peak, FLOP/s, by the exact name torch.cuda.get_device_name reports (vendor
+# datasheets). Exact names, not substrings: an H100 PCIe (756e12) or NVL (835e12) is not an SXM.
+PEAK_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA L40S": 362e12, "NVIDIA L4": 121e12, "NVIDIA A10": 125e12,
+}
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """The dense bf16 peak of this GPU, or None where we do not know it (CPU included)."""
+    """The dense bf16 peak of this GPU, or None where we do not know it (CPU included): then no
+    MFU is reported rather than one computed against another part's peak."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_FLOPS.items():
-        if key in name:
-            return flops
-    return None
+    return PEAK_FLOPS.get(torch.cuda.get_device_name(device).strip())
 
 
 @dataclass
@@ -138,11 +142,7 @@ def _tokens(batch: dict[str, torch.Tensor]) -> int:
 
 
 def _max_over_ranks(value: float, device: torch.device) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return reduce_scalar(value, "max", device)
 
 
 def _progress(total: int, desc: str | None):

@@ -261,6 +261,7 @@ def main(args) -> None:
                                      fisher_threshold=ct.threshold, kept_fraction=ct.kept_fraction)
                     step_fn = ct.step_fn()
                     extra["reserve_p"] = args.reserve_p
+                    del ct
                 kwargs = {"step_fn": step_fn} if step_fn else {}
                 stats = train(model, optimizer, data, L.steps, L.device, progress=name,
                               flops_per_token=L.spec.flops_per_token(L.seq_len), **kwargs)
@@ -282,7 +283,8 @@ def main(args) -> None:
                         f"{acc_before:.1%} -> {acc_after:.1%}; trainable {n_trainable:,}, frozen "
                         f"{n_frozen:,}; grads {fmt_bytes(resident.get('gradients'))}, optimizer "
                         f"{fmt_bytes(resident.get('optimizer'))} per rank")
-                del model, optimizer
+                # everything that refers to this variant's parameters, so L.variant can free them
+                del model, optimizer, trainable, frozen, frozen_before, data, step_fn, kwargs
 
         L.results.note("held_out_*: a split of the fine-tuning task (upper-case + rotate) that no "
                        "training batch contains; accuracy is teacher-forced token accuracy "

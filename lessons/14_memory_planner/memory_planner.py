@@ -127,7 +127,7 @@ def main(args) -> None:
                               prediction_ratio=ratio)
                 L.print(f"    predicted {fmt_bytes(predicted['total'])}, measured "
                         f"{fmt_bytes(measured['total'])}: ratio {ratio['total']:.3f}")
-                del model
+                del model, unit  # the last block (``unit``) reaches the whole model
 
         big = {k: v for k, v in plans.items() if k not in VARIANTS}
         L.results.data["plans"] = big
