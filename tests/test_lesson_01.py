@@ -59,3 +59,16 @@ def test_lesson_help_explains_every_flag():
     for flag in ("--variants", "--min-params", "--model", "--device", "--quick", "--steps"):
         assert flag in proc.stdout
     assert (REPO / "lessons/01_auto_wrap/README.md").is_file()
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's table is rendered from results_cpu.json, the lesson's own `fsdp-course run 01`
+    (tests/test_trust_newcomer.py checks the rendering). The quick run must reproduce what that
+    table claims about wrapping and memory, exactly: units, largest unit, unsharded parameters and
+    the peak by category (issue 14: the README once explained 1.19 MiB with a wrong block size)."""
+    import json
+
+    from utilities.readme_tables import claims, lesson_dir
+
+    committed = json.loads((lesson_dir("01") / "results_cpu.json").read_text())
+    assert claims("01", results) == claims("01", committed)

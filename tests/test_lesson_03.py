@@ -65,9 +65,10 @@ class _RunsCode:
 def test_pickle_with_code_is_refused_not_run(tmp_path, capsys):
     path = tmp_path / "evil.pt"
     torch.save({"format": FORMAT, "step": 1, "model": {}, "payload": _RunsCode()}, path)
-    with pytest.raises(UsageError, match="not readable") as e:
+    with pytest.raises(UsageError, match="asks to run code.*builtins.print.*nothing was loaded") as e:
         read_full(path)
     assert "\n" not in str(e.value) and "this pickle ran code" not in capsys.readouterr().out
+    assert "truncated" not in str(e.value)  # issue 14: it is not damaged, it is refused
 
 
 def test_crash_mid_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):

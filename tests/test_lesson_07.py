@@ -101,3 +101,15 @@ def test_bad_policy_is_one_line_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error:")
     assert "'fp8'" in proc.stderr and "bf16-fp32-reduce" in proc.stderr
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's table is rendered from results_cpu.json, the lesson's own `fsdp-course run 07`
+    (tests/test_trust_newcomer.py checks the rendering). The quick run must reproduce its observed
+    dtypes and the peak memory by category exactly."""
+    import json
+
+    from utilities.readme_tables import claims, lesson_dir
+
+    committed = json.loads((lesson_dir("07") / "results_cpu.json").read_text())
+    assert claims("07", results) == claims("07", committed)

@@ -83,6 +83,37 @@ def bf16_ready() -> Bf16Report:
     return Bf16Report(not reasons, reasons, details)
 
 
-def verify_bfloat_support() -> bool:
-    """The classic checker's name and plain-bool answer, for code written against it."""
-    return bool(bf16_ready())
+class _VerifyBfloatSupport:
+    """The classic checker's name, usable both ways code written against it uses it.
+
+    In the classic FSDP tutorials ``verify_bfloat_support`` is a module-level *boolean* and the
+    idiom is ``if verify_bfloat_support: mp_policy = bfSixteen``; this course first shipped it as a
+    *function*, ``verify_bfloat_support()``. A plain function object is always truthy, so the classic
+    line would pick bf16 on a CPU build or a pre-Ampere GPU. This object answers both: ``bool(it)``
+    and ``it()`` each ask ``bf16_ready()`` now (not once at import, so it sees the device the
+    process actually uses) and give a plain ``bool``; ``it == False`` compares that answer.
+    """
+
+    __slots__ = ()
+
+    def __call__(self) -> bool:
+        return bool(bf16_ready())
+
+    def __bool__(self) -> bool:
+        return self()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (bool, int)):
+            return self() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def __repr__(self) -> str:
+        report = bf16_ready()
+        return f"verify_bfloat_support = {bool(report)} ({report})"
+
+
+verify_bfloat_support = _VerifyBfloatSupport()
+"""True only where native bf16 is ready; also callable: ``verify_bfloat_support()`` is the same bool."""

@@ -12,16 +12,26 @@ What this module adds around ``dcp.save`` / ``dcp.load``:
   ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict`` (one API for
   FSDP2, FSDP1 and plain modules), the step and the data position (batches consumed), so a resumed
   run continues on the very batches it would have seen;
-* an atomic directory: everything is written to ``.NAME.tmp`` and renamed to ``NAME`` only after
-  every rank finished, so a crash never leaves a complete-looking checkpoint;
+* a crash-safe publish: everything is written to ``.NAME.tmp``; once every rank finished, the old
+  ``NAME`` (if any) is renamed to ``.NAME.old``, ``.NAME.tmp`` to ``NAME``, then ``.NAME.old`` is
+  deleted. A kill between any two of these steps leaves at least one complete checkpoint, and
+  ``resolve_checkpoint`` finds the newest complete one deterministically (see there);
 * a check before loading (``check_checkpoint``): the metadata is there and every file it names is
   there, else one ``UsageError`` line naming the missing file;
+* no code runs from a checkpoint. DCP's ``.metadata`` is a pickle that PyTorch reads with a plain
+  ``pickle.load``, and DCP reads non-tensor entries (optimizer hyper-parameters, step counters) with
+  ``torch.load(weights_only=False)``: either can run any function a crafted file names. We read the
+  metadata first with an unpickler that admits only DCP's own metadata classes, check every
+  non-tensor entry with ``weights_only=True``, and only then let DCP at the directory. This goes
+  beyond what PyTorch itself does;
 * conversion to and from one ``torch.save`` file with PyTorch's own ``format_utils``.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import shutil
 import time
 from dataclasses import dataclass
@@ -35,6 +45,7 @@ from torch import nn
 
 from .distributed import world_size
 from .errors import UsageError
+from .state_dict import safe_torch_load
 
 METADATA = ".metadata"
 
@@ -68,28 +79,65 @@ class Resumed:
     seconds: float
 
 
-# -- save ----------------------------------------------------------------------------------------
+# -- save: write to .NAME.tmp, publish by renames that never lose a complete checkpoint -----------
 def _tmp_dir(path: Path) -> Path:
     return path.parent / f".{path.name}.tmp"
 
 
-def _prepare(path: Path) -> Path:
+def _old_dir(path: Path) -> Path:
+    return path.parent / f".{path.name}.old"
+
+
+def prepare_save(path: Path) -> Path:
+    """Every rank calls it before writing ``path``: rank 0 recovers what a killed earlier save of
+    ``path`` left, then makes an empty ``.NAME.tmp``; returns it (write there, then ``publish_save``)."""
     tmp = _tmp_dir(path)
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save
+        recover_checkpoint(path)  # first finish or undo what a killed earlier save left
+        shutil.rmtree(tmp, ignore_errors=True)  # an unfinished save's leftovers
         tmp.mkdir(parents=True)
     _barrier()
     return tmp
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    """Every rank has finished writing into ``tmp``: rank 0 renames it to the final name."""
+def publish_save(tmp: Path, path: Path) -> None:
+    """Every rank has finished writing into ``tmp``: rank 0 swaps it in (``swap_in``)."""
     _barrier()
     if _rank() == 0:
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        swap_in(tmp, path)
     _barrier()
+
+
+def swap_in(tmp: Path, path: Path) -> None:
+    """Replace ``path`` by the complete checkpoint ``tmp`` so that a kill at any instant leaves one.
+
+    1. ``path`` -> ``.NAME.old`` (after deleting an ``.old`` left by an earlier kill: ``path`` is
+       complete then); 2. ``tmp`` -> ``path``; 3. delete ``.NAME.old``. Between 1 and 2 only
+    ``.old`` and the complete ``tmp`` exist; ``resolve_checkpoint`` picks ``tmp``, the newer one.
+    Never ``rmtree(path)`` before the rename: a kill in between would leave no published copy.
+    """
+    old = _old_dir(path)
+    if path.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the renames durable (a power cut, not only a kill); a no-op where not supported."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, step: int = 0,
@@ -101,9 +149,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, s
     path = Path(path)
     t0 = time.perf_counter()
     state = training_state(model, optimizer, step, batches_consumed)
-    tmp = _prepare(path)
+    tmp = prepare_save(path)
     dcp.save(state, checkpoint_id=str(tmp))
-    _publish(tmp, path)
+    publish_save(tmp, path)
     return time.perf_counter() - t0
 
 
@@ -121,7 +169,7 @@ class PendingSave:
             fut = self._future
             fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse or plain Future
             fut.result()
-            _publish(self._tmp, self.path)
+            publish_save(self._tmp, self.path)
             self.total_s = time.perf_counter() - self._started
         return self.total_s
 
@@ -137,24 +185,145 @@ def async_save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=N
     path = Path(path)
     t0 = time.perf_counter()
     state = training_state(model, optimizer, step, batches_consumed)
-    tmp = _prepare(path)
+    tmp = prepare_save(path)
     future = dcp.async_save(state, checkpoint_id=str(tmp))
     return PendingSave(future, tmp, path, t0, time.perf_counter() - t0)
 
 
-# -- check and load ------------------------------------------------------------------------------
-def checkpoint_files(path: str | os.PathLike) -> list[str]:
-    """The data files the metadata says the checkpoint is made of (relative names, sorted)."""
+# -- reading a checkpoint without running code from it ----------------------------------------------
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """What a DCP ``.metadata`` pickle may name: DCP's metadata classes, torch dtypes / Size / layout,
+    the path DCP records as ``checkpoint_id``, and plain containers. Nothing that runs code."""
+    import collections
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem as fs_module
+    from torch.distributed.checkpoint import metadata as md_module
+
+    allowed: dict[tuple[str, str], Any] = {}
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        if hasattr(md_module, name):
+            allowed[(md_module.__name__, name)] = getattr(md_module, name)
+    allowed[(fs_module.__name__, "_StorageInfo")] = fs_module._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    for name, value in vars(torch).items():  # a dict lookup: no module __getattr__ runs
+        if isinstance(value, torch.dtype):
+            allowed[("torch", name)] = value
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath,
+                pathlib.PureWindowsPath):
+        allowed[("pathlib", cls.__name__)] = cls
+        allowed[(cls.__module__, cls.__name__)] = cls  # pathlib._local in Python 3.13
+    for cls in (set, frozenset, tuple, list, dict):
+        allowed[("builtins", cls.__name__)] = cls
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves a global only from ``_metadata_globals()``: a crafted
+    ``.metadata`` naming ``posix.system`` (or anything else) is refused before anything is called."""
+
+    def __init__(self, file, allowed: dict[tuple[str, str], Any]):
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise _RefusedGlobal(f"{module}.{name}") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _RefusedGlobal("a persistent id")
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    pass
+
+
+def read_metadata(path: str | os.PathLike) -> Any:
+    """The ``Metadata`` of a DCP checkpoint directory, read without running code from it.
+
+    One ``UsageError`` line for a missing, damaged or code-carrying ``.metadata``.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    p = Path(path)
+    file = p / METADATA
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f, _metadata_globals()).load()
+    except _RefusedGlobal as e:
+        raise UsageError(f"checkpoint {str(p)!r}: {METADATA} asks to run code when loaded: it names "
+                         f"{e}, which is not one of DCP's metadata classes; refused, nothing was "
+                         "loaded") from None
+    except OSError as e:
+        raise UsageError(f"checkpoint {str(p)!r}: cannot read {METADATA} ({e.strerror})") from None
+    except Exception as e:  # noqa: BLE001 - a damaged metadata file, in one line
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise UsageError(f"checkpoint {str(p)!r}: cannot read {METADATA} "
+                         f"({type(e).__name__}: {reason})") from None
+    if not isinstance(metadata, Metadata):
+        raise UsageError(f"checkpoint {str(p)!r}: {METADATA} holds a {type(metadata).__name__}, "
+                         "not DCP metadata")
+    return metadata
+
+
+def _check_bytes_entries(p: Path, metadata: Any) -> None:
+    """Every non-tensor entry (DCP stores them as ``torch.save`` bytes and loads them with
+    ``weights_only=False``) must load with ``weights_only=True``; else one line naming it."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    for index, info in (metadata.storage_data or {}).items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        if getattr(info, "transform_descriptors", None):
+            raise UsageError(f"checkpoint {str(p)!r}: entry {index.fqn} is stored with transforms "
+                             f"{list(info.transform_descriptors)} that this course cannot check "
+                             "safely; refused, nothing was loaded")
+        with open(p / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        safe_torch_load(io.BytesIO(data), f"checkpoint {str(p)!r}: entry {index.fqn}")
+
+
+def _safe_reader(path: Path):
+    """A ``FileSystemReader`` that refuses a ``.metadata`` naming anything but DCP's classes."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    metadata = FileSystemReader(str(path)).read_metadata()
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            read_metadata(self.path)  # raises before the plain pickle.load below sees the file
+            return super().read_metadata(*args, **kwargs)
+
+    return SafeFileSystemReader(str(path))
+
+
+def _safe_planner():
+    """DCP's default load planner, but a non-tensor entry must pass ``weights_only=True`` first."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            safe_torch_load(value, f"checkpoint entry {read_item.dest_index.fqn}")
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return SafeLoadPlanner()
+
+
+# -- which directory holds the checkpoint, after a kill at any instant ------------------------------
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """The data files the metadata says the checkpoint is made of (relative names, sorted)."""
+    metadata = read_metadata(path)
     files = {info.relative_path for info in (metadata.storage_data or {}).values()}
     return sorted(files)
 
 
-def check_checkpoint(path: str | os.PathLike) -> Path:
-    """Refuse, in one line, a directory that is not a complete DCP checkpoint."""
-    p = Path(path)
+def _check_dir(p: Path, entries: bool = True) -> None:
+    """Refuse, in one line, a directory that is not a complete, safe DCP checkpoint."""
     if not p.is_dir():
         if _tmp_dir(p).is_dir():
             raise UsageError(f"checkpoint {str(p)!r} was never completed (only {_tmp_dir(p).name} "
@@ -163,16 +332,90 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
     if not (p / METADATA).is_file():
         raise UsageError(f"checkpoint {str(p)!r} has no {METADATA} file: not a complete DCP "
                          "checkpoint")
-    try:
-        files = checkpoint_files(p)
-    except Exception as e:  # noqa: BLE001 - a damaged metadata file, in one line
-        raise UsageError(f"checkpoint {str(p)!r}: cannot read {METADATA} "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    metadata = read_metadata(p)
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
     missing = [f for f in files if not (p / f).is_file()]
     if missing:
         raise UsageError(f"checkpoint {str(p)!r} is missing {missing[0]} (listed in {METADATA}; "
                          f"{len(missing)} of {len(files)} data files missing)")
-    return p
+    if entries:
+        _check_bytes_entries(p, metadata)
+
+
+def _complete(p: Path) -> bool:
+    try:
+        _check_dir(p, entries=False)
+    except UsageError:
+        return False
+    return True
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The directory that holds the newest complete checkpoint saved under ``path``, or None.
+
+    A save writes ``.NAME.tmp`` and publishes it with ``swap_in``; a kill can stop it anywhere. The
+    rule, which only reads: a complete ``.NAME.tmp`` wins (the save finished writing, only the
+    renames were cut short, so it is newer than ``NAME``); else ``NAME``; else a complete
+    ``.NAME.old`` (the previous checkpoint, mid-swap). Complete means: ``.metadata`` reads safely
+    and every file it names exists (DCP writes ``.metadata`` last, after every rank's data).
+    """
+    p = Path(path)
+    for candidate in (_tmp_dir(p), p, _old_dir(p)):
+        if _complete(candidate):
+            return candidate
+    return None
+
+
+def recover_checkpoint(path: str | os.PathLike) -> Path | None:
+    """Finish or undo what a killed save left, so only ``path`` remains (one process only: rank 0
+    before a save). Returns ``path``, or None where no complete checkpoint of that name exists."""
+    p = Path(path)
+    tmp, old = _tmp_dir(p), _old_dir(p)
+    best = resolve_checkpoint(p)
+    if best == tmp:
+        swap_in(tmp, p)  # the save had finished: publish it now
+    elif best == old:
+        os.replace(old, p)  # only the previous checkpoint survived: put it back
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)  # incomplete, or superseded by ``path``
+    return p if best is not None else None
+
+
+def latest_checkpoint(directory: str | os.PathLike, pattern: str = "step_*") -> Path | None:
+    """The newest complete checkpoint among ``directory/pattern`` (names sort by step), including
+    one a kill left as ``.NAME.tmp`` / ``.NAME.old``; only reads, so every rank gets the same."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    names = {q.name for q in d.glob(pattern)}
+    names |= {q.name[1:-len(".tmp")] for q in d.glob(f".{pattern}.tmp")}
+    names |= {q.name[1:-len(".old")] for q in d.glob(f".{pattern}.old")}
+    for name in sorted(names, reverse=True):
+        found = resolve_checkpoint(d / name)
+        if found is not None:
+            return found
+    return None
+
+
+def recover_checkpoints(directory: str | os.PathLike, pattern: str = "step_*") -> list[Path]:
+    """``recover_checkpoint`` for every name in ``directory`` that a kill left a ``.tmp`` or ``.old``
+    of (rank 0 only); returns the checkpoints that exist afterwards under their own names."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    names = {q.name[1:-4] for q in [*d.glob(f".{pattern}.tmp"), *d.glob(f".{pattern}.old")]}
+    for name in sorted(names):
+        recover_checkpoint(d / name)
+    return sorted(d.glob(pattern))
+
+
+def check_checkpoint(path: str | os.PathLike) -> Path:
+    """The directory to load for ``path`` (see ``resolve_checkpoint``), checked: complete, every file
+    there, nothing in it that would run code. Else one ``UsageError`` line saying what is wrong."""
+    p = Path(path)
+    found = resolve_checkpoint(p)
+    _check_dir(found if found is not None else p)
+    return found if found is not None else p
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None) -> Resumed:
@@ -188,7 +431,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None) -
     state = training_state(model, optimizer)
     if optimizer is None:
         state.pop("optim", None)
-    dcp.load(state, checkpoint_id=str(p))
+    dcp_load(state, p)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -196,6 +439,23 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None) -
                        optim_state_dict=state["optim"])
     trainer = state["trainer"]
     return Resumed(int(trainer["step"]), int(trainer["batches_consumed"]), time.perf_counter() - t0)
+
+
+def dcp_load(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """``dcp.load`` through the safe reader and planner (``path`` already passed ``check_checkpoint``).
+
+    A refusal inside DCP reaches us wrapped in a ``CheckpointException`` (a ``BaseException``, with
+    each rank's traceback); we give back its one ``UsageError`` line instead."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=_safe_reader(Path(path)), planner=_safe_planner())
+    except CheckpointException as e:
+        for failure in e.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, UsageError):
+                raise UsageError(str(inner)) from None
+        raise
 
 
 # -- layout and conversion -----------------------------------------------------------------------
@@ -210,19 +470,33 @@ def to_torch_save(dcp_dir: str | os.PathLike, file: str | os.PathLike) -> Path:
     """One ``torch.save`` file holding the full (unsharded) tensors; no process group needed."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    check_checkpoint(dcp_dir)
+    # PyTorch's converter reads with a plain pickle.load and weights_only=False: it only ever sees
+    # a directory whose metadata and non-tensor entries check_checkpoint has just read safely.
+    source = check_checkpoint(dcp_dir)
     Path(file).parent.mkdir(parents=True, exist_ok=True)
-    dcp_to_torch_save(str(dcp_dir), str(file))
+    dcp_to_torch_save(str(source), str(file))
     return Path(file)
 
 
 def from_torch_save(file: str | os.PathLike, dcp_dir: str | os.PathLike) -> Path:
-    """A DCP directory (one file, one writer) from a ``torch.save`` file; any world size loads it."""
-    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+    """A DCP directory (one file, one writer) from a ``torch.save`` file; any world size loads it.
+
+    Not PyTorch's ``torch_save_to_dcp``: it reads the file with ``weights_only=False``. We read it
+    with ``weights_only=True`` (one line naming what it refused) and write it with ``dcp.save``.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
 
     if not Path(file).is_file():
         raise UsageError(f"torch.save file {str(file)!r} does not exist")
-    torch_save_to_dcp(str(file), str(dcp_dir))
+    state = safe_torch_load(Path(file), f"torch.save file {str(file)!r}")
+    if not isinstance(state, dict):
+        raise UsageError(f"torch.save file {str(file)!r} holds a {type(state).__name__}, not a "
+                         "state dict")
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(str(dcp_dir)), no_dist=True)
     return Path(dcp_dir)
 
 
@@ -254,8 +528,9 @@ def load_fsdp1_local(model: nn.Module, path: str | os.PathLike) -> None:
     into an FSDP1 model. It only works for the same wrapping on the same number of ranks: anything
     else is a one-line UsageError saying what did not match (the flat shards cannot be resharded).
 
-    ``weights_only=False``: a local state dict holds ShardedTensors, which the safe unpickler
-    refuses; load only files you wrote yourself.
+    ``weights_only=True``: a local state dict holds ShardedTensors, which the safe unpickler refuses
+    by default; we admit, for this load only, exactly the classes a ShardedTensor pickles to
+    (``_sharded_tensor_globals``), so a crafted file still cannot run code.
     """
     import warnings
 
@@ -263,15 +538,45 @@ def load_fsdp1_local(model: nn.Module, path: str | os.PathLike) -> None:
     from torch.distributed.fsdp import StateDictType
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = safe_torch_load(path, f"local state dict {path}", allow=_sharded_tensor_globals(),
+                                keep=(RuntimeError,))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
                 model.load_state_dict(state)
+    except UsageError:
+        raise
     except (RuntimeError, ValueError, KeyError) as e:
         reason = " ".join(str(e).split())[:200]
         raise UsageError(f"local state dict {path} does not fit this model and world size "
                          f"({world_size()} rank(s)): {reason}") from None
+
+
+def _sharded_tensor_globals() -> list[Any]:
+    """The classes an FSDP1 ``LOCAL_STATE_DICT`` (a ``ShardedTensor`` per flat parameter) pickles
+    to: its metadata dataclasses and enum. Its pickle also calls ``getattr(ShardedTensor,
+    "ProcessGroupState")``; in place of ``builtins.getattr`` we admit a function that answers that
+    one lookup and refuses any other (a free ``getattr`` would reach anything)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        MEM_FORMAT_ENCODING,
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+    from torch.distributed._shard.sharded_tensor.shard import Shard
+    from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
+    from torch.distributed.remote_device import _remote_device
+
+    def only_process_group_state(obj: Any, name: str) -> Any:
+        if obj is ShardedTensor and name == "ProcessGroupState":
+            return ShardedTensor.ProcessGroupState
+        raise pickle.UnpicklingError(f"getattr({getattr(obj, '__name__', type(obj).__name__)}, "
+                                     f"{name!r}) is not part of a local state dict")
+
+    return [ShardedTensor, ShardedTensor.ProcessGroupState, Shard, ShardMetadata,
+            ShardedTensorMetadata, TensorProperties, MEM_FORMAT_ENCODING, ChunkShardingSpec,
+            _remote_device, (only_process_group_state, "builtins.getattr")]
 
 
 def _rank() -> int:

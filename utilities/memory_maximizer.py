@@ -94,10 +94,17 @@ class Memory_Maximizer:  # noqa: N801 - the classic lessons' name, kept for thei
         self.reserved_gb.append(round(reserved / GB, 4))
         self.reserved_pct.append(round(100 * reserved / self.total_bytes, 2))
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self, verbose: bool | None = None) -> dict[str, Any]:
+        """End the run: print the report (if ``verbose``; default: the constructor's ``verbose``)
+        and return it. ``stop(verbose=True)`` also prints every update's reserved memory, as the
+        classic ``stop(verbose=...)`` did."""
         report = self.summary()
-        if report.get("gpu"):
-            self._say(self.format(report))
+        say = self.verbose if verbose is None else verbose
+        if report.get("gpu") and say:
+            self._say(self.format(report), force=True)
+            if verbose:
+                self._say(f"  every update (GB): {report['reserved_gb']}\n"
+                          f"  every update (% of GPU): {report['reserved_pct']}", force=True)
         self.started = False
         self._final = report
         return report
@@ -168,8 +175,46 @@ class Memory_Maximizer:  # noqa: N801 - the classic lessons' name, kept for thei
                       "watch; it will record nothing.")
         return self.enabled
 
-    def _say(self, text: str) -> None:
-        if self.verbose:
+    # -- the classic attribute names, read-only (0 / [] where nothing was recorded) -------------
+    def _classic_report(self) -> dict[str, Any] | None:
+        if not self.enabled:
+            return None
+        if self._final is not None and not self.started:
+            return self._final
+        return self.summary() if self.started else None
+
+    @property
+    def m_total_gpu_memory(self) -> float:
+        """Total GPU memory in GB (GiB), as the classic attribute."""
+        return round((self.total_bytes or 0) / GB, 4)
+
+    @property
+    def m_reserved_memory_list(self) -> list[float]:
+        return list(self.reserved_gb)
+
+    @property
+    def m_reserved_memory_pct(self) -> list[float]:
+        return list(self.reserved_pct)
+
+    @property
+    def m_num_retries(self) -> int:
+        report = self._classic_report()
+        return report["cuda_malloc_retries"] if report else 0
+
+    @property
+    def m_cuda_ooms(self) -> int:
+        report = self._classic_report()
+        return report["ooms"] if report else 0
+
+    m_total_ooms = m_cuda_ooms
+
+    @property
+    def m_max_reserved(self) -> float:
+        report = self._classic_report()
+        return report["max_reserved_gb"] if report else 0
+
+    def _say(self, text: str, force: bool = False) -> None:
+        if self.verbose or force:
             from .distributed import is_main
 
             if is_main():

@@ -41,10 +41,53 @@ NODE_GPUS = 8  # hybrid_shard's default shard group: one node
 PRECISIONS = ("fp32", "bf16")
 AC_MODES = ("none", "selective", "full")
 HEADROOM = 0.10  # of the GPU's memory, kept for what the trackers cannot see
-CATEGORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "other")
+CATEGORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+# temporaries: everything else alive at the peak (the tracker's "Temp": autograd's short-lived
+# tensors such as the logits and the loss's softmax over the vocabulary; the all-gather and
+# reduce-scatter buffers; module buffers and the inputs). peak_bytes also keeps it as "other", the
+# name it had before, for older readers.
+TEMPORARY_PARTS = {"temporaries": "autograd temporaries (logits, loss)",
+                   "all_gather": "all-gather buffers", "reduce_scatter": "reduce-scatter buffers",
+                   "buffers": "module buffers", "inputs": "inputs"}
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+# What ``nvidia-smi`` reports as total memory, in MiB: what users mean by "an 80GB card". H100:
+# the course's own H100 run read 79.6 GiB through NVML (gpu-evidence/2026-11-22-h100/check.txt).
+GPU_MEMORY_MIB = {
+    "h100": 81559, "h100-80gb": 81559, "h200": 143771, "a100-80gb": 81920, "a100-40gb": 40960,
+    "a100": 40960, "l4": 23034, "a10g": 23028, "t4": 15360, "rtx4090": 24564, "a6000": 49140,
+    "v100-16gb": 16384, "v100-32gb": 32768,
+}
+
+
+def resolve_gpu_memory(text: str) -> tuple[int, str]:
+    """Bytes per GPU from ``--gpu-memory``, and where the number came from, to print.
+
+    ``auto``: this machine's GPU 0 (NVML, else torch) when there is one, else an H100. A GPU name
+    (``h100``, ``a100-40gb``...): its real size (``GPU_MEMORY_MIB``). A size: exactly that, so
+    ``80GB`` is 80 x 10^9 bytes = 74.5 GiB, less than an "80GB" card (say ``h100``, 79.6 GiB).
+    """
+    key = str(text).strip().lower()
+    if key == "auto":
+        if torch.cuda.is_available():
+            from .memory_maximizer import gpu_total_memory
+
+            total, source = gpu_total_memory(0)
+            return total, f"this machine's GPU 0, {torch.cuda.get_device_name(0)} (via {source})"
+        key = "h100"
+        total = GPU_MEMORY_MIB[key] * 2**20
+        return total, "auto without a GPU here: an H100 80GB, as nvidia-smi reports it"
+    if key in GPU_MEMORY_MIB:
+        return GPU_MEMORY_MIB[key] * 2**20, f"{key}: {GPU_MEMORY_MIB[key]:,} MiB, as nvidia-smi reports it"
+    if re.fullmatch(r"[a-z][a-z0-9-]*", key):  # a name, not a size
+        raise bad_value("--gpu-memory", text, "auto, a GPU name (" + ", ".join(GPU_MEMORY_MIB)
+                        + ") or a size such as 80GiB, 80GB (10^9 bytes), 24e9")
+    nbytes = parse_memory(text)
+    unit = "10^9" if key.endswith("gb") else "2^30" if key.endswith("gib") else None
+    return nbytes, f"{text.strip()} as given" + (f" ({unit} bytes per G)" if unit else "")
 
 
 def parse_memory(text: str) -> int:
@@ -75,13 +118,14 @@ class Plan:
     seq: int
     device_type: str
     shard_size: int | None  # hybrid_shard: the ranks that shard among themselves (one replica)
-    peak_bytes: dict[str, int]  # total, parameters, gradients, optimizer, activations, other
+    peak_bytes: dict[str, int]  # total, parameters, gradients, optimizer, activations, temporaries
     detail: dict[str, int]  # the tracker's finer categories (sharded/unsharded params, buffers...)
     budget_bytes: int  # gpu memory minus the headroom
     fits: bool
     overflowing: str | None  # the category whose share of the budget is exceeded the most
     method: str  # how the peak was obtained
     notes: list[str] = field(default_factory=list)
+    gpu_memory_source: str = ""  # where gpu_memory_bytes came from (a GPU name, this GPU, a size)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +184,8 @@ def _train_step_tracked(model, batch, device: torch.device) -> dict[str, int]:
     on zero gradients: the same tensors a first real step would create, at no forward's cost."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    from .release import TrackerHooks
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=device.type == "cuda")
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -149,7 +195,7 @@ def _train_step_tracked(model, batch, device: torch.device) -> dict[str, int]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None")
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        with tracker:
+        with TrackerHooks(), tracker:  # the hooks go, so the fake model can be collected
             optimizer.zero_grad(set_to_none=True)
             model(**batch).loss.backward()
             optimizer.step()
@@ -216,7 +262,8 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
         cats["total"] -= gathered
         detail["unsharded_parameters_removed"] = gathered
     known = sum(cats[c] for c in ("parameters", "gradients", "optimizer", "activations"))
-    cats["other"] = max(0, cats["total"] - known)
+    cats["temporaries"] = max(0, cats["total"] - known)
+    cats["other"] = cats["temporaries"]  # the former name, for older readers
     fits = cats["total"] <= budget
     return Plan(
         model=spec.name, parameters_total=spec.num_parameters, gpus=gpus,
@@ -264,8 +311,9 @@ def _resident_floor(num_parameters: int, world: int) -> dict[str, int]:
     least this much (gradients and activations come on top, at some point of the step)."""
     shard = -(-num_parameters // world)
     cats = {"parameters": 4 * shard, "gradients": 0, "optimizer": 8 * shard, "activations": 0,
-            "other": 0}
+            "temporaries": 0}
     cats["total"] = sum(cats.values())
+    cats["other"] = 0
     return cats
 
 
@@ -333,8 +381,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--model", default="llama-8b", help="named model (see `fsdp-course list "
                         "--models`); default llama-8b")
     parser.add_argument("--gpus", default="8", help="number of GPUs (ranks); default 8")
-    parser.add_argument("--gpu-memory", default="80GB",
-                        help="memory per GPU: 80GB (10^9), 80GiB (2^30), 24e9...; default 80GB")
+    parser.add_argument("--gpu-memory", default="auto",
+                        help="memory per GPU: a GPU name (" + ", ".join(GPU_MEMORY_MIB) + "), its "
+                        "real size; or a size: 80GiB (2^30), 80GB (10^9 bytes: 74.5 GiB, less than "
+                        "an '80GB' card), 24e9; default auto: this machine's GPU, else an h100")
     parser.add_argument("--strategy", default="full_shard",
                         help=f"one of {', '.join(STRATEGIES)}; default full_shard")
     parser.add_argument("--shard-size", default=None,
@@ -363,8 +413,9 @@ def _int_arg(flag: str, text: str | None) -> int | None:
 
 
 def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
+    gpu_memory_bytes, source = resolve_gpu_memory(args.gpu_memory)
     kw = dict(model=args.model, gpus=_int_arg("--gpus", args.gpus),
-              gpu_memory_bytes=parse_memory(args.gpu_memory), strategy=args.strategy,
+              gpu_memory_bytes=gpu_memory_bytes, strategy=args.strategy,
               precision=args.precision, ac=args.ac, seq=_int_arg("--seq", args.seq),
               shard_size=_int_arg("--shard-size", args.shard_size))
     batch = _int_arg("--batch", args.batch)
@@ -374,8 +425,10 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
     _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"])
     if args.max_batch:
         best, p = largest_batch(**kw)
-        return p, best
-    return plan(batch=batch, **kw), None
+    else:
+        best, p = None, plan(batch=batch, **kw)
+    p.gpu_memory_source = source
+    return p, best
 
 
 def format_plan(p: Plan, largest: int | None = None) -> str:
@@ -389,6 +442,10 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
         mark = "  <- overflows" if c == p.overflowing else ""
         lines.append(f"{c:<14}{fmt_bytes(p.peak_bytes[c]):>16}{p.peak_bytes[c] / total:>8.0%}{mark}")
     lines.append(f"{'total':<14}{fmt_bytes(p.peak_bytes['total']):>16}{1:>8.0%}")
+    lines.append(temporaries_line(p))
+    if p.gpu_memory_source:
+        lines.append(f"GPU memory used: {p.gpu_memory_bytes / 2**30:.2f} GiB per GPU "
+                     f"({p.gpu_memory_source})")
     lines.append(f"budget: {fmt_bytes(p.budget_bytes)} ({1 - HEADROOM:.0%} of "
                  f"{fmt_bytes(p.gpu_memory_bytes)}; the rest is headroom for the CUDA context, "
                  "NCCL and fragmentation)")
@@ -404,6 +461,15 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
     lines += [f"note: {n}" for n in p.notes]
     lines.append(f"method: {p.method}")
     return "\n".join(lines)
+
+
+def temporaries_line(p: Plan) -> str:
+    """What "temporaries" holds in this plan, largest part first."""
+    parts = sorted(((p.detail.get(k, 0), label) for k, label in TEMPORARY_PARTS.items()
+                    if p.detail.get(k, 0) > 0), reverse=True)
+    held = "; ".join(f"{label} {fmt_bytes(n)}" for n, label in parts)
+    return ("temporaries: what else is alive at the peak, freed within the step: "
+            + (held if held else "nothing simulated (a lower bound)"))
 
 
 def run_plan(args: argparse.Namespace) -> int:

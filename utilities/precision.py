@@ -91,6 +91,28 @@ def fsdp1_policy(name: str):
     return MixedPrecision(param_dtype=p.param, reduce_dtype=p.reduce, buffer_dtype=p.buffer)
 
 
+# -- the classic tutorials' policy names ------------------------------------------------------------
+# Code descended from the classic PyTorch FSDP tutorial imports these module-level FSDP1
+# ``MixedPrecision`` objects and writes ``mixed_precision=bfSixteen if verify_bfloat_support else
+# fp32_policy``. They are kept with the tutorial's dtypes (fp32_policy is an all-fp32
+# ``MixedPrecision``, not ``None``) so such code runs unchanged; for FSDP2's ``fully_shard`` use
+# ``fsdp2_policy(name)`` instead: it takes a ``MixedPrecisionPolicy``, not these.
+def _classic(param: torch.dtype, reduce: torch.dtype, buffer: torch.dtype):
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=param, reduce_dtype=reduce, buffer_dtype=buffer)
+
+
+fpSixteen = _classic(torch.float16, torch.float16, torch.float16)  # noqa: N816 - classic name
+"""fp16 compute, reduction and buffers (needs a loss scaler: ``make_scaler("fp16")``)."""
+bfSixteen = _classic(torch.bfloat16, torch.bfloat16, torch.bfloat16)  # noqa: N816 - classic name
+"""bf16 compute, reduction and buffers: ``POLICIES["bf16"]``."""
+bfSixteen_working = _classic(torch.float32, torch.bfloat16, torch.bfloat16)  # noqa: N816
+"""fp32 compute, gradients reduced in bf16 (the classic 'working' variant)."""
+fp32_policy = _classic(torch.float32, torch.float32, torch.float32)
+"""Everything in fp32: the classic fallback when bf16 is not ready."""
+
+
 def default_policy() -> tuple[str, str]:
     """bf16 where native bf16 is ready (see ``bf16_ready``), else fp32; and the reason, in words."""
     report = bf16_ready()

@@ -19,9 +19,10 @@ the keys and shapes ourselves: a wrong file is one line naming it, never a parti
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,22 +115,80 @@ def atomic_torch_save(obj: Any, path: Path) -> int:
 # -- loading -----------------------------------------------------------------------------------
 def read_full(path: str | os.PathLike) -> dict[str, Any]:
     """Read a full checkpoint on this process (``weights_only=True``: tensors and plain data only,
-    no arbitrary pickled code). A missing, truncated or foreign file is a one-line UsageError."""
+    no arbitrary pickled code). A missing, truncated, foreign or code-carrying file is a one-line
+    UsageError."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"checkpoint {p} does not exist")
-    try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # zip/pickle errors say "truncated" or "not a torch.save file"
-        reason = " ".join(str(e).split())[:160]
-        raise UsageError(f"checkpoint {p} is not readable (truncated or not a torch.save file): "
-                         f"{type(e).__name__}: {reason}") from None
+    ckpt = safe_torch_load(p, f"checkpoint {p}")
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise UsageError(f"checkpoint {p} is not a full state dict checkpoint "
                          f"(no format {FORMAT!r}; found {_describe(ckpt)})")
     if not isinstance(ckpt.get("model"), dict) or not isinstance(ckpt.get("step"), int):
         raise UsageError(f"checkpoint {p} is incomplete: it lacks the model state dict or the step")
     return ckpt
+
+
+def safe_torch_load(source: str | os.PathLike | io.BytesIO, what: str,
+                    allow: Sequence[Any] = (), keep: tuple[type[Exception], ...] = ()) -> Any:
+    """``torch.load(source, weights_only=True)``, with ``allow`` (classes, or ``(object, "module.name")``
+    pairs) admitted for this call only, and every failure turned into one line. Errors of a type in
+    ``keep`` that are not about the file's format (an admitted class refusing its state, e.g. a
+    ShardedTensor saved on another world size) propagate for the caller to word.
+
+    Why not plain ``torch.load``: a pickle may name any importable function (``posix.system``) and
+    ``weights_only=False`` calls it while loading. The weights-only unpickler refuses every global
+    outside PyTorch's tensor/container allowlist; we say which one it refused, and that nothing was
+    loaded, instead of PyTorch's multi-paragraph advice to turn the check off.
+    """
+    import pickle
+
+    try:
+        if allow:
+            with torch.serialization.safe_globals(list(allow)):
+                return torch.load(source, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" in str(e).lower() or "WeightsUnpickler" in str(e):
+            refused = refused_globals(source, str(e), allow)
+            raise UsageError(f"{what} asks to run code when loaded: the safe loader refused "
+                             f"{refused}; nothing was loaded (a checkpoint needs only tensors and "
+                             "plain data: this file was written by other code or tampered with)") from None
+        raise UsageError(_unreadable(what, e)) from None
+    except Exception as e:  # zip/pickle errors of a truncated or foreign file
+        if isinstance(e, keep) and "PytorchStreamReader" not in str(e) and "zip" not in str(e):
+            raise
+        raise UsageError(_unreadable(what, e)) from None
+
+
+def _unreadable(what: str, e: BaseException) -> str:
+    reason = " ".join(str(e).split())[:160]
+    return f"{what} is not readable (truncated or not a torch.save file): {type(e).__name__}: {reason}"
+
+
+def refused_globals(source: str | os.PathLike | io.BytesIO, message: str = "",
+                    allow: Sequence[Any] = ()) -> str:
+    """The globals a pickle names that the weights-only loader does not admit, as text
+    (``posix.system``); found by reading the pickle's opcodes, never by running it."""
+    import re
+
+    names: list[str] = []
+    try:
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        if allow:
+            with torch.serialization.safe_globals(list(allow)):
+                names = list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+        else:
+            names = list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+    except Exception:  # noqa: BLE001 - not a zip file, or an older torch: read the error instead
+        names = []
+    if not names:
+        names = re.findall(r"GLOBAL ([\w.]+)", message) or re.findall(r"got <class '([\w.]+)'>", message)
+    if not names:
+        return "an object it does not admit"
+    unique = list(dict.fromkeys(names))
+    return ", ".join(unique[:3]) + (", ..." if len(unique) > 3 else "")
 
 
 def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -20,9 +20,13 @@ Run: fsdp-course run 03 [--quick]   or   torchrun --nproc-per-node 2 full_state_
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
+
+# cuBLAS reads this once, when its first handle is made: see deterministic_kernels() below.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
@@ -61,6 +65,23 @@ def max_over_ranks(value: float, device: torch.device) -> float:
     return value
 
 
+def deterministic_kernels(device: torch.device) -> bool:
+    """Make GPU kernels bitwise reproducible, so "identical" can mean identical.
+
+    On a CPU the same computation gives the same bits every time. On a GPU some kernels do not:
+    an embedding's backward adds rows with atomics in whatever order the threads finish, and cuBLAS
+    may split a reduction differently; float addition is not associative, so two runs of the same
+    step can differ in the last bits. Deterministic mode picks order-fixed kernels (slower), and
+    cuBLAS needs a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``, read when its first handle is
+    made: set at import, below).
+    """
+    if device.type != "cuda":
+        return False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    return True
+
+
 @torch.no_grad()
 def logits(model, batch) -> torch.Tensor:
     return model(**batch).logits.float().cpu()
@@ -69,6 +90,7 @@ def logits(model, batch) -> torch.Tensor:
 def main(args) -> None:
     with Lesson("03", "full state dict save/load", args, gpu_model="t5-large", gpu_batch_size=8,
                 steps=8, quick_steps=3, batch_size=4) as L:
+        L.results.data["settings"]["deterministic_kernels"] = deterministic_kernels(L.device)
         block = L.spec.block_class()
         ckpt_dir = Path(args.checkpoint_dir or L.out / "checkpoints")
         probe = next(L.data(seed_offset=1000))  # a fixed batch, never trained on, for comparisons

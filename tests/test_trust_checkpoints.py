@@ -1,0 +1,285 @@
+"""Issue 14 items 2-4: no checkpoint the course loads can run code, and a kill at any instant of a
+save never costs the previous checkpoint.
+
+Everything here runs in this process on a one-rank gloo world (``world1``) with a two-layer model:
+no torchrun launch, well under a second per save.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+from torch import nn
+
+import utilities.dcp as D
+from utilities.errors import UsageError
+from utilities.state_dict import FORMAT, read_full
+
+
+class _Touch:
+    """Unpickling this calls ``os.system("touch MARKER")``: the test sees whether code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture
+def tiny(world1):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt)
+    return model, opt
+
+
+def _step(model, opt) -> None:
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- item 2: nothing runs code -------------------------------------------------------------------
+def test_crafted_metadata_is_refused_before_dcp_reads_it(tiny, tmp_path):
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=1)
+    marker = tmp_path / "ran"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
+    for call in (D.check_checkpoint, D.checkpoint_files,
+                 lambda p: D.load_checkpoint(p, model, opt),
+                 lambda p: D.to_torch_save(p, tmp_path / "one.pt")):
+        with pytest.raises(UsageError) as e:
+            call(ckpt)
+        msg = str(e.value)
+        assert "\n" not in msg and "asks to run code" in msg and "system" in msg, msg
+        assert "nothing was loaded" in msg
+    assert not marker.exists()
+
+
+def test_crafted_non_tensor_entry_is_refused(tiny, tmp_path):
+    """DCP stores non-tensor values as torch.save bytes and reads them back with
+    ``weights_only=False``; a checkpoint holding one that runs code must be refused, not loaded."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = tiny
+    marker = tmp_path / "ran"
+    state = D.training_state(model, opt, 1, 1)
+    state["evil"] = _Touch(marker)
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
+    with pytest.raises(UsageError, match=r"entry evil asks to run code.*posix.system"):
+        D.check_checkpoint(tmp_path / "ckpt")
+    target = D.training_state(model, opt)
+    target["evil"] = None
+    with pytest.raises(UsageError, match="entry evil asks to run code"):  # the planner alone
+        D.dcp_load(target, tmp_path / "ckpt")
+    with pytest.raises(UsageError, match="asks to run code"):
+        D.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert not marker.exists()
+
+
+def test_torch_save_files_are_read_weights_only(tmp_path):
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "x": _Touch(marker)}, evil)
+    with pytest.raises(UsageError, match="asks to run code.*posix.system"):
+        D.from_torch_save(evil, tmp_path / "dcp")
+    with pytest.raises(UsageError, match="asks to run code.*posix.system"):
+        D.load_fsdp1_local(nn.Linear(2, 2), evil)
+    assert not marker.exists() and not (tmp_path / "dcp").exists()
+
+
+def test_a_good_checkpoint_still_round_trips(tiny, tmp_path):
+    model, opt = tiny
+    before = _weights(model)
+    D.save_checkpoint(tmp_path / "ckpt", model, opt, step=3, batches_consumed=5)
+    _step(model, opt)
+    resumed = D.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert (resumed.step, resumed.batches_consumed) == (3, 5) and _same(_weights(model), before)
+    one = D.to_torch_save(tmp_path / "ckpt", tmp_path / "one.pt")
+    back = D.from_torch_save(one, tmp_path / "back")
+    assert D.checkpoint_files(back) == ["__0_0.distcp"]
+
+
+# -- item 4: lesson 03's loader says what a malicious pickle is ------------------------------------
+def test_malicious_full_checkpoint_is_named_not_called_truncated(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.pt"
+    torch.save({"format": FORMAT, "step": 1, "model": {}, "payload": _Touch(marker)}, path)
+    with pytest.raises(UsageError) as e:
+        read_full(path)
+    msg = str(e.value)
+    assert "\n" not in msg and "asks to run code" in msg and "posix.system" in msg
+    assert "nothing was loaded" in msg
+    assert "truncated" not in msg and "In PyTorch 2.6" not in msg
+    assert not marker.exists()
+
+
+# -- item 3: a kill between any two filesystem operations of an overwrite ----------------------------
+class _Killed(BaseException):
+    """What a SIGKILL looks like from inside: nothing after it runs."""
+
+
+def _fs_ops(monkeypatch, kill_at: int | None, how: str = "before", also=()) -> list[str]:
+    """Route utilities.dcp's os.replace / shutil.rmtree / mkdir / dcp.save through a counter that
+    raises ``_Killed`` at op number ``kill_at``: before the op, or (``how="half"``) after doing
+    half of it (half a directory deleted; a DCP save's data written but not its ``.metadata``).
+    ``also``: other modules whose ``dcp.save`` counts (lesson 10 calls it itself)."""
+    ops: list[str] = []
+
+    def op(name, real, *args, **kwargs):
+        index = len(ops)
+        ops.append(name)
+        if index == kill_at:
+            if how == "half":
+                _half(name, real, *args, **kwargs)
+            raise _Killed(f"{name} #{index}")
+        return real(*args, **kwargs)
+
+    fake_os = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")})
+    fake_os.replace = lambda *a, **k: op("replace", os.replace, *a, **k)
+    fake_shutil = types.SimpleNamespace(rmtree=lambda *a, **k: op("rmtree", shutil.rmtree, *a, **k))
+    real_save = D.dcp.save
+    fake_dcp = types.SimpleNamespace(**vars(D.dcp))
+    fake_dcp.save = lambda *a, **k: op("dcp.save", real_save, *a, **k)
+    real_mkdir = Path.mkdir
+    monkeypatch.setattr(D, "os", fake_os)
+    monkeypatch.setattr(D, "shutil", fake_shutil)
+    for module in (D, *also):
+        monkeypatch.setattr(module, "dcp", fake_dcp)
+
+    def mkdir(self, *a, **k):  # only utilities.dcp's own mkdir is an operation of ours, not DCP's
+        if sys._getframe(1).f_globals.get("__name__") == D.__name__:
+            return op("mkdir", real_mkdir, self, *a, **k)
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    return ops
+
+
+def _half(name, real, *args, **kwargs) -> None:
+    if name == "rmtree":
+        target = Path(args[0])
+        files = sorted(target.iterdir()) if target.is_dir() else []
+        for f in files[: len(files) // 2]:
+            f.unlink()
+    elif name == "dcp.save":
+        real(*args, **kwargs)
+        (Path(kwargs["checkpoint_id"]) / ".metadata").unlink()  # DCP writes it last
+
+
+def _lesson10():
+    spec = importlib.util.spec_from_file_location("lesson10_train_trust",
+                                                  REPO / "lessons/10_end_to_end/train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _overwrite_ops(tiny, tmp_path, monkeypatch) -> list[str]:
+    model, opt = tiny
+    D.save_checkpoint(tmp_path / "count", model, opt, step=1)
+    ops = _fs_ops(monkeypatch, None)
+    D.save_checkpoint(tmp_path / "count", model, opt, step=2)
+    monkeypatch.undo()
+    return ops
+
+
+def test_the_overwrite_has_the_operations_we_kill_at(tiny, tmp_path, monkeypatch):
+    ops = _overwrite_ops(tiny, tmp_path, monkeypatch)
+    assert ops.count("replace") == 2 and "dcp.save" in ops and ops[-1] == "rmtree", ops
+
+
+@pytest.mark.parametrize("how", ["before", "half"])
+def test_kill_between_any_two_operations_keeps_a_checkpoint(tiny, tmp_path, monkeypatch, how):
+    """Save A, then overwrite it with B and kill the process at the k-th filesystem operation, for
+    every k. Afterwards the name always loads, and deterministically: B once B's data was all
+    written (only the renames were cut short), A before that. A further save cleans up."""
+    model, opt = tiny
+    ops = _overwrite_ops(tiny, tmp_path, monkeypatch)
+    saved_at = ops.index("dcp.save")
+    for k in range(len(ops)):
+        path = tmp_path / f"k{k}" / "ckpt"
+        D.save_checkpoint(path, model, opt, step=1)
+        a = _weights(model)
+        _step(model, opt)
+        b = _weights(model)
+        _fs_ops(monkeypatch, k, how)
+        with pytest.raises(_Killed):
+            D.save_checkpoint(path, model, opt, step=2)
+        monkeypatch.undo()
+        _step(model, opt)  # so a load that does nothing cannot pass
+        expect_b = k > saved_at  # a kill during dcp.save ("half": data without .metadata) keeps A
+        resumed = D.load_checkpoint(path, model, opt)
+        assert resumed.step == (2 if expect_b else 1), (k, ops[k], how, os.listdir(path.parent))
+        assert _same(_weights(model), b if expect_b else a), (k, ops[k], how)
+        # the next save recovers: only the name itself is left
+        D.save_checkpoint(path, model, opt, step=3)
+        assert sorted(os.listdir(path.parent)) == ["ckpt"], (k, ops[k], how)
+        assert D.load_checkpoint(path, model, opt).step == 3
+
+
+def test_lesson10_resumes_from_a_save_killed_mid_publish(tiny, tmp_path, monkeypatch):
+    """Lesson 10's save uses the same swap; its latest_checkpoint and load find the finished save
+    even where the kill left it as .step_N.tmp (before: --resume silently restarted at step 0)."""
+    model, opt = tiny
+    train = _lesson10()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpts = tmp_path / "checkpoints"
+    train.save_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
+    _step(model, opt)
+    b = _weights(model)
+    ops = _fs_ops(monkeypatch, None, also=[train])
+    train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
+    monkeypatch.undo()
+    shutil.rmtree(ckpts / "step_000020")
+    for k in range(ops.index("dcp.save") + 1, len(ops)):  # every kill after the data is written
+        _fs_ops(monkeypatch, k, also=[train])
+        with pytest.raises(_Killed):
+            train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
+        monkeypatch.undo()
+        latest = train.latest_checkpoint(ckpts)
+        assert latest is not None and latest.name in ("step_000020", ".step_000020.tmp"), k
+        _step(model, opt)
+        assert train.load_checkpoint(latest, model, opt, sched) == (20, 20)
+        assert _same(_weights(model), b)
+        shutil.rmtree(latest)
+        _step(model, opt)
+        b = _weights(model)
+    # an unfinished save (no .metadata) is never picked: step 10 is
+    _fs_ops(monkeypatch, ops.index("dcp.save"), "half", also=[train])
+    with pytest.raises(_Killed):
+        train.save_checkpoint(ckpts, model, opt, sched, step=30, batches=30, keep_last=2)
+    monkeypatch.undo()
+    assert train.latest_checkpoint(ckpts).name == "step_000010"
+    train.save_checkpoint(ckpts, model, opt, sched, step=40, batches=40, keep_last=2)
+    assert sorted(os.listdir(ckpts)) == ["step_000010", "step_000040"]
+
+
+def test_unfinished_tmp_alone_is_still_reported_as_unfinished(tmp_path):
+    (tmp_path / ".ckpt.tmp").mkdir()
+    (tmp_path / ".ckpt.tmp" / "__0_0.distcp").write_bytes(b"half")
+    with pytest.raises(UsageError, match="never completed"):
+        D.check_checkpoint(tmp_path / "ckpt")
