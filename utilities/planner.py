@@ -44,8 +44,7 @@ HEADROOM = 0.10  # of the GPU's memory, kept for what the trackers cannot see
 CATEGORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 # temporaries: everything else alive at the peak (the tracker's "Temp": autograd's short-lived
 # tensors such as the logits and the loss's softmax over the vocabulary; the all-gather and
-# reduce-scatter buffers; module buffers and the inputs). peak_bytes also keeps it as "other", the
-# name it had before, for older readers.
+# reduce-scatter buffers; module buffers and the inputs).
 TEMPORARY_PARTS = {"temporaries": "autograd temporaries (logits, loss)",
                    "all_gather": "all-gather buffers", "reduce_scatter": "reduce-scatter buffers",
                    "buffers": "module buffers", "inputs": "inputs"}
@@ -263,7 +262,6 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
         detail["unsharded_parameters_removed"] = gathered
     known = sum(cats[c] for c in ("parameters", "gradients", "optimizer", "activations"))
     cats["temporaries"] = max(0, cats["total"] - known)
-    cats["other"] = cats["temporaries"]  # the former name, for older readers
     fits = cats["total"] <= budget
     return Plan(
         model=spec.name, parameters_total=spec.num_parameters, gpus=gpus,
@@ -313,7 +311,6 @@ def _resident_floor(num_parameters: int, world: int) -> dict[str, int]:
     cats = {"parameters": 4 * shard, "gradients": 0, "optimizer": 8 * shard, "activations": 0,
             "temporaries": 0}
     cats["total"] = sum(cats.values())
-    cats["other"] = 0
     return cats
 
 

@@ -96,64 +96,65 @@ def main(args) -> None:
         probe = next(L.data(seed_offset=1000))  # a fixed batch, never trained on, for comparisons
 
         for name in args.variants:
-            api, how = VARIANTS[name]
+            with L.variant(name):  # everything the variant made is freed before the next one
+                api, how = VARIANTS[name]
 
-            # 1. train, then save a full checkpoint
-            model = L.materialize(shard_model(L.build_model(), api=api, block_class=block,
-                                              policy="block", device=L.device))
-            optim = L.optimizer(model)
-            stats = L.train(model, name, optimizer=optim, measure_memory=False)
-            path = ckpt_dir / f"{name}.pt"
-            sync(L.device)
-            t0 = time.perf_counter()
-            nbytes = save_full(path, model, optim, step=L.steps, how=how,
-                               extra={"model": L.spec.name, "api": api})
-            save_s = max_over_ranks(time.perf_counter() - t0, L.device)
-            reference = logits(model, probe)
+                # 1. train, then save a full checkpoint
+                model = L.materialize(shard_model(L.build_model(), api=api, block_class=block,
+                                                  policy="block", device=L.device))
+                optim = L.optimizer(model)
+                stats = L.train(model, name, optimizer=optim, measure_memory=False)
+                path = ckpt_dir / f"{name}.pt"
+                sync(L.device)
+                t0 = time.perf_counter()
+                nbytes = save_full(path, model, optim, step=L.steps, how=how,
+                                   extra={"model": L.spec.name, "api": api})
+                save_s = max_over_ranks(time.perf_counter() - t0, L.device)
+                reference = logits(model, probe)
 
-            # 2. a fresh sharded model (other random weights) and a fresh optimizer, then load
-            fresh, fresh_optim = build_fresh(L, api, block)
-            before_load = max_over_ranks((logits(fresh, probe) - reference).abs().max().item(),
-                                         L.device)
-            sync(L.device)
-            t0 = time.perf_counter()
-            step = load_full(path, fresh, fresh_optim)
-            sync(L.device)
-            load_s = max_over_ranks(time.perf_counter() - t0, L.device)
-            out_diff = max_over_ranks((logits(fresh, probe) - reference).abs().max().item(), L.device)
+                # 2. a fresh sharded model (other random weights) and a fresh optimizer, then load
+                fresh, fresh_optim = build_fresh(L, api, block)
+                before_load = max_over_ranks((logits(fresh, probe) - reference).abs().max().item(),
+                                             L.device)
+                sync(L.device)
+                t0 = time.perf_counter()
+                step = load_full(path, fresh, fresh_optim)
+                sync(L.device)
+                load_s = max_over_ranks(time.perf_counter() - t0, L.device)
+                out_diff = max_over_ranks((logits(fresh, probe) - reference).abs().max().item(), L.device)
 
-            # 3. the next optimizer step must be the same: same loss, same updated weights
-            batch = next(L.data(seed_offset=2000))
-            loss_a = train_step(model, optim, batch)
-            loss_b = train_step(fresh, fresh_optim, batch)
-            after_diff = max_over_ranks((logits(model, probe) - logits(fresh, probe)).abs().max()
-                                        .item(), L.device)
-            loss_diff = max_over_ranks(abs(loss_a - loss_b), L.device)
+                # 3. the next optimizer step must be the same: same loss, same updated weights
+                batch = next(L.data(seed_offset=2000))
+                loss_a = train_step(model, optim, batch)
+                loss_b = train_step(fresh, fresh_optim, batch)
+                after_diff = max_over_ranks((logits(model, probe) - logits(fresh, probe)).abs().max()
+                                            .item(), L.device)
+                loss_diff = max_over_ranks(abs(loss_a - loss_b), L.device)
 
-            # 4. export for transformers and reload with from_pretrained (rank 0)
-            hf = {}
-            if not args.no_export:
-                msd, _ = gather_full(fresh, None, how)  # the weights after the next step
-                after = logits(fresh, probe)
-                if L.dist.is_main:
-                    hf = check_export(msd, L, ckpt_dir / f"{name}-hf", probe, after)
-                dist.barrier()
+                # 4. export for transformers and reload with from_pretrained (rank 0)
+                hf = {}
+                if not args.no_export:
+                    msd, _ = gather_full(fresh, None, how)  # the weights after the next step
+                    after = logits(fresh, probe)
+                    if L.dist.is_main:
+                        hf = check_export(msd, L, ckpt_dir / f"{name}-hf", probe, after)
+                    dist.barrier()
 
-            ok = out_diff == 0.0 and loss_diff == 0.0 and after_diff == 0.0
-            L.results.add(name, stats, api=api, saved_with=how, checkpoint_bytes=nbytes,
-                          save_s=round(save_s, 4), load_s=round(load_s, 4), loaded_step=step,
-                          diff_before_load=before_load, outputs_max_abs_diff=out_diff,
-                          outputs_identical=out_diff == 0.0, next_loss_a=loss_a, next_loss_b=loss_b,
-                          next_step_loss_diff=loss_diff, after_step_max_abs_diff=after_diff,
-                          next_step_identical=loss_diff == 0.0 and after_diff == 0.0,
-                          checkpoint=str(path), **hf)
-            L.print(f"    {name}: saved {fmt_bytes(nbytes)} in {save_s:.3f}s, loaded in "
-                    f"{load_s:.3f}s (step {step}); outputs diff {out_diff:g} (fresh model: "
-                    f"{before_load:.3g}), next step loss {loss_a:.6f} vs {loss_b:.6f}, "
-                    f"weights after diff {after_diff:g}" +
-                    (f", HF export diff {hf['hf_max_abs_diff']:g}" if hf else "") +
-                    ("" if ok else "  <-- NOT IDENTICAL"))
-            del model, optim, fresh, fresh_optim
+                ok = out_diff == 0.0 and loss_diff == 0.0 and after_diff == 0.0
+                L.results.add(name, stats, api=api, saved_with=how, checkpoint_bytes=nbytes,
+                              save_s=round(save_s, 4), load_s=round(load_s, 4), loaded_step=step,
+                              diff_before_load=before_load, outputs_max_abs_diff=out_diff,
+                              outputs_identical=out_diff == 0.0, next_loss_a=loss_a, next_loss_b=loss_b,
+                              next_step_loss_diff=loss_diff, after_step_max_abs_diff=after_diff,
+                              next_step_identical=loss_diff == 0.0 and after_diff == 0.0,
+                              checkpoint=str(path), **hf)
+                L.print(f"    {name}: saved {fmt_bytes(nbytes)} in {save_s:.3f}s, loaded in "
+                        f"{load_s:.3f}s (step {step}); outputs diff {out_diff:g} (fresh model: "
+                        f"{before_load:.3g}), next step loss {loss_a:.6f} vs {loss_b:.6f}, "
+                        f"weights after diff {after_diff:g}" +
+                        (f", HF export diff {hf['hf_max_abs_diff']:g}" if hf else "") +
+                        ("" if ok else "  <-- NOT IDENTICAL"))
+                del model, optim, fresh, fresh_optim
 
         L.results.note("checkpoint_bytes: model + AdamW state + step in one torch.save file, "
                        "written by rank 0 only (the other ranks hold nothing).")

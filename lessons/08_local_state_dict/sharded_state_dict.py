@@ -110,10 +110,12 @@ def dir_bytes(path: Path) -> int:
 def main(args) -> None:
     with Lesson("08", "local / sharded state dict (distributed checkpoint)", args,
                 gpu_model="t5-large", steps=8, quick_steps=3, batch_size=4, gpu_batch_size=8) as L:
-        if args.load_from:
-            load_mode(L, Path(args.load_from))
-        else:
-            default_mode(L, args)
+        mode = "load" if args.load_from else "save-load-resume"
+        with L.variant(mode):  # every model the mode made is freed (and checked) at the end
+            if args.load_from:
+                load_mode(L, Path(args.load_from))
+            else:
+                default_mode(L, args)
 
 
 def load_mode(L, src: Path) -> None:
