@@ -1,20 +1,51 @@
 """Lesson 13's points: per-block torch.compile changes the speed, not the numbers; FP8 is skipped
 with its reason where it cannot run; the float8 filter converts only Linear layers whose dims are
-multiples of 16 (and never the lm_head or embeddings)."""
+multiples of 16 (and never the lm_head or embeddings); a width sweep names its variants
+<variant>-h<hidden> and reports where FP8 (and compile) starts to pay.
+
+The CPU twins of tests/gpu/test_fp8_smoke.py run the same code path with the same flags (their
+values shrunk to a tiny model, --device cpu, and the aot_eager compile backend so the sweep's two
+widths do not pay inductor's code generation twice) and check the same variant names."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
-from conftest import REPO, cli, notebook_results, variant
+from conftest import REPO, cli, notebook_results, run_lesson, variant
 from torch import nn
 
 from utilities.low_precision import (
     compile_blocks,
+    crossover_hidden,
     float8_module_filter,
     fp8_available,
     fp8_linear_names,
 )
 from utilities.models import get_model_spec
+
+
+def _load(path: str, name: str):
+    """A script or GPU test module by path (the lesson sets an environment variable on import: the
+    environment is restored afterwards)."""
+    before = dict(os.environ)
+    try:
+        spec = importlib.util.spec_from_file_location(name, REPO / path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+GPU = _load("tests/gpu/test_fp8_smoke.py", "gpu_fp8_smoke")
+LESSON = _load("lessons/13_fp8_compile/fp8_compile.py", "lesson13_fp8_compile")
+# The GPU sweep's flags with tiny values: 2 widths, 1 block, 4 steps (1 warm-up, 1 memory, 2 timed)
+TWIN_FLAGS = ("--hidden", "64,128", "--layers", "1", "--steps", "4", "--seq-len", "16",
+              "--variants", "eager,compiled,fp8-compiled", "--compile-backend", "aot_eager")
+TWIN_WIDTHS = (64, 128)
 
 # bf16 compute on CPU (the issue's "bf16 eager / compiled part"): inductor fuses ops and keeps some
 # intermediates in fp32 where eager rounds them to bf16, so after 6 AdamW steps the losses differ by
@@ -108,3 +139,81 @@ def test_lesson_help_explains_every_flag():
     for flag in ("--variants", "--hidden", "--layers", "--precision", "--quick", "--steps"):
         assert flag in proc.stdout
     assert (REPO / "lessons/13_fp8_compile/README.md").is_file()
+
+
+# -- CPU twins of tests/gpu/test_fp8_smoke.py -------------------------------------------------------
+def _flag_names(flags) -> set[str]:
+    return {f for f in flags if f.startswith("--")}
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """The GPU tests' width sweep, tiny, on one CPU rank (as the GPU tests use one GPU)."""
+    return run_lesson("13", tmp_path_factory.mktemp("sweep"), *TWIN_FLAGS, nproc=1, quick=False)
+
+
+def test_gpu_flags_parse_and_the_twin_uses_them():
+    for flags in (GPU.SMOKE_FLAGS, GPU.PAYS_FLAGS):
+        args = LESSON.parse_args(list(flags))
+        assert args.hidden == [int(h) for h in flags[flags.index("--hidden") + 1].split(",")]
+        assert _flag_names(flags) <= _flag_names(TWIN_FLAGS) | {"--seq-len"}
+    assert LESSON.parse_args(list(GPU.PAYS_FLAGS)).variants == ["compiled", "fp8-compiled"]
+    assert LESSON.GPU_WIDTHS == (1024, 2048, 4096)  # the GPU default sweeps these
+    # the names the GPU tests ask for are the names the lesson gives
+    for names, flags in ((GPU.SMOKE_VARIANTS, GPU.SMOKE_FLAGS), (GPU.PAYS_VARIANTS, GPU.PAYS_FLAGS)):
+        args = LESSON.parse_args(list(flags))
+        assert list(names) == [f"{v}-h{h}" for h in args.hidden for v in args.variants]
+
+
+def test_sweep_names_every_variant_by_width(sweep):
+    assert sweep["settings"]["widths"] == list(TWIN_WIDTHS)
+    assert [v["name"] for v in sweep["variants"]] == [f"{v}-h{h}" for h in TWIN_WIDTHS
+                                                      for v in ("eager", "compiled")]
+    for v in sweep["variants"]:
+        assert v["hidden"] == int(v["name"].rsplit("-h", 1)[1]) and v["tokens_per_s"] > 0
+    compiled = variant(sweep, "compiled-h64")
+    assert compiled["compiled_blocks"] == 1 and compiled["speedup_vs_eager"] > 0
+    assert sweep["settings"]["compile_backend"] == "aot_eager"
+
+
+def test_sweep_reports_fp8_skipped_per_width_with_its_reason(sweep):
+    ok, reason = fp8_available("cpu")
+    assert not ok
+    assert sweep["skipped"] == {f"fp8-compiled-h{h}": reason for h in TWIN_WIDTHS}
+    assert sweep["fp8_crossover_hidden"] is None
+    assert sweep["fp8_crossover"]["why"] == f"fp8-compiled skipped: {reason}"
+
+
+def test_sweep_crossover_comes_from_its_rows(sweep):
+    """compile_crossover_hidden: the same logic as FP8's, on the bf16 eager / compiled rows."""
+    found = sweep["compile_crossover"]
+    for h in TWIN_WIDTHS:
+        compiled, eager = variant(sweep, f"compiled-h{h}"), variant(sweep, f"eager-h{h}")
+        ratio = compiled["tokens_per_s"] / eager["tokens_per_s"]
+        assert found["ratios"][str(h)] == pytest.approx(ratio, rel=1e-3)
+    expected = crossover_hidden(sweep["variants"], "compiled", "eager")
+    assert sweep["compile_crossover_hidden"] == expected["hidden"] and found["why"] == expected["why"]
+
+
+def _rows(tps: dict[int, tuple[float, float]]) -> list[dict]:
+    rows = []
+    for h, (base, cand) in tps.items():
+        rows += [{"variant": "compiled", "hidden": h, "tokens_per_s": base},
+                 {"variant": "fp8-compiled", "hidden": h, "tokens_per_s": cand}]
+    return rows
+
+
+def test_crossover_logic():
+    # H100 at hidden 1024 (issue 13): fp8 132k vs compiled 329k tokens/s; wider, made-up numbers
+    h100 = _rows({1024: (329_172, 132_491), 2048: (150_000, 140_000), 4096: (60_000, 78_000)})
+    found = crossover_hidden(h100, "fp8-compiled", "compiled")
+    assert found["hidden"] == 4096 and found["ratios"][1024] == pytest.approx(0.4025, abs=1e-4)
+    assert "slower at 2048 and faster from 4096" in found["why"]
+    # a lucky narrow width below a slower one is no crossover
+    assert crossover_hidden(_rows({1024: (1, 2), 2048: (2, 1), 4096: (1, 2)}), "fp8-compiled",
+                            "compiled")["hidden"] == 4096
+    never = crossover_hidden(_rows({1024: (2, 1), 4096: (2, 1.5)}), "fp8-compiled", "compiled")
+    assert never["hidden"] is None and "above it" in never["why"]
+    always = crossover_hidden(_rows({1024: (1, 2), 4096: (1, 3)}), "fp8-compiled", "compiled")
+    assert always["hidden"] == 1024 and "at or below 1024" in always["why"]
+    assert crossover_hidden([], "fp8-compiled", "compiled")["hidden"] is None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,15 +85,37 @@ def fp8_linear_names(model: nn.Module, module_filter: Callable[[nn.Module, str],
     return [name for name, m in model.named_modules() if module_filter(m, name)]
 
 
-def convert_for_fp8(model: nn.Module, fsdp_float8_all_gather: bool = True,
-                    module_filter: Callable[[nn.Module, str], bool] | None = None) -> list[str]:
-    """Swap the filtered ``nn.Linear`` layers for torchao ``Float8Linear`` (tensorwise scaling) in
-    place, *before* ``fully_shard``; return the converted names. Needs torchao (see fp8_available)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def float8_config(recipe: str = "tensorwise", fsdp_float8_all_gather: bool | None = None):
+    """torchao's ``Float8LinearConfig`` for a recipe: ``tensorwise`` (one scale per tensor: the
+    fastest, and the only one whose weights FSDP2 can all-gather in float8), ``rowwise`` (one
+    scale per row: more accurate, a little slower) or ``rowwise_with_gw_hp`` (rowwise, with the
+    weight gradient's matmul kept in high precision). ``fsdp_float8_all_gather`` defaults to True
+    for tensorwise and must stay off for the others."""
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"float8 recipe {recipe!r} is not allowed; allowed: {', '.join(FP8_RECIPES)}")
+    if recipe == "tensorwise":
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather is not False)
+    if fsdp_float8_all_gather:
+        raise ValueError(f"float8 all-gather needs the tensorwise recipe, not {recipe!r}")
+    return Float8LinearConfig.from_recipe_name(recipe)
+
+
+def convert_for_fp8(model: nn.Module, fsdp_float8_all_gather: bool | None = None,
+                    module_filter: Callable[[nn.Module, str], bool] | None = None,
+                    recipe: str = "tensorwise") -> list[str]:
+    """Swap the filtered ``nn.Linear`` layers for torchao ``Float8Linear`` (``recipe``'s scaling,
+    see :func:`float8_config`) in place, *before* ``fully_shard``; return the converted names.
+    Needs torchao (see fp8_available)."""
+    from torchao.float8 import convert_to_float8_training
 
     module_filter = module_filter or float8_module_filter()
     names = fp8_linear_names(model, module_filter)
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    config = float8_config(recipe, fsdp_float8_all_gather)
     convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
     return names
 
@@ -142,3 +165,36 @@ class Stopwatch:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.seconds = time.perf_counter() - self._t0
+
+
+def crossover_hidden(variants: list[dict[str, Any]], candidate: str, baseline: str) -> dict[str, Any]:
+    """Where ``candidate`` starts to pay over ``baseline`` (e.g. fp8-compiled over compiled).
+
+    ``variants`` are results.json variants with ``variant``, ``hidden`` and ``tokens_per_s``. For
+    every width measured with both, the ratio candidate / baseline tokens/s; the crossover is the
+    smallest width from which the candidate is faster at that width *and every wider one measured*
+    (a single lucky width below a slower one is not a crossover). Returns ``{"hidden": int | None,
+    "ratios": {width: ratio}, "why": str}``; ``hidden`` is None when the candidate never pays at
+    the widest width, or when no width has both."""
+    tps = {(v["variant"], v.get("hidden")): v.get("tokens_per_s") for v in variants}
+    ratios = {h: tps[(candidate, h)] / tps[(baseline, h)]
+              for (name, h) in tps if name == candidate and h is not None
+              and tps.get((candidate, h)) and tps.get((baseline, h))}
+    widths = sorted(ratios)
+    hidden = None
+    for h in reversed(widths):
+        if ratios[h] <= 1.0:
+            break
+        hidden = h
+    if not widths:
+        why = f"no width was measured with both {candidate} and {baseline}"
+    elif hidden is None:
+        why = (f"{candidate} was not faster than {baseline} at the widest width measured "
+               f"({widths[-1]}): the crossover, if any, is above it")
+    elif hidden == widths[0]:
+        why = (f"{candidate} was faster at every width measured: the crossover is at or below "
+               f"{hidden}")
+    else:
+        below = max(h for h in widths if h < hidden)
+        why = f"{candidate} is slower at {below} and faster from {hidden} on"
+    return {"hidden": hidden, "ratios": {h: round(r, 4) for h, r in sorted(ratios.items())}, "why": why}

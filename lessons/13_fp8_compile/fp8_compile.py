@@ -15,10 +15,16 @@ Variants, each trained on the same data from the same weights:
     compiled       the same, each transformer block torch.compile'd
     fp8-compiled   torchao Float8Linear (tensorwise, float8 all-gather) + compile: GPU sm_89+ only
 
+With --hidden (and on a GPU by default: 1024, 2048 and 4096) the lesson builds one Llama per width
+and names every variant <variant>-h<hidden> (compiled-h1024, fp8-compiled-h4096, ...). It then
+reports where FP8 starts to pay: fp8_crossover_hidden in results.json is the smallest width from
+which fp8-compiled has more tokens/s than compiled at that width and every wider one measured
+(compile_crossover_hidden: the same for compiled over eager).
+
 On CPU the lesson runs eager and compiled in bf16 (--precision fp32 makes them agree to ~1e-7)
 and records why FP8 was skipped. Compile time is the first step, reported apart from the timed steps.
 
-Run: fsdp-course run 13 [--quick]   or   fsdp-course run 13 -- --hidden 1024,4096 (GPU)
+Run: fsdp-course run 13 [--quick]   or   fsdp-course run 13 -- --hidden 1024,2048,4096 (GPU)
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from utilities.low_precision import (  # noqa: E402
     Stopwatch,
     compile_blocks,
     convert_for_fp8,
+    crossover_hidden,
     float8_module_filter,
     fp8_available,
     fp8_linear_names,
@@ -51,7 +58,7 @@ from utilities.precision import fsdp2_policy  # noqa: E402
 from utilities.wrapping import shard_model  # noqa: E402
 
 VARIANTS = ("eager", "compiled", "fp8-compiled")
-GPU_WIDTHS = (1024, 4096)  # one where FP8 barely pays, one where it does
+GPU_WIDTHS = (1024, 2048, 4096)  # FP8 lost at 1024 on an H100; the sweep finds where it starts to pay
 GPU_LAYERS = 4             # enough blocks to see per-block compile reuse, small enough for 1 GPU
 GPU_SEQ_LEN = 2048
 
@@ -83,6 +90,10 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
                    help="FSDP2 compute dtype: auto = bf16 (on CPU too; fp32 on a GPU without "
                         "native bf16); fp32 makes compiled and eager agree to ~1e-7")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled variants (default inductor, the one "
+                        "that fuses; aot_eager captures the same graphs without generating kernels: "
+                        "for debugging, and for the CPU tests)")
     args = p.parse(argv)
     if args.layers is not None and args.layers < 1:
         p.exit(2, f"error: --layers {args.layers} is not allowed; allowed: integers >= 1\n")
@@ -125,21 +136,25 @@ def main(args) -> None:
 
     with Lesson("13", "FP8 training with torch.compile", args, gpu_model="llama-tiny",
                 steps=20, quick_steps=6, batch_size=8, gpu_batch_size=4,
-                settings=dict(precision=precision, widths=widths)) as L:
+                settings=dict(precision=precision, widths=widths,
+                              compile_backend=args.compile_backend)) as L:
         block = L.spec.block_class()
         specs = [width_spec(h, args.layers or GPU_LAYERS, L.seq_len) for h in widths] if widths \
             else [L.spec]
+        def variant_label(name: str, spec: ModelSpec) -> str:  # with --hidden: compiled-h1024, ...
+            return f"{name}-h{spec.config().hidden_size}" if widths else name
+
         if "fp8-compiled" in args.variants and not fp8_ok:
             L.print(f"  fp8-compiled skipped: {fp8_reason}")
             L.results.note(f"fp8-compiled skipped: {fp8_reason}")
-            L.results.data["skipped"] = {"fp8-compiled": fp8_reason}
+            L.results.data["skipped"] = {variant_label("fp8-compiled", spec): fp8_reason for spec in specs}
         warm = L.data(seed_offset=1000)  # the compile step uses its own batch, not the timed data
 
         for spec in specs:
             for name in args.variants:
                 if name == "fp8-compiled" and not fp8_ok:
                     continue
-                label = name if len(specs) == 1 else f"{name}-h{spec.config().hidden_size}"
+                variant_name = variant_label(name, spec)
                 L.seed()
                 model = spec.build(device=L.device)
                 params = count_parameters(model)
@@ -156,7 +171,8 @@ def main(args) -> None:
                                     mp_policy=fsdp2_policy(precision))
                 # 3. compile each block in place
                 if name != "eager":
-                    extra["compiled_blocks"] = compile_blocks(model, block)
+                    extra["compiled_blocks"] = compile_blocks(model, block,
+                                                              backend=args.compile_backend)
                 optimizer = L.optimizer(model)
                 if name == "fp8-compiled":  # one fused amax for all float8 weights after each step
                     optimizer.register_step_post_hook(lambda *_, m=model: fp8_precompute_scales(m))
@@ -166,11 +182,11 @@ def main(args) -> None:
                     model(**next(warm)).loss.backward()
                 model.zero_grad(set_to_none=True)
                 extra["first_step_s"] = round(first.seconds, 3)
-                L.print(f"  {label}: first forward+backward (compile included) {first.seconds:.2f}s")
+                L.print(f"  {variant_name}: first forward+backward (compile included) {first.seconds:.2f}s")
 
-                stats = L.train(model, label, optimizer=optimizer,
+                stats = L.train(model, variant_name, optimizer=optimizer,
                                 flops_per_token=flops_per_token(spec, params, L.seq_len))
-                L.results.add(label, stats, **extra)
+                L.results.add(variant_name, stats, **extra)
                 del model, optimizer
 
         # Compile time = the compiled variant's first step minus the eager one's (same shapes).
@@ -192,9 +208,27 @@ def main(args) -> None:
                 else L.results.data["model"]
         L.results.note("compile_s: first step of the compiled variant minus eager's first step; "
                        "all timed steps come after it (tokens/s excludes compilation).")
+        # Where FP8 starts to pay (and compile, on the bf16 rows): the lesson's measured crossover.
+        measured = L.results.data["variants"]
+        for key, candidate, baseline in (("fp8", "fp8-compiled", "compiled"),
+                                         ("compile", "compiled", "eager")):
+            if not widths or candidate not in args.variants or baseline not in args.variants:
+                continue
+            if candidate == "fp8-compiled" and not fp8_ok:
+                found = {"hidden": None, "ratios": {}, "why": f"fp8-compiled skipped: {fp8_reason}"}
+            else:
+                found = crossover_hidden(measured, candidate, baseline)
+            L.results.data[f"{key}_crossover_hidden"] = found["hidden"]
+            L.results.data[f"{key}_crossover"] = found
+            ratios = "".join(f", h{h}: {r:.2f}x" for h, r in found["ratios"].items())
+            L.print(f"  {key} crossover (tokens/s {candidate} / {baseline}{ratios}): "
+                    f"{found['hidden'] if found['hidden'] is not None else 'none'} ({found['why']})")
+            L.results.note(f"{key}_crossover_hidden = {found['hidden']}: {found['why']}")
         if L.device.type == "cpu":
-            L.results.note(f"CPU run in {precision}: compiled vs eager shows inductor's fused CPU "
-                           "kernels, not the GPU picture; FP8 needs a Hopper/Ada GPU (sm_89+).")
+            shows = ("inductor's fused CPU kernels" if args.compile_backend == "inductor" else
+                     f"the {args.compile_backend} backend (graph capture, no generated kernels)")
+            L.results.note(f"CPU run in {precision}: compiled vs eager shows {shows}, not the GPU "
+                           "picture; FP8 needs a Hopper/Ada GPU (sm_89+).")
 
 
 if __name__ == "__main__":
