@@ -46,10 +46,23 @@ def break_fsdp1_cycles(model: nn.Module) -> int:
     return cut
 
 
+def _instances(cls: type) -> list[Any]:
+    """Every live object of ``cls`` the garbage collector knows (a dead ``weakref.proxy`` among
+    them answers ``isinstance`` with ReferenceError: skipped)."""
+    found = []
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, cls):
+                found.append(o)
+        except ReferenceError:
+            continue
+    return found
+
+
 def _fsdp1_units() -> list[nn.Module]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return [o for o in gc.get_objects() if isinstance(o, FSDP)]
+    return _instances(FSDP)
 
 
 def _flat_param(module: nn.Module) -> torch.Tensor | None:
@@ -125,7 +138,7 @@ class VariantScope:
 def live_parameters() -> int:
     """How many ``nn.Parameter`` objects this process still holds (a leak check at exit)."""
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, nn.Parameter))
+    return len(_instances(nn.Parameter))
 
 
 class TrackerHooks:

@@ -155,39 +155,42 @@ def main(args) -> None:
                 if name == "fp8-compiled" and not fp8_ok:
                     continue
                 variant_name = variant_label(name, spec)
-                L.seed()
-                model = spec.build(device=L.device)
-                params = count_parameters(model)
-                extra = dict(variant=name, precision=precision, hidden=spec.config().hidden_size,
-                             parameters=params)
-                # 1. convert (before sharding: torchao must see plain nn.Linear modules)
-                if name == "fp8-compiled":
-                    extra["fp8_linears"] = len(convert_for_fp8(model))
-                else:
-                    extra["fp8_linears_if_converted"] = len(fp8_linear_names(
-                        model, float8_module_filter()))
-                # 2. shard: each block, then the root
-                model = shard_model(model, block_class=block, device=L.device,
-                                    mp_policy=fsdp2_policy(precision))
-                # 3. compile each block in place
-                if name != "eager":
-                    extra["compiled_blocks"] = compile_blocks(model, block,
-                                                              backend=args.compile_backend)
-                optimizer = L.optimizer(model)
-                if name == "fp8-compiled":  # one fused amax for all float8 weights after each step
-                    optimizer.register_step_post_hook(lambda *_, m=model: fp8_precompute_scales(m))
+                with L.variant(variant_name):  # freed before the next variant
+                    L.seed()
+                    model = spec.build(device=L.device)
+                    params = count_parameters(model)
+                    extra = dict(variant=name, precision=precision, hidden=spec.config().hidden_size,
+                                 parameters=params)
+                    # 1. convert (before sharding: torchao must see plain nn.Linear modules)
+                    if name == "fp8-compiled":
+                        extra["fp8_linears"] = len(convert_for_fp8(model))
+                    else:
+                        extra["fp8_linears_if_converted"] = len(fp8_linear_names(
+                            model, float8_module_filter()))
+                    # 2. shard: each block, then the root
+                    model = shard_model(model, block_class=block, device=L.device,
+                                        mp_policy=fsdp2_policy(precision))
+                    # 3. compile each block in place
+                    if name != "eager":
+                        extra["compiled_blocks"] = compile_blocks(model, block,
+                                                                  backend=args.compile_backend)
+                    optimizer = L.optimizer(model)
+                    if name == "fp8-compiled":  # one fused amax for all float8 weights after each step
+                        optimizer.register_step_post_hook(lambda *_, m=model: fp8_precompute_scales(m))
 
-                torch._dynamo.reset()  # so compile cost is measured from scratch for each variant
-                with Stopwatch(L.device) as first:
-                    model(**next(warm)).loss.backward()
-                model.zero_grad(set_to_none=True)
-                extra["first_step_s"] = round(first.seconds, 3)
-                L.print(f"  {variant_name}: first forward+backward (compile included) {first.seconds:.2f}s")
+                    torch._dynamo.reset()  # so compile cost is measured from scratch for each variant
+                    with Stopwatch(L.device) as first:
+                        model(**next(warm)).loss.backward()
+                    model.zero_grad(set_to_none=True)
+                    extra["first_step_s"] = round(first.seconds, 3)
+                    L.print(f"  {variant_name}: first forward+backward (compile included) "
+                            f"{first.seconds:.2f}s")
 
-                stats = L.train(model, variant_name, optimizer=optimizer,
-                                flops_per_token=flops_per_token(spec, params, L.seq_len))
-                L.results.add(variant_name, stats, **extra)
-                del model, optimizer
+                    stats = L.train(model, variant_name, optimizer=optimizer,
+                                    flops_per_token=flops_per_token(spec, params, L.seq_len))
+                    L.results.add(variant_name, stats, **extra)
+                    del model, optimizer
+                    torch._dynamo.reset()  # compiled code of this variant goes too
 
         # Compile time = the compiled variant's first step minus the eager one's (same shapes).
         by_name = {v["name"]: v for v in L.results.data["variants"]}
