@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without install
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after the sys.path fallback above)
 
 from utilities.results import write_json  # noqa: E402
 

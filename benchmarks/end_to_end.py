@@ -33,11 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
+import json
+import os
+import subprocess
 
-from common import (  # noqa: E402
+from common import (
     REPO,
     base_parser,
     metadata,

@@ -43,10 +43,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from common import base_parser, metadata, output_path, pick_device, save, time_it  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from common import base_parser, metadata, output_path, pick_device, save, time_it
+from torch import nn
 
 NAME = "layer"
 PUBLISHED = {  # TransformerEngine, H100, per forward+backward of one TransformerLayer

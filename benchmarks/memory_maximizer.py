@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, base_parser, metadata, output_path, pick_device, run_lesson, save  # noqa: E402
+from common import REPO, base_parser, metadata, output_path, pick_device, run_lesson, save
 
 NAME = "memory_maximizer"
 PUBLISHED = {"speedup_retry_free_vs_retrying": 0.25,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, base_parser, metadata, output_path, pick_device, save  # noqa: E402
+from common import RESULTS_DIR, base_parser, metadata, output_path, pick_device, save
 
 NAME = "planner_check"
 

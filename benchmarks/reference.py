@@ -37,8 +37,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from common import REPO, pick_device, save, sync  # noqa: E402
+import torch
+from common import REPO, pick_device, save, sync
 
 MODES = ("eager", "compile")
 ACS = ("none", "selective", "full")

@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import NO_GPU, RESULTS_DIR  # noqa: E402
-from end_to_end import ALL_CONFIGS as E2E_GPU_CONFIGS  # noqa: E402
-from end_to_end import reference_of  # noqa: E402
-from layer import CONFIGS as LAYER_CONFIGS  # noqa: E402
+from common import NO_GPU, RESULTS_DIR
+from end_to_end import ALL_CONFIGS as E2E_GPU_CONFIGS
+from end_to_end import reference_of
+from layer import CONFIGS as LAYER_CONFIGS
 
 HERE = Path(__file__).resolve().parent
 START, END = "<!-- results:start -->", "<!-- results:end -->"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, RESULTS_DIR, device_slug, pick_device  # noqa: E402
+from common import REPO, RESULTS_DIR, device_slug, pick_device
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("end_to_end", "layer", "memory_maximizer", "planner_check")

@@ -33,13 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.fsdp import fully_shard
 
-from utilities.batch_search import all_ranks_agree, find_max_batch, training_trial  # noqa: E402
-from utilities.checkpointing import apply_activation_checkpointing, block_units  # noqa: E402
-from utilities.lesson import Lesson, lesson_parser, positive_float, positive_int  # noqa: E402
-from utilities.measure import fmt_bytes  # noqa: E402
-from utilities.wrapping import shard_model  # noqa: E402
+from utilities.batch_search import all_ranks_agree, find_max_batch, training_trial
+from utilities.checkpointing import apply_activation_checkpointing, block_units
+from utilities.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.measure import fmt_bytes
+from utilities.wrapping import shard_model
 
 VARIANTS = {
     # name: (api, which blocks: "none" | "every" | "all")

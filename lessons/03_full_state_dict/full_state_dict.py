@@ -30,15 +30,15 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from utilities.lesson import Lesson, lesson_parser  # noqa: E402
-from utilities.measure import fmt_bytes  # noqa: E402
-from utilities.models import META_INIT_THRESHOLD  # noqa: E402
-from utilities.state_dict import export_hf, gather_full, load_full, save_full  # noqa: E402
-from utilities.training import sync  # noqa: E402
-from utilities.wrapping import shard_model  # noqa: E402
+from utilities.lesson import Lesson, lesson_parser
+from utilities.measure import fmt_bytes
+from utilities.models import META_INIT_THRESHOLD
+from utilities.state_dict import export_hf, gather_full, load_full, save_full
+from utilities.training import sync
+from utilities.wrapping import shard_model
 
 VARIANTS = {
     # name: (api, how the full state dict is gathered for saving)

@@ -28,12 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from torch.distributed.fsdp import BackwardPrefetch  # noqa: E402
+from torch.distributed.fsdp import BackwardPrefetch
 
-from utilities.lesson import Lesson, lesson_parser, positive_int  # noqa: E402
-from utilities.measure import fmt_bytes, unsharded_parameter_bytes  # noqa: E402
-from utilities.prefetch import prefetch_plan, profile_steps, set_explicit_prefetch  # noqa: E402
-from utilities.wrapping import shard_model  # noqa: E402
+from utilities.lesson import Lesson, lesson_parser, positive_int
+from utilities.measure import fmt_bytes, unsharded_parameter_bytes
+from utilities.prefetch import prefetch_plan, profile_steps, set_explicit_prefetch
+from utilities.wrapping import shard_model
 
 VARIANTS = {
     # name: (api, FSDP1 options or FSDP2 prefetch mode)

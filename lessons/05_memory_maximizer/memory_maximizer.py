@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from utilities.batch_search import Trial, all_ranks_agree, find_max_batch, training_trial  # noqa: E402
-from utilities.lesson import Lesson, lesson_parser, positive_float, positive_int  # noqa: E402
-from utilities.measure import fmt_bytes  # noqa: E402
-from utilities.wrapping import shard_model  # noqa: E402
+from utilities.batch_search import Trial, all_ranks_agree, find_max_batch, training_trial
+from utilities.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.measure import fmt_bytes
+from utilities.wrapping import shard_model
 
 MIB = 2**20
 # t5-tiny, seq 64, 2 ranks: the tracked peak per rank is about 14 MiB + 5.3 MiB per sample (batch 4:

@@ -32,11 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from utilities import distributed as D  # noqa: E402
-from utilities import sharding as S  # noqa: E402
-from utilities.lesson import Lesson, lesson_parser, positive_float, positive_int  # noqa: E402
-from utilities.measure import fmt_bytes, unsharded_parameter_bytes  # noqa: E402
-from utilities.wrapping import shard_model  # noqa: E402
+from utilities import distributed as D
+from utilities import sharding as S
+from utilities.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.measure import fmt_bytes, unsharded_parameter_bytes
+from utilities.wrapping import shard_model
 
 # name: (how it is wrapped, the strategy in utilities.sharding)
 VARIANTS = {

@@ -32,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from utilities.lesson import Lesson, lesson_parser  # noqa: E402
-from utilities.precision import (  # noqa: E402
+from utilities.lesson import Lesson, lesson_parser
+from utilities.precision import (
     POLICIES,
     attach_scaler,
     default_policy,
@@ -42,8 +42,8 @@ from utilities.precision import (  # noqa: E402
     make_scaler,
     observe_dtypes,
 )
-from utilities.training import default_step  # noqa: E402
-from utilities.wrapping import APIS, shard_model  # noqa: E402
+from utilities.training import default_step
+from utilities.wrapping import APIS, shard_model
 
 
 def parse_args(argv=None):

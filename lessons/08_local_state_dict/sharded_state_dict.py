@@ -31,11 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from utilities.data import ReverseTask  # noqa: E402
-from utilities.dcp import (  # noqa: E402
+from utilities.data import ReverseTask
+from utilities.dcp import (
     async_save_checkpoint,
     check_checkpoint,
     from_torch_save,
@@ -46,12 +46,12 @@ from utilities.dcp import (  # noqa: E402
     save_checkpoint,
     to_torch_save,
 )
-from utilities.errors import UsageError  # noqa: E402
-from utilities.lesson import Lesson, lesson_parser  # noqa: E402
-from utilities.measure import fmt_bytes  # noqa: E402
-from utilities.results import write_json  # noqa: E402
-from utilities.training import train  # noqa: E402
-from utilities.wrapping import shard_model  # noqa: E402
+from utilities.errors import UsageError
+from utilities.lesson import Lesson, lesson_parser
+from utilities.measure import fmt_bytes
+from utilities.results import write_json
+from utilities.training import train
+from utilities.wrapping import shard_model
 
 
 def parse_args(argv=None):

@@ -42,17 +42,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from utilities.child_tuning import ChildTuning, local  # noqa: E402
-from utilities.data import LETTERS, LetterTask, batches, make_loader  # noqa: E402
-from utilities.errors import UsageError  # noqa: E402
-from utilities.lesson import Lesson, bounded, lesson_parser, positive_int  # noqa: E402
-from utilities.measure import fmt_bytes  # noqa: E402
-from utilities.training import train  # noqa: E402
-from utilities.wrapping import shard_model  # noqa: E402
+from utilities.child_tuning import ChildTuning, local
+from utilities.data import LETTERS, LetterTask, batches, make_loader
+from utilities.errors import UsageError
+from utilities.lesson import Lesson, bounded, lesson_parser, positive_int
+from utilities.measure import fmt_bytes
+from utilities.training import train
+from utilities.wrapping import shard_model
 
 VARIANTS = {
     # name: (api, what is frozen, child-tuning mode)

@@ -31,13 +31,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-import torch  # noqa: E402
+import torch
 
-from utilities.lesson import Lesson, lesson_parser  # noqa: E402
-from utilities.measure import fmt_bytes  # noqa: E402
-from utilities.memory_maximizer import Memory_Maximizer  # noqa: E402
-from utilities.training import default_step  # noqa: E402
-from utilities.wrapping import shard_model  # noqa: E402
+from utilities.lesson import Lesson, lesson_parser
+from utilities.measure import fmt_bytes
+from utilities.memory_maximizer import Memory_Maximizer
+from utilities.training import default_step
+from utilities.wrapping import shard_model
 
 VARIANTS = {
     # name: (api, options for FullyShardedDataParallel)

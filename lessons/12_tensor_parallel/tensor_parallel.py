@@ -34,15 +34,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-import torch  # noqa: E402
+import torch
 
-from utilities import distributed as D  # noqa: E402
-from utilities.data import ReverseTask, batches  # noqa: E402
-from utilities.errors import UsageError  # noqa: E402
-from utilities.lesson import Lesson, lesson_parser, positive_int  # noqa: E402
-from utilities.measure import MemoryProbe, fmt_bytes  # noqa: E402
-from utilities.models import get_model_spec  # noqa: E402
-from utilities.tensor_parallel import (  # noqa: E402
+from utilities import distributed as D
+from utilities.data import ReverseTask, batches
+from utilities.errors import UsageError
+from utilities.lesson import Lesson, lesson_parser, positive_int
+from utilities.measure import MemoryProbe, fmt_bytes
+from utilities.models import get_model_spec
+from utilities.tensor_parallel import (
     FeedForward,
     apply_mlp_tp,
     apply_tp,
@@ -52,8 +52,8 @@ from utilities.tensor_parallel import (  # noqa: E402
     split_parameter_names,
     weight_bytes,
 )
-from utilities.training import TrainStats, sync, train  # noqa: E402
-from utilities.wrapping import shard_model  # noqa: E402
+from utilities.training import TrainStats, sync, train
+from utilities.wrapping import shard_model
 
 # name: (kind, dp size or None for "whatever is left", tp size)
 VARIANTS = {

@@ -40,10 +40,10 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-import torch  # noqa: E402
+import torch
 
-from utilities.lesson import Lesson, lesson_parser  # noqa: E402
-from utilities.low_precision import (  # noqa: E402
+from utilities.lesson import Lesson, lesson_parser
+from utilities.low_precision import (
     Stopwatch,
     compile_blocks,
     convert_for_fp8,
@@ -53,9 +53,9 @@ from utilities.low_precision import (  # noqa: E402
     fp8_linear_names,
     fp8_precompute_scales,
 )
-from utilities.models import ModelSpec, _llama  # noqa: E402
-from utilities.precision import fsdp2_policy  # noqa: E402
-from utilities.wrapping import shard_model  # noqa: E402
+from utilities.models import ModelSpec, _llama
+from utilities.precision import fsdp2_policy
+from utilities.wrapping import shard_model
 
 VARIANTS = ("eager", "compiled", "fp8-compiled")
 GPU_WIDTHS = (1024, 2048, 4096)  # FP8 lost at 1024 on an H100; the sweep finds where it starts to pay

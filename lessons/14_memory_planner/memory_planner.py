@@ -23,15 +23,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from utilities.checkpointing import apply_activation_checkpointing, block_units  # noqa: E402
-from utilities.lesson import CPU_MODEL, Lesson, lesson_parser  # noqa: E402
-from utilities.measure import fmt_bytes  # noqa: E402
-from utilities.models import get_model_spec  # noqa: E402
-from utilities.planner import largest_batch, parse_memory, plan  # noqa: E402
-from utilities.precision import fsdp2_policy  # noqa: E402
+from utilities.checkpointing import apply_activation_checkpointing, block_units
+from utilities.lesson import CPU_MODEL, Lesson, lesson_parser
+from utilities.measure import fmt_bytes
+from utilities.models import get_model_spec
+from utilities.planner import largest_batch, parse_memory, plan
+from utilities.precision import fsdp2_policy
 
 VARIANTS = {
     # name: (strategy, precision, activation checkpointing)
