@@ -110,12 +110,16 @@ def dir_bytes(path: Path) -> int:
 def main(args) -> None:
     with Lesson("08", "local / sharded state dict (distributed checkpoint)", args,
                 gpu_model="t5-large", steps=8, quick_steps=3, batch_size=4, gpu_batch_size=8) as L:
-        mode = "load" if args.load_from else "save-load-resume"
-        with L.variant(mode):  # every model the mode made is freed (and checked) at the end
-            if args.load_from:
+        # each part's models are freed (and checked) before the next part starts
+        if args.load_from:
+            with L.variant("load"):
                 load_mode(L, Path(args.load_from))
-            else:
+        else:
+            with L.variant("save-load"):
                 default_mode(L, args)
+            if not args.skip_resume_check:
+                with L.variant("resume"):
+                    resume_check(L, L.steps)
 
 
 def load_mode(L, src: Path) -> None:
@@ -245,9 +249,6 @@ def default_mode(L, args) -> None:
             f"{sharded_s:.3f}s; get_state_dict + DCP {dcp1_s:.3f}s")
     del m1, opt1, local, sharded
 
-    # 4. resume: train k, save, load into a fresh model, train k more == 2k uninterrupted
-    if not args.skip_resume_check:
-        resume_check(L, k)
     L.results.note("checkpoint_bytes: the whole checkpoint directory, all ranks; fsdp1-local "
                    "saves weights only (no optimizer), fsdp*-dcp save model + optimizer + step.")
     L.results.note("LOCAL_STATE_DICT files are flat, padded shards: only FSDP1 with the same "
