@@ -33,17 +33,32 @@ def break_fsdp1_cycles(model: nn.Module) -> int:
     cut = 0
     for p in list(model.parameters()) + [_flat_param(m) for m in model.modules()]:
         if p is not None and getattr(p, "_is_flat_param", False):
-            for name in _FLAT_PARAM_BACKREFS:
-                p.__dict__.pop(name, None)
-            # A unit with frozen parameters reshards through a multi-grad hook on its inputs,
-            # whose handle FSDP1 keeps until the next forward: its closure holds autograd nodes.
-            for name in ("_post_backward_hook_handle", "_post_backward_hook_state"):
-                held = p.__dict__.pop(name, None)
-                for handle in held if isinstance(held, tuple) else (held,):
-                    if hasattr(handle, "remove"):
-                        handle.remove()
+            _cut_flat_param(p)
             cut += 1
     return cut
+
+
+def _cut_flat_param(p: torch.Tensor) -> None:
+    for name in _FLAT_PARAM_BACKREFS:
+        p.__dict__.pop(name, None)
+    # A unit with frozen parameters reshards through a multi-grad hook on its inputs, whose
+    # handle FSDP1 keeps until the next forward: its closure holds autograd nodes.
+    for name in ("_post_backward_hook_handle", "_post_backward_hook_state"):
+        held = p.__dict__.pop(name, None)
+        for handle in held if isinstance(held, tuple) else (held,):
+            if hasattr(handle, "remove"):
+                handle.remove()
+
+
+def _flat_param(module: nn.Module) -> torch.Tensor | None:
+    handle = getattr(module, "_handle", None)  # FSDP1 units keep theirs on a handle
+    return getattr(handle, "flat_param", None)
+
+
+def _flat_params() -> list[torch.Tensor]:
+    """Every live FSDP1 FlatParameter, found by the garbage collector: the FSDP wrapper of a
+    finished model can be collected while its flat parameter and inner modules stay in the loop."""
+    return [t for t in _instances(torch.Tensor) if getattr(t, "_is_flat_param", False)]
 
 
 def _instances(cls: type) -> list[Any]:
@@ -59,15 +74,6 @@ def _instances(cls: type) -> list[Any]:
     return found
 
 
-def _fsdp1_units() -> list[nn.Module]:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return _instances(FSDP)
-
-
-def _flat_param(module: nn.Module) -> torch.Tensor | None:
-    handle = getattr(module, "_handle", None)  # FSDP1 units keep theirs on a handle
-    return getattr(handle, "flat_param", None)
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:
@@ -88,12 +94,12 @@ class VariantScope:
         self._objects: list[weakref.ref] = []
         self._tensors: list[weakref.ref] = []
         self.allocated_before: int | None = None
-        self._units_before: set[int] = set()
+        self._flat_before: set[int] = set()
 
     def start(self) -> VariantScope:
         """Note the memory in use before the variant (collected first, so it is the baseline)."""
         gc.collect()
-        self._units_before = {id(u) for u in _fsdp1_units()}
+        self._flat_before = {id(t) for t in _flat_params()}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.allocated_before = torch.cuda.memory_allocated(self.device)
@@ -116,12 +122,12 @@ class VariantScope:
             elif isinstance(obj, torch.optim.Optimizer):
                 obj.state.clear()
         obj = None
-        # FSDP1 units made during the variant that the loop kept alive after their root was
-        # dropped (also those of models the lesson made without the harness).
-        for unit in _fsdp1_units():
-            if id(unit) not in self._units_before:
-                break_fsdp1_cycles(unit)
-        unit = None
+        # FSDP1 flat parameters made during the variant that the loop kept alive after their
+        # model was dropped (also those of models the lesson made without the harness).
+        for flat in _flat_params():
+            if id(flat) not in self._flat_before:
+                _cut_flat_param(flat)
+        flat = None
         gc.collect()
         report: dict[str, Any] = {
             "leaked_objects": sum(r() is not None for r in self._objects),
