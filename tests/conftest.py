@@ -120,3 +120,27 @@ def lesson_runner(tmp_path):
         return run_lesson(number, tmp_path / f"run_{number}", *flags, **kw)
 
     return run
+
+
+@pytest.fixture
+def fake_allocator(monkeypatch):
+    """A CUDA caching allocator faked on a CPU machine, for Memory_Maximizer's GPU path: returns a
+    function that installs it (reserved GiB per call, max reserved GiB) and the stats dict the test
+    changes (``num_alloc_retries``...)."""
+    import utilities.memory_maximizer as M
+
+    def install(reserved_gib: list[int], max_reserved_gib: int, retries: int) -> dict:
+        reserved = iter(reserved_gib)
+        stats = {"num_alloc_retries": retries, "num_ooms": 0}
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+        monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: dict(stats))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: next(reserved) * 2**30)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: max_reserved_gib * 2**30)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2 * 2**30)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+        monkeypatch.setattr(M, "gpu_total_memory", lambda *a: (80 * 2**30, "fake"))
+        return stats
+
+    return install

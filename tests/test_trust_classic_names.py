@@ -109,20 +109,10 @@ def test_memory_maximizer_classic_calls_on_cpu(capsys):
     assert len(capsys.readouterr().out.strip().splitlines()) == 1  # "no CUDA GPU", said once
 
 
-def test_memory_maximizer_classic_stop_and_attributes_with_a_fake_gpu(monkeypatch, capsys):
+def test_memory_maximizer_classic_stop_and_attributes_with_a_fake_gpu(fake_allocator, capsys):
     import utilities.memory_maximizer as M
 
-    reserved = iter([1, 2])
-    stats = {"num_alloc_retries": 1, "num_ooms": 0}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: dict(stats))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: next(reserved) * 2**30)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 2 * 2**30)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2 * 2**30)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
-    monkeypatch.setattr(M, "gpu_total_memory", lambda *a: (80 * 2**30, "fake"))
+    stats = fake_allocator([1, 2], max_reserved_gib=2, retries=1)
     memmax = M.Memory_Maximizer(verbose=False)
     memmax.start()
     memmax.update()

@@ -161,22 +161,12 @@ def test_memory_maximizer_without_gpu_is_harmless(capsys):
     assert report["gpu"] is False and len(out) == 1 and "no CUDA GPU" in out[0]
 
 
-def test_memory_maximizer_report_survives_stop(monkeypatch):
+def test_memory_maximizer_report_survives_stop(fake_allocator):
     """summary() after stop() (or after a with block) is the report of the run that ended, not a
     fresh start: the classic usage reads it after training. A fake allocator stands in for CUDA."""
     import utilities.memory_maximizer as M
 
-    reserved = iter([1, 2, 3])
-    stats = {"num_alloc_retries": 5, "num_ooms": 0}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: dict(stats))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: next(reserved) * 2**30)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 3 * 2**30)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2 * 2**30)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
-    monkeypatch.setattr(M, "gpu_total_memory", lambda *a: (80 * 2**30, "fake"))
+    stats = fake_allocator([1, 2, 3], max_reserved_gib=3, retries=5)
     with M.Memory_Maximizer(verbose=False) as mm:
         for _ in range(3):
             mm.update()
