@@ -103,7 +103,7 @@ def test_nproc_larger_than_gpus_shares_them(monkeypatch, capsys, tmp_path):
     rc = cli_module.main(["run", "01", "--device", "cuda", "--nproc", "4", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "--nproc-per-node=4" in calls[0]
-    assert out.startswith("4 ranks share 2 GPUs (2 per GPU) over gloo (cpu:gloo,cuda:gloo")
+    assert out.startswith("4 ranks on 2 GPUs, 2 per GPU, over cpu:gloo,cuda:gloo")
 
 
 def test_unwritable_out_is_refused_before_launch(monkeypatch, capsys, tmp_path):

@@ -85,7 +85,7 @@ def test_one_gpu_default_runs_memory_lessons_on_two_ranks(number):
 def test_more_ranks_than_gpus_share_them_evenly():
     plan = C.decide_launch(get_lesson("04"), "cuda", 4, gpus=2)
     assert (plan.nproc, plan.ranks_per_gpu, plan.backend) == (4, 2, "cpu:gloo,cuda:gloo")
-    assert plan.first_line().startswith("4 ranks share 2 GPUs (2 per GPU) over gloo")
+    assert plan.first_line().startswith("4 ranks on 2 GPUs, 2 per GPU, over cpu:gloo,cuda:gloo")
     assert C.decide_launch(get_lesson("04"), "cuda", 3, gpus=2).ranks_per_gpu == 2
     cpu = C.decide_launch(get_lesson("01"), "cpu", None)
     assert (cpu.nproc, cpu.backend, cpu.shared) == (2, "gloo", False)
@@ -212,7 +212,7 @@ def test_gpu_test_runs_launch_as_shared_ranks(key, one_gpu, launched, monkeypatc
                  str(tmp_path), "--", *flags])
     assert rc == 0, capsys.readouterr().err
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"{nproc} ranks share 1 GPU ({nproc} per GPU) over gloo"), out
+    assert out[0].startswith(f"{nproc} ranks on 1 GPU, {nproc} per GPU, over cpu:gloo,cuda:gloo"), out
     (call,) = launched
     assert f"--nproc-per-node={nproc}" in call["cmd"] and call["cmd"][-len(flags):] == flags
     assert "--device" in call["cmd"] and call["cmd"][call["cmd"].index("--device") + 1] == "cuda"
@@ -227,7 +227,7 @@ def test_one_gpu_default_and_the_planner_on_a_fitting_run(one_gpu, launched, mon
     rc = C.main(["run", "01", "--device", "cuda", "--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out.splitlines()
     assert rc == 0
-    assert out[0].startswith("2 ranks share 1 GPU (2 per GPU)")
+    assert out[0].startswith("2 ranks on 1 GPU, 2 per GPU")
     assert out[1].startswith("planned: 2 ranks of t5-tiny (batch 4") and "80.00 GiB free" in out[1]
     assert "--nproc-per-node=2" in launched[0]["cmd"]
 

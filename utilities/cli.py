@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .catalog import LESSONS, LessonInfo, get_lesson, run_defaults
-from .distributed import BACKENDS, DEVICES, SHARED_GPU_NOTE, ranks_per_gpu, resolve_backend, resolve_device
+from .distributed import (
+    BACKENDS,
+    DEVICES,
+    ranks_per_gpu,
+    resolve_backend,
+    resolve_device,
+    shared_gpu_sentence,
+)
 from .errors import UsageError, bad_value
 from .models import MODELS, get_model_spec
 
@@ -193,9 +200,7 @@ class LaunchPlan:
         """What a run prints first when its ranks share GPUs (None otherwise)."""
         if not self.shared:
             return None
-        return (f"{self.nproc} ranks share {self.gpus} GPU{'s' if self.gpus > 1 else ''} "
-                f"({self.ranks_per_gpu} per GPU) over gloo ({self.backend}; NCCL refuses two "
-                f"ranks on one device): memory per rank is real, {SHARED_GPU_NOTE}")
+        return shared_gpu_sentence(self.nproc, self.ranks_per_gpu, self.backend, self.gpus)
 
 
 def decide_launch(info: LessonInfo | None, device: str, nproc: int | None = None,

@@ -60,9 +60,14 @@ class DistInfo:
         """The sentence a run whose ranks share a GPU prints first and records (None otherwise)."""
         if not self.shares_gpu:
             return None
-        return (f"{self.world_size} ranks, {self.ranks_per_gpu} per GPU, over {self.backend} "
-                f"(NCCL refuses two ranks on one device): memory per rank is the allocator's "
-                f"own; {SHARED_GPU_NOTE}")
+        return shared_gpu_sentence(self.world_size, self.ranks_per_gpu, self.backend)
+
+
+def shared_gpu_sentence(ranks: int, per_gpu: int, backend: str, gpus: int | None = None) -> str:
+    """What the launcher and every rank say first when ranks share GPUs: one sentence for both."""
+    where = f" on {gpus} GPU{'s' if gpus > 1 else ''}" if gpus else ""
+    return (f"{ranks} ranks{where}, {per_gpu} per GPU, over {backend} (NCCL refuses two ranks on "
+            f"one device): memory per rank is the allocator's own; {SHARED_GPU_NOTE}")
 
 
 def resolve_device(device: str = "auto") -> str:

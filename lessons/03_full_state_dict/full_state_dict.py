@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 import torch
 import torch.distributed as dist
 
+from utilities.distributed import reduce_scalar
 from utilities.lesson import Lesson, lesson_parser
 from utilities.measure import fmt_bytes
 from utilities.models import META_INIT_THRESHOLD
@@ -58,11 +59,7 @@ def parse_args(argv=None):
 
 
 def max_over_ranks(value: float, device: torch.device) -> float:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-    return value
+    return reduce_scalar(value, "max", device)  # a save ends when its slowest rank ends
 
 
 def deterministic_kernels(device: torch.device) -> bool:

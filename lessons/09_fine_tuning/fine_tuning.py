@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from utilities.child_tuning import ChildTuning, local
 from utilities.data import LETTERS, LetterTask, batches, make_loader
+from utilities.distributed import reduce_scalar
 from utilities.errors import UsageError
 from utilities.lesson import Lesson, bounded, lesson_parser, positive_int
 from utilities.measure import fmt_bytes
@@ -189,11 +190,7 @@ def fsdp1_without_orig_params_error(L: Lesson, state) -> str | None:
 
 
 def _all_true(flag: bool, device) -> bool:
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
+    return bool(reduce_scalar(int(flag), "min", device))
 
 
 # -- the lesson -----------------------------------------------------------------------------------
