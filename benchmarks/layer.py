@@ -5,7 +5,7 @@ TransformerLayer): LayerNorm -> q/k/v Linear -> F.scaled_dot_product_attention (
 Linear -> residual -> LayerNorm -> Linear(hidden, ffn) -> GELU -> Linear(ffn, hidden) -> residual.
 The shape is TransformerEngine's published example: hidden 4096, ffn 16384, 32 heads, seq 2048,
 batch 4 and 8 (their figures: batch 8 bf16 PyTorch 48.28 ms, TE + FP8 21.67 ms; batch 4 fp8
-27.8 ms, on an H100). Our FP8 variant is torchao Float8Linear (utilities.low_precision), compiled,
+27.8 ms, on an H100). Our FP8 variant is torchao Float8Linear (utilities.fp8), compiled,
 not TransformerEngine's fused layer.
 
 The choices torchao and torch.compile offer are named configurations (--variants), so the result
@@ -108,7 +108,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", default=None, choices=(*CONFIGS, *ALIASES), metavar="VARIANT",
                    help=f"configurations to time (default: all on GPU; {' '.join(TINY_VARIANTS)} tiny); "
                         f"choices: {' '.join(CONFIGS)}; FP8 ones are skipped, with the reason, where "
-                        "utilities.low_precision.fp8_available says no")
+                        "utilities.fp8.fp8_available says no")
     p.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="scaled_dot_product_attention backend: auto (PyTorch picks; flash for bf16 on "
                         "an H100) or one to insist on (default auto)")
@@ -146,7 +146,7 @@ def build(args, device: torch.device, variant: str) -> nn.Module:
     torch.manual_seed(0)
     layer = Layer(args.hidden, args.ffn, args.heads).to(device=device, dtype=DTYPES[args.dtype])
     if recipe:
-        from utilities.low_precision import convert_for_fp8
+        from utilities.fp8 import convert_for_fp8
 
         convert_for_fp8(layer, fsdp_float8_all_gather=False, recipe=recipe)  # no FSDP here
     if compiled == "layer":
@@ -215,7 +215,7 @@ def time_variant(args, device: torch.device, variant: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from utilities.low_precision import fp8_available
+    from utilities.fp8 import fp8_available
 
     args = parse_args(argv)
     device = pick_device(args.device)

@@ -1,6 +1,6 @@
 """Memory-maximizer benchmark: throughput at the largest retry-free batch vs a batch that retries.
 
-Runs lesson 05's search (utilities.batch_search.find_max_batch under FSDP2, one launch through the
+Runs lesson 05's search (utilities.measure.batch_search.find_max_batch under FSDP2, one launch through the
 course CLI): it doubles the per-rank batch until the first trial that is not clean (cudaMalloc
 retries, OOM, or over a memory budget), then bisects (the default; --no-bisect only doubles) down
 to the largest clean batch. The bisection is what finds the effect: doubling alone jumps from a

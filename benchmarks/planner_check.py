@@ -1,4 +1,4 @@
-"""Planner check: utilities.planner.plan's predicted peak vs the peak each benchmark measured.
+"""Planner check: utilities.measure.planner.plan's predicted peak vs the peak each benchmark measured.
 
 Reads the other benchmarks' result files (end_to_end-*.json, memory_maximizer-*.json in
 --results-dir) and, for every configuration with a measured per-rank peak, runs the planner on the
@@ -108,7 +108,7 @@ def measured_configs(directory: Path, device_type: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from utilities.planner import parse_memory, plan
+    from utilities.measure.planner import parse_memory, plan
 
     args = parse_args(argv)
     device = pick_device(args.device)

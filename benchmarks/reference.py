@@ -66,7 +66,7 @@ def fused_adamw(params, lr: float, weight_decay: float, device: torch.device) ->
 
 def run_reference(config: str, lesson_flags: list[str], device: torch.device) -> dict[str, Any]:
     """Train lesson 10's model on ``device`` alone for the lesson's ``--steps``; return the row."""
-    from utilities.checkpointing import apply_activation_checkpointing, block_units
+    from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
     from utilities.data import ReverseTask
     from utilities.models import get_model_spec
     from utilities.training import peak_flops

@@ -64,7 +64,7 @@ def execute_notebook(number: str, runs_dir: Path) -> None:
     import nbformat
     from nbclient import NotebookClient
 
-    from utilities.catalog import get_lesson
+    from utilities.course.catalog import get_lesson
 
     info = get_lesson(number)
     nb = nbformat.read(info.notebook, as_version=4)
@@ -84,7 +84,7 @@ def execute_notebook(number: str, runs_dir: Path) -> None:
 def notebook_results(number: str, tmp_path_factory) -> dict:
     """The lesson's quick run as its notebook makes it: the notebook is executed once per test
     session and its results.json shared by the lesson's tests (one run serves both checks)."""
-    from utilities.catalog import get_lesson
+    from utilities.course.catalog import get_lesson
 
     if number not in _NOTEBOOK_RUNS:
         runs = tmp_path_factory.mktemp(f"notebook{number}")

@@ -11,7 +11,7 @@ def test_list_shows_every_lesson_with_status():
     proc = cli("list")
     assert proc.returncode == 0
     lines = proc.stdout.strip().splitlines()
-    from utilities.catalog import LESSONS
+    from utilities.course.catalog import LESSONS
 
     assert len(lines) == len(LESSONS) >= 14
     assert [line[:2] for line in lines] == [f"{n:02d}" for n in range(1, len(LESSONS) + 1)]
@@ -24,7 +24,7 @@ def test_run_all_runs_every_lesson_and_summarizes(monkeypatch, tmp_path, capsys)
     stubbed here; each lesson's own test runs it for real."""
     import json
 
-    import utilities.cli as C
+    import utilities.course.cli as C
 
     launched = []
 
@@ -93,7 +93,7 @@ def test_cuda_requests_without_gpu_are_refused():
 def test_nproc_larger_than_gpus_shares_them(monkeypatch, capsys, tmp_path):
     """More ranks than GPUs: they share the GPUs over gloo (issue 15; tests/test_shared_gpu_cpu.py
     has the rest), planned first, and say so on the first line."""
-    from utilities import cli as cli_module
+    from utilities.course import cli as cli_module
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -109,7 +109,7 @@ def test_nproc_larger_than_gpus_shares_them(monkeypatch, capsys, tmp_path):
 def test_unwritable_out_is_refused_before_launch(monkeypatch, capsys, tmp_path):
     """`--out` that cannot be written: one line, exit 2, nothing started (issue 14 item 5). A
     folder under a regular file cannot be created even by root."""
-    from utilities import cli as cli_module
+    from utilities.course import cli as cli_module
 
     calls = []
     monkeypatch.setattr(cli_module.subprocess, "call", lambda cmd, env=None: calls.append(cmd) or 0)
@@ -124,7 +124,7 @@ def test_unwritable_out_is_refused_before_launch(monkeypatch, capsys, tmp_path):
 
 
 def _results(tmp_path):
-    from utilities.results import Results
+    from utilities.course.results import Results
     from utilities.training import TrainStats
 
     r = Results("01", "transformer auto-wrap", torch.device("cpu"), 2, "t5-tiny", 1_887_232, {})
@@ -139,7 +139,7 @@ def test_results_go_to_a_fallback_when_out_fails_at_the_end(tmp_path, monkeypatc
     import json
     import tempfile
 
-    from utilities.results import table
+    from utilities.course.results import table
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()

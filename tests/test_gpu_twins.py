@@ -14,7 +14,7 @@ import pytest
 from conftest import notebook_results
 from gpu_cases import CASES
 
-from utilities.catalog import get_lesson
+from utilities.course.catalog import get_lesson
 
 
 def lesson_module(number: str):

@@ -68,7 +68,7 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     the peak by category (issue 14: the README once explained 1.19 MiB with a wrong block size)."""
     import json
 
-    from utilities.readme_tables import claims, lesson_dir
+    from utilities.course.readme_tables import claims, lesson_dir
 
     committed = json.loads((lesson_dir("01") / "results_cpu.json").read_text())
     assert claims("01", results) == claims("01", committed)

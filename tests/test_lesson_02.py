@@ -72,7 +72,7 @@ def test_checkpointed_block_gives_same_gradients():
     """Direct check without FSDP: a checkpointed T5Block yields the same output and gradients."""
     import copy
 
-    from utilities.checkpointing import apply_activation_checkpointing, checkpointed_blocks
+    from utilities.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
     from utilities.models import get_model_spec
 
     spec = get_model_spec("t5-tiny")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import REPO, cli, notebook_results
 
-from utilities.batch_search import Trial, find_max_batch, is_oom
+from utilities.measure.batch_search import Trial, find_max_batch, is_oom
 
 MIB = 2**20
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, cli, notebook_results, run_lesson, variant
 from torch import nn
 
-from utilities.low_precision import (
+from utilities.fp8 import (
     compile_blocks,
     crossover_hidden,
     float8_module_filter,

@@ -8,7 +8,7 @@ import pytest
 from conftest import cli, notebook_results, variant
 
 from utilities.errors import UsageError
-from utilities.planner import largest_batch, parse_memory, plan
+from utilities.measure.planner import largest_batch, parse_memory, plan
 
 
 @pytest.fixture(scope="module")

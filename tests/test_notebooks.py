@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import notebook_results
 
-from utilities.catalog import LESSONS
+from utilities.course.catalog import LESSONS
 
 NOTEBOOKS = [info for info in LESSONS.values() if info.notebook.is_file()]
 

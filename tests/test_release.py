@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from utilities.course.release import VariantScope
 from utilities.models import get_model_spec
-from utilities.release import VariantScope
 from utilities.training import train
 from utilities.wrapping import shard_model
 
@@ -42,7 +42,7 @@ def test_a_finished_variant_leaves_nothing_alive(world1, api):
 
 def test_memory_tracker_hooks_are_removed(world1, monkeypatch):
     """Without removing the trackers' multi-grad hooks, the measured step's graph keeps the model."""
-    import utilities.measure as M
+    import utilities.measure.memory as M
 
     class NoRemoval(M.TrackerHooks):
         def __exit__(self, *exc):

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from utilities import cli as C
+from utilities.course import cli as C
 from utilities import distributed as D
-from utilities.catalog import LESSONS, get_lesson, run_defaults
+from utilities.course.catalog import LESSONS, get_lesson, run_defaults
 from utilities.errors import UsageError
 from utilities.models import get_model_spec
 
@@ -180,7 +180,7 @@ def test_lesson_on_a_shared_gpu_says_so_first_and_records_it(one_gpu, init_calls
                                                              capsys):
     """``Lesson._setup`` with the real ``setup()`` as rank 0 of 2 on one GPU (process group and
     GPU name mocked): the first line it prints, and results.json's settings and notes."""
-    from utilities.lesson import Lesson, lesson_parser
+    from utilities.course.lesson import Lesson, lesson_parser
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -279,7 +279,7 @@ def test_memory_probe_lets_the_steps_own_error_through():
 
 
 def test_check_says_how_each_lesson_runs_on_one_gpu(monkeypatch):
-    from utilities import env_report
+    from utilities.course import env_report
 
     monkeypatch.setattr(env_report, "gpus", lambda: [{"index": 0, "name": "NVIDIA H100 80GB HBM3",
                                                       "memory_bytes": 80 * GiB,

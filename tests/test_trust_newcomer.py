@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import REPO
 
-from utilities import planner as P
-from utilities import readme_tables as T
+from utilities.measure import planner as P
+from utilities.course import readme_tables as T
 from utilities.errors import UsageError
 
 
@@ -40,7 +40,7 @@ def test_marked_readme_tables_match_their_committed_runs():
     lessons = T.marked_lessons()
     assert {"01", "07"} <= set(lessons)
     for lesson in lessons:
-        assert T.check(lesson) == [], f"python -m utilities.readme_tables --write {lesson}"
+        assert T.check(lesson) == [], f"python -m utilities.course.readme_tables --write {lesson}"
         results = json.loads((T.lesson_dir(lesson) / "results_cpu.json").read_text())
         assert results["lesson"] == lesson and results["settings"]["quick"] is False
 

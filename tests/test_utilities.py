@@ -20,7 +20,7 @@ from utilities import (
     shard_model,
     verify_bfloat_support,
 )
-from utilities.results import write_json
+from utilities.course.results import write_json
 from utilities.wrapping import fsdp1_block_policy, fsdp_units, unit_parameter_counts
 
 

@@ -7,7 +7,7 @@ from urllib.parse import urlparse
 
 from conftest import REPO
 
-from utilities.catalog import LESSONS
+from utilities.course.catalog import LESSONS
 
 INDEX = (REPO / "videos_index.md").read_text()
 ROWS = {m.group(1): m.group(0) for m in re.finditer(r"^\| (\d\d) \|.*$", INDEX, re.M)}
@@ -33,13 +33,13 @@ def test_links_resolve():
 
 
 def test_index_is_up_to_date():
-    from utilities.videos_index import render
+    from utilities.course.videos_index import render
 
-    assert INDEX == render(), "videos_index.md is stale: run `python -m utilities.videos_index`"
+    assert INDEX == render(), "videos_index.md is stale: run `python -m utilities.course.videos_index`"
 
 
 def test_recordings_are_asciinema_v2_of_real_runs():
-    from utilities.recording import read_cast
+    from utilities.course.recording import read_cast
 
     casts = sorted((REPO / "videos").glob("*.cast"))
     assert casts
@@ -55,7 +55,7 @@ def test_recordings_are_asciinema_v2_of_real_runs():
 def test_record_command_writes_a_cast(tmp_path):
     from conftest import cli
 
-    from utilities.recording import read_cast
+    from utilities.course.recording import read_cast
 
     proc = cli("record", "01", "--out", str(tmp_path), "--", "--variants", "fsdp2-per-block",
                "--steps", "3")

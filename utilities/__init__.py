@@ -6,18 +6,18 @@
     from utilities import save_full, load_full, save_checkpoint, load_checkpoint, find_max_batch
 """
 
-from .batch_search import find_max_batch
-from .bf16 import Bf16Report, bf16_ready, verify_bfloat_support
-from .checkpointing import apply_activation_checkpointing
-from .child_tuning import ChildTuning
-from .data import ByteTokenizer, ReverseTask, TextFileDataset, make_loader
-from .dcp import async_save_checkpoint, load_checkpoint, save_checkpoint
-from .distributed import DistInfo, print0, setup, teardown
-from .errors import UsageError
-from .measure import MemoryProbe
-from .memory_maximizer import Memory_Maximizer
-from .models import MODELS, ModelSpec, get_model_spec
-from .precision import (
+from utilities.activation_checkpointing import apply_activation_checkpointing
+from utilities.bf16 import Bf16Report, bf16_ready, verify_bfloat_support
+from utilities.child_tuning import ChildTuning
+from utilities.data import ByteTokenizer, ReverseTask, TextFileDataset, make_loader
+from utilities.dcp import async_save_checkpoint, load_checkpoint, save_checkpoint
+from utilities.distributed import DistInfo, print0, setup, teardown
+from utilities.errors import UsageError
+from utilities.measure import MemoryProbe
+from utilities.measure.batch_search import find_max_batch
+from utilities.memory_maximizer import Memory_Maximizer
+from utilities.models import MODELS, ModelSpec, get_model_spec
+from utilities.precision import (
     POLICIES,
     bfSixteen,
     bfSixteen_working,
@@ -27,9 +27,9 @@ from .precision import (
     fsdp1_policy,
     fsdp2_policy,
 )
-from .state_dict import export_hf, load_full, save_full
-from .training import TrainStats, train
-from .wrapping import fsdp1_block_policy, fsdp1_size_policy, fsdp_units, shard_model
+from utilities.state_dict import export_hf, load_full, save_full
+from utilities.training import TrainStats, train
+from utilities.wrapping import fsdp1_block_policy, fsdp1_size_policy, fsdp_units, shard_model
 
 __all__ = [
     "POLICIES", "Bf16Report", "ByteTokenizer", "ChildTuning", "DistInfo", "MODELS",

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed import reduce_scalar
-from .errors import bad_value
+from utilities.distributed import reduce_scalar
+from utilities.errors import bad_value
 
 MODES = ("F", "D")
 

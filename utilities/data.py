@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .errors import UsageError
+from utilities.errors import UsageError
 
 LETTERS = string.ascii_lowercase.encode()
 SEP = ord("=")

@@ -43,9 +43,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from .distributed import world_size
-from .errors import UsageError
-from .state_dict import safe_torch_load
+from utilities.distributed import world_size
+from utilities.errors import UsageError
+from utilities.state_dict import safe_torch_load
 
 METADATA = ".metadata"
 

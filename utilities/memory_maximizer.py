@@ -215,7 +215,7 @@ class Memory_Maximizer:  # noqa: N801 - the classic lessons' name, kept for thei
 
     def _say(self, text: str, force: bool = False) -> None:
         if self.verbose or force:
-            from .distributed import is_main
+            from utilities.distributed import is_main
 
             if is_main():
                 print(text, file=sys.stdout, flush=True)

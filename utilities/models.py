@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .data import ByteTokenizer
-from .errors import bad_value
+from utilities.data import ByteTokenizer
+from utilities.errors import bad_value
 
 VOCAB = 384  # byte tokenizer (259 ids) padded to a multiple of 128 for fast matmuls
 

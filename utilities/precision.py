@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .bf16 import bf16_ready
-from .errors import bad_value
+from utilities.bf16 import bf16_ready
+from utilities.errors import bad_value
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import bad_value
-from .training import default_step, sync
+from utilities.errors import bad_value
+from utilities.training import default_step, sync
 
 
 def set_explicit_prefetch(blocks: Sequence[nn.Module], depth: int) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import bad_value
+from utilities.errors import bad_value
 
 STRATEGIES = ("ddp", "no_shard", "full_shard", "shard_grad_op", "hybrid_shard", "reshard_to")
 PRECISIONS = {"fp32": 4, "bf16": 2}  # bytes per element of parameters, gradients, Adam moments

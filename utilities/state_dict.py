@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import UsageError
+from utilities.errors import UsageError
 
 FORMAT = "fsdp-course-full-state-dict-v1"
 HOWS = ("dcp", "fsdp1-classic")

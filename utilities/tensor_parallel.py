@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import UsageError
+from utilities.errors import UsageError
 
 
 class FeedForward(nn.Module):
@@ -227,6 +227,6 @@ def data_parallel_loader(dataset, batch_size: int, dp_rank: int, dp_size: int, s
     the sampler's rank is the dp rank (``mesh["dp"].get_local_rank()``) and its number of replicas
     the dp size, never the global rank and world size.
     """
-    from .data import make_loader
+    from utilities.data import make_loader
 
     return make_loader(dataset, batch_size, dp_rank, dp_size, seed=seed)

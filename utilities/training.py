@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed import all_reduce_mean, is_main, reduce_scalar
-from .measure import MemoryProbe
+from utilities.distributed import all_reduce_mean, is_main, reduce_scalar
+from utilities.measure import MemoryProbe
 
 # Dense bf16 tensor-core peak, FLOP/s, by the exact name torch.cuda.get_device_name reports (vendor
 # datasheets). Exact names, not substrings: an H100 PCIe (756e12) or NVL (835e12) is not an SXM.

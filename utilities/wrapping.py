@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import bad_value
+from utilities.errors import bad_value
 
 APIS = ("fsdp2", "fsdp1")
 POLICIES = ("block", "whole", "size")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from utilities.lesson import Lesson, lesson_parser, positive_int
+from utilities.course.lesson import Lesson, lesson_parser, positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
 from utilities.wrapping import fsdp_units, shard_model, unit_parameter_counts
 

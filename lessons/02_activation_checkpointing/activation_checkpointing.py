@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from torch.distributed.fsdp import fully_shard
 
-from utilities.batch_search import all_ranks_agree, find_max_batch, training_trial
-from utilities.checkpointing import apply_activation_checkpointing, block_units
-from utilities.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
+from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
 from utilities.measure import fmt_bytes
+from utilities.measure.batch_search import all_ranks_agree, find_max_batch, training_trial
 from utilities.wrapping import shard_model
 
 VARIANTS = {

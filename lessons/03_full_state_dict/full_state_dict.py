@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 import torch
 import torch.distributed as dist
 
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import reduce_scalar
-from utilities.lesson import Lesson, lesson_parser
 from utilities.measure import fmt_bytes
 from utilities.models import META_INIT_THRESHOLD
 from utilities.state_dict import export_hf, gather_full, load_full, save_full

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from torch.distributed.fsdp import BackwardPrefetch
 
-from utilities.lesson import Lesson, lesson_parser, positive_int
+from utilities.course.lesson import Lesson, lesson_parser, positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
 from utilities.prefetch import prefetch_plan, profile_steps, set_explicit_prefetch
 from utilities.wrapping import shard_model

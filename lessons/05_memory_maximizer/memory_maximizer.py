@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from utilities.batch_search import Trial, all_ranks_agree, find_max_batch, training_trial
-from utilities.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
 from utilities.measure import fmt_bytes
+from utilities.measure.batch_search import Trial, all_ranks_agree, find_max_batch, training_trial
 from utilities.wrapping import shard_model
 
 MIB = 2**20

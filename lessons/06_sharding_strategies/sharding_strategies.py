@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from utilities import distributed as D
 from utilities import sharding as S
-from utilities.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
 from utilities.wrapping import shard_model
 

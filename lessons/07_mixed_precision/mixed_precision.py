@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from utilities.lesson import Lesson, lesson_parser
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.precision import (
     POLICIES,
     attach_scaler,

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 import torch
 import torch.distributed as dist
 
+from utilities.course.lesson import Lesson, lesson_parser
+from utilities.course.results import write_json
 from utilities.data import ReverseTask
 from utilities.dcp import (
     async_save_checkpoint,
@@ -47,9 +49,7 @@ from utilities.dcp import (
     to_torch_save,
 )
 from utilities.errors import UsageError
-from utilities.lesson import Lesson, lesson_parser
 from utilities.measure import fmt_bytes
-from utilities.results import write_json
 from utilities.training import train
 from utilities.wrapping import shard_model
 

@@ -47,10 +47,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from utilities.child_tuning import ChildTuning, local
+from utilities.course.lesson import Lesson, bounded, lesson_parser, positive_int
 from utilities.data import LETTERS, LetterTask, batches, make_loader
 from utilities.distributed import reduce_scalar
 from utilities.errors import UsageError
-from utilities.lesson import Lesson, bounded, lesson_parser, positive_int
 from utilities.measure import fmt_bytes
 from utilities.training import train
 from utilities.wrapping import shard_model

@@ -40,15 +40,15 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities import distributed as D
-from utilities.checkpointing import apply_activation_checkpointing, block_units
+from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
+from utilities.course.lesson import LessonParser, bounded, positive_float, positive_int
+from utilities.course.results import Results
 from utilities.data import ReverseTask, make_loader
 from utilities.dcp import check_checkpoint, training_state
 from utilities.errors import UsageError
-from utilities.lesson import LessonParser, bounded, positive_float, positive_int
 from utilities.measure import MemoryProbe, fmt_bytes
 from utilities.models import META_INIT_THRESHOLD, get_model_spec, init_weights
 from utilities.precision import default_policy, fsdp1_policy, fsdp2_policy
-from utilities.results import Results
 from utilities.training import TrainStats, peak_flops
 from utilities.wrapping import shard_model
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 import torch
 
-from utilities.lesson import Lesson, lesson_parser
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.measure import fmt_bytes
 from utilities.memory_maximizer import Memory_Maximizer
 from utilities.training import default_step

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 import torch
 
 from utilities import distributed as D
+from utilities.course.lesson import Lesson, lesson_parser, positive_int
 from utilities.data import ReverseTask, batches
 from utilities.errors import UsageError
-from utilities.lesson import Lesson, lesson_parser, positive_int
 from utilities.measure import MemoryProbe, fmt_bytes
 from utilities.models import get_model_spec
 from utilities.tensor_parallel import (

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 import torch
 
-from utilities.lesson import Lesson, lesson_parser
-from utilities.low_precision import (
+from utilities.course.lesson import Lesson, lesson_parser
+from utilities.fp8 import (
     Stopwatch,
     compile_blocks,
     convert_for_fp8,

@@ -1,6 +1,6 @@
 """Lesson 14: memory planning without the hardware.
 
-Before renting 8 GPUs, ask whether the job fits. ``utilities.planner.plan`` answers by running one
+Before renting 8 GPUs, ask whether the job fits. ``utilities.measure.planner.plan`` answers by running one
 real training step of the real model in one process, with a fake process group (it plays rank 0 of
 N ranks) and fake tensors (shapes and dtypes, no storage), under FSDPMemTracker. Nothing is
 estimated by formula; a laptop plans llama-8b on 8 x 80 GB.
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 import torch
 import torch.distributed as dist
 
-from utilities.checkpointing import apply_activation_checkpointing, block_units
-from utilities.lesson import CPU_MODEL, Lesson, lesson_parser
+from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
+from utilities.course.lesson import CPU_MODEL, Lesson, lesson_parser
 from utilities.measure import fmt_bytes
+from utilities.measure.planner import largest_batch, parse_memory, plan
 from utilities.models import get_model_spec
-from utilities.planner import largest_batch, parse_memory, plan
 from utilities.precision import fsdp2_policy
 
 VARIANTS = {
@@ -135,7 +135,7 @@ def main(args) -> None:
             extra = f", largest batch {p['largest_batch']}" if "largest_batch" in p else ""
             L.print(f"  plan {key}: peak {fmt_bytes(p['peak_bytes']['total'])} per rank of "
                     f"{fmt_bytes(p['budget_bytes'])} budget, fits={p['fits']}{extra}")
-        L.results.note("predicted_peak_bytes: utilities.planner.plan() (FSDPMemTracker on fake "
+        L.results.note("predicted_peak_bytes: utilities.measure.planner.plan() (FSDPMemTracker on fake "
                        "tensors with a fake process group, one process); measured: the same "
                        "tracker on the real run's tensors. prediction_ratio = predicted/measured.")
         if L.device.type == "cpu":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utilities.low_precision import fp8_available
+from utilities.fp8 import fp8_available
 
 pytestmark = pytest.mark.gpu
 

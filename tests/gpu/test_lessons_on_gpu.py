@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utilities.catalog import LESSONS
+from utilities.course.catalog import LESSONS
 
 pytestmark = pytest.mark.gpu
 

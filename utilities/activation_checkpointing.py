@@ -37,7 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing as _torch_apply_ac,
 )
 
-from .errors import bad_value
+from utilities.errors import bad_value
 
 __all__ = ["apply_activation_checkpointing", "block_units", "checkpointed_blocks",
            "select_blocks", "CheckpointWrapper"]

@@ -4,11 +4,11 @@ lesson's own command.
 A lesson folder holds ``results_cpu.json``: the ``results.json`` that ``fsdp-course run NN --device
 cpu`` wrote (2 gloo ranks), copied as is. Its README marks the table rendered from it:
 
-    <!-- results:01 results_cpu.json (python -m utilities.readme_tables --write 01) -->
+    <!-- results:01 results_cpu.json (python -m utilities.course.readme_tables --write 01) -->
     ...rendered, never edited by hand...
     <!-- /results -->
 
-``python -m utilities.readme_tables`` checks every marked table against its JSON (exit 1 and a
+``python -m utilities.course.readme_tables`` checks every marked table against its JSON (exit 1 and a
 diff if one differs); ``--write NN`` re-renders it after a new run. The tests do the check, and
 compare ``claims()`` (the numbers a shorter run must reproduce exactly: units, sizes, memory,
 dtypes) with the quick run the suite already makes.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
 BLOCK = re.compile(r"(<!-- results:(\d\d) (\S+)[^\n]*-->\n)(.*?)(<!-- /results -->)", re.S)
 
@@ -185,7 +185,7 @@ def check(lesson: str, write: bool = False) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m utilities.readme_tables",
+    parser = argparse.ArgumentParser(prog="python -m utilities.course.readme_tables",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("lessons", nargs="*", help="lesson numbers (default: every marked README)")
     parser.add_argument("--write", action="store_true", help="re-render the tables in place")

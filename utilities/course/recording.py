@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from .catalog import REPO_ROOT, LessonInfo
+from utilities.course.catalog import REPO_ROOT, LessonInfo
 
 
 def record(info: LessonInfo, cast_path: Path, run_args: list[str], width: int = 160,

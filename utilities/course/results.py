@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .measure import fmt_bytes
-from .training import TrainStats
+from utilities.measure import fmt_bytes
+from utilities.training import TrainStats
 
 
 def device_name(device: torch.device) -> str:

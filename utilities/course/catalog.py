@@ -17,9 +17,9 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import bad_value
+from utilities.errors import bad_value
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LESSONS_DIR = REPO_ROOT / "lessons"
 
 
@@ -110,7 +110,7 @@ def run_defaults(info: LessonInfo, quick: bool) -> tuple[str, int]:
         return info.defaults[1] if quick else info.defaults[0]
     import inspect
 
-    from .lesson import CPU_MODEL, Lesson
+    from utilities.course.lesson import CPU_MODEL, Lesson
 
     params = inspect.signature(Lesson.__init__).parameters
     found = {k: params[k].default for k in ("gpu_model", "batch_size", "gpu_batch_size")}

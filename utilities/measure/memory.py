@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .release import TrackerHooks
+from utilities.course.release import TrackerHooks
 
 CATEGORIES = ("total", "parameters", "gradients", "optimizer", "activations")
 

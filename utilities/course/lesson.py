@@ -27,14 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import distributed as D
-from .catalog import LESSONS
-from .data import ReverseTask, batches, make_loader
-from .errors import UsageError, bad_value
-from .models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
-from .release import VariantScope, live_parameters
-from .results import Results, table
-from .training import TrainStats, train
+from utilities import distributed as D
+from utilities.course.catalog import LESSONS
+from utilities.course.release import VariantScope, live_parameters
+from utilities.course.results import Results, table
+from utilities.data import ReverseTask, batches, make_loader
+from utilities.errors import UsageError, bad_value
+from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
+from utilities.training import TrainStats, train
 
 CPU_MODEL = "t5-tiny"
 

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from .errors import UsageError, bad_value
-from .measure import categorize, fmt_bytes
-from .models import get_model_spec
+from utilities.errors import UsageError, bad_value
+from utilities.measure import categorize, fmt_bytes
+from utilities.models import get_model_spec
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 NODE_GPUS = 8  # hybrid_shard's default shard group: one node
@@ -72,7 +72,7 @@ def resolve_gpu_memory(text: str) -> tuple[int, str]:
     key = str(text).strip().lower()
     if key == "auto":
         if torch.cuda.is_available():
-            from .memory_maximizer import gpu_total_memory
+            from utilities.memory_maximizer import gpu_total_memory
 
             total, source = gpu_total_memory(0)
             return total, f"this machine's GPU 0, {torch.cuda.get_device_name(0)} (via {source})"
@@ -151,8 +151,8 @@ def _prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devi
     """Build on meta, checkpoint, shard per block, then materialize as fake tensors on ``device``."""
     from torch.distributed.fsdp import fully_shard
 
-    from .checkpointing import apply_activation_checkpointing, block_units
-    from .precision import fsdp2_policy
+    from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
+    from utilities.precision import fsdp2_policy
 
     model = spec.build(device="meta")
     block = spec.block_class()
@@ -183,7 +183,7 @@ def _train_step_tracked(model, batch, device: torch.device) -> dict[str, int]:
     on zero gradients: the same tensors a first real step would create, at no forward's cost."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from .release import TrackerHooks
+    from utilities.course.release import TrackerHooks
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=device.type == "cuda")
     for p in model.parameters():
@@ -482,7 +482,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m utilities.planner ...`` (what ``fsdp-course plan`` calls)."""
+    """``python -m utilities.measure.planner ...`` (what ``fsdp-course plan`` calls)."""
     import sys
 
     parser = add_plan_arguments(argparse.ArgumentParser(prog="fsdp-course plan",

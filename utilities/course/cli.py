@@ -20,8 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import LESSONS, LessonInfo, get_lesson, run_defaults
-from .distributed import (
+from utilities.course.catalog import LESSONS, LessonInfo, get_lesson, run_defaults
+from utilities.distributed import (
     BACKENDS,
     DEVICES,
     ranks_per_gpu,
@@ -29,8 +29,8 @@ from .distributed import (
     resolve_device,
     shared_gpu_sentence,
 )
-from .errors import UsageError, bad_value
-from .models import MODELS, get_model_spec
+from utilities.errors import UsageError, bad_value
+from utilities.models import MODELS, get_model_spec
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                     "memory (through NVML where present); whether native bf16 is ready and, if "
                     "not, why; and which lessons can run here (and on what: GPUs or CPU ranks).")
 
-    from .planner import add_plan_arguments
+    from utilities.measure.planner import add_plan_arguments
 
     add_plan_arguments(sub.add_parser(
         "plan", help="predict per-GPU peak memory by category for any model, strategy and size, "
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             return _list(args.models)
         if args.command == "check":
-            from .env_report import format_report, report
+            from utilities.course.env_report import format_report, report
 
             print(format_report(report()))
             return 0
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "record":
             return _record(args)
         if args.command == "plan":
-            from .planner import run_plan
+            from utilities.measure.planner import run_plan
 
             return run_plan(args)
     except UsageError as e:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _record(args: argparse.Namespace) -> int:
-    from .recording import record
+    from utilities.course.recording import record
 
     if args.lesson == "all":
         infos = [i for i in LESSONS.values() if i.ready]
@@ -143,7 +143,7 @@ def _record(args: argparse.Namespace) -> int:
         code = record(info, cast, run_args)
         print(f"lesson {info.number}: {'recorded ' + str(cast) if code == 0 else f'failed (exit {code})'}")
         rc = rc or code
-    from .videos_index import VIDEOS, write
+    from utilities.course.videos_index import VIDEOS, write
 
     if Path(args.out).resolve() == VIDEOS.resolve():  # the course's own demos: refresh the index
         print(f"updated {write()}")
@@ -249,7 +249,7 @@ def check_fit(info: LessonInfo, plan: LaunchPlan, quick: bool, model: str | None
               flags: list[str], free_bytes: list[int] | None = None) -> str:
     """Refuse, in one line, ranks sharing a GPU that would not fit in its free memory.
 
-    Each rank is planned by ``utilities.planner.plan`` as one of ``nproc`` ranks with the
+    Each rank is planned by ``utilities.measure.planner.plan`` as one of ``nproc`` ranks with the
     lesson's model, batch and sequence (fp32, ``full_shard`` per block, no checkpointing: the
     lightest of a lesson's usual variants, so a refusal is never wrong by the plan; a heavier
     variant, e.g. lesson 06's no_shard, may still run out). Its budget is the least free GPU
@@ -257,8 +257,8 @@ def check_fit(info: LessonInfo, plan: LaunchPlan, quick: bool, model: str | None
     process's CUDA context, the allocator's fragmentation). The fake tensors live on CPU, so the
     launcher never touches the GPU. Returns the line to print when it fits.
     """
-    from .measure import fmt_bytes
-    from .planner import plan as plan_memory
+    from utilities.measure import fmt_bytes
+    from utilities.measure.planner import plan as plan_memory
 
     lesson = _lesson_settings(flags)
     default_model, default_batch = run_defaults(info, quick)
@@ -339,7 +339,7 @@ def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
 
 
 def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
-    from .results import load
+    from utilities.course.results import load
 
     summary = []
     failed = []

@@ -201,8 +201,8 @@ def training_trial(batch: int, build: Callable[[], torch.nn.Module],
     ``Memory_Maximizer``, and say what happened (peak, samples/s over all ranks, and on a GPU the
     cudaMalloc retries and OOMs). Returns the trial and the ``TrainStats``. An OOM propagates, for
     ``find_max_batch`` to record; the model is released either way."""
-    from .memory_maximizer import Memory_Maximizer
-    from .training import train
+    from utilities.memory_maximizer import Memory_Maximizer
+    from utilities.training import train
 
     model = build()
     optimizer = make_optimizer(model)

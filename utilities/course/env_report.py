@@ -6,8 +6,8 @@ import platform
 
 import torch
 
-from .bf16 import bf16_ready, nccl_version
-from .catalog import LESSONS
+from utilities.bf16 import bf16_ready, nccl_version
+from utilities.course.catalog import LESSONS
 
 
 def gpus() -> list[dict[str, object]]:
@@ -28,7 +28,7 @@ def gpus() -> list[dict[str, object]]:
                                   "capability": f"{props.major}.{props.minor}", "source": "torch"}
         if nvml:
             try:
-                from .memory_maximizer import _physical_index
+                from utilities.memory_maximizer import _physical_index
 
                 h = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(i))
                 row["memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(h).total)

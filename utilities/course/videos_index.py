@@ -8,7 +8,7 @@ import csv
 import json
 from pathlib import Path
 
-from .catalog import LESSONS, REPO_ROOT
+from utilities.course.catalog import LESSONS, REPO_ROOT
 
 VIDEOS = REPO_ROOT / "videos"
 HEADER = """# Videos index
@@ -19,7 +19,7 @@ the public YouTube copy where known), this course's own demo (a terminal recordi
 `asciinema play videos/NN_topic.cast`), the lesson's notebook and its chapters, and the command an
 instructor runs live. The classic videos teach FSDP1 with 2022-era code; each lesson's README says
 what has changed since. Regenerate this file with `fsdp-course record all` (or
-`python -m utilities.videos_index` to rebuild the table alone).
+`python -m utilities.course.videos_index` to rebuild the table alone).
 
 | # | lesson | original walkthrough | course demo | notebook | chapters | live demo |
 |---|---|---|---|---|---|---|
