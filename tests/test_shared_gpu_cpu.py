@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from utilities.course import cli as C
 from utilities import distributed as D
+from utilities.course import cli as C
 from utilities.course.catalog import LESSONS, get_lesson, run_defaults
 from utilities.errors import UsageError
 from utilities.models import get_model_spec

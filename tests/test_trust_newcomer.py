@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import REPO
 
-from utilities.measure import planner as P
 from utilities.course import readme_tables as T
 from utilities.errors import UsageError
+from utilities.measure import planner as P
 
 
 # -- the README's set-up block ---------------------------------------------------------------------

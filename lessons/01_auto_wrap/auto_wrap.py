@@ -48,8 +48,7 @@ def parse_args(argv=None):
 
 
 def main(args) -> None:
-    with Lesson("01", "transformer auto-wrap", args, gpu_model="t5-large", gpu_batch_size=8,
-                steps=12, quick_steps=5, batch_size=4,
+    with Lesson("01", args,
                 needs_ranks="how wrapping bounds the unsharded parameters at the peak") as L:
         block = L.spec.block_class()
         block_params = sum(p.numel() for p in next(m for m in L.spec.build("meta").modules()

@@ -87,8 +87,7 @@ def build(L, api: str, every: int | None):
 
 
 def main(args) -> None:
-    with Lesson("02", "activation checkpointing", args, gpu_model="t5-large", gpu_batch_size=8,
-                steps=10, quick_steps=4, batch_size=8, settings={"every": args.every}) as L:
+    with Lesson("02", args, settings={"every": args.every}) as L:
         block = L.spec.block_class()
         L.print(f"block class: {block.__name__}; selective = every {args.every} block(s)")
         peaks: dict[str, int | None] = {}

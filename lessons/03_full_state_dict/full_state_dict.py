@@ -85,8 +85,7 @@ def logits(model, batch) -> torch.Tensor:
 
 
 def main(args) -> None:
-    with Lesson("03", "full state dict save/load", args, gpu_model="t5-large", gpu_batch_size=8,
-                steps=8, quick_steps=3, batch_size=4) as L:
+    with Lesson("03", args) as L:
         L.results.data["settings"]["deterministic_kernels"] = deterministic_kernels(L.device)
         block = L.spec.block_class()
         ckpt_dir = Path(args.checkpoint_dir or L.out / "checkpoints")

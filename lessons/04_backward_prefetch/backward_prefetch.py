@@ -92,8 +92,7 @@ def train_variant(L, name: str, args) -> None:
 
 
 def main(args) -> None:
-    with Lesson("04", "backward prefetch", args, gpu_model="t5-large", gpu_batch_size=8,
-                steps=12, quick_steps=4, batch_size=4,
+    with Lesson("04", args,
                 settings=dict(prefetch_depth=args.prefetch_depth),
                 needs_ranks="prefetching (overlap of all-gathers with compute)") as L:
         for name in args.variants:

@@ -57,8 +57,7 @@ def parse_args(argv=None):
 
 
 def main(args) -> None:
-    with Lesson("05", "memory maximizer (cudaMalloc retries)", args, gpu_model="t5-large",
-                steps=5, quick_steps=3, batch_size=1) as L:
+    with Lesson("05", args) as L:
         on_gpu = L.device.type == "cuda"
         budget_mib = args.budget_mib or (None if on_gpu else CPU_BUDGET_MIB)
         budget = int(budget_mib * MIB) if budget_mib else None

@@ -106,8 +106,7 @@ def wrap(L, name: str, mesh_2d, reshard_to: int | None):
 
 
 def main(args) -> None:
-    with Lesson("06", "sharding strategies", args, gpu_model="t5-large", gpu_batch_size=8,
-                steps=10, quick_steps=4, batch_size=2,
+    with Lesson("06", args,
                 needs_ranks="bytes per rank falling with the number of ranks") as L:
         world = L.dist.world_size
         replicate = args.replicate or (2 if world % 2 == 0 else 1)

@@ -99,9 +99,7 @@ def _quiet_implicit_replication(scaler) -> None:
 def main(args) -> None:
     # GPU batch 8: at batch 4 T5-large is bound by kernel launches and bf16 shows no gain (H100,
     # 2026-11-22: 0.336 s bf16 vs 0.323 s fp32); at batch 8 a plain step is 1.9x faster in bf16.
-    with Lesson("07", "mixed precision (+ bf16 checker)", args, gpu_model="t5-large",
-                steps=12, quick_steps=4, batch_size=4, gpu_batch_size=8,
-                settings={"api": args.api}) as L:
+    with Lesson("07", args, settings={"api": args.api}) as L:
         block = L.spec.block_class()
         chosen, why = default_policy()
         L.print(f"default_policy() here: {chosen} ({why})")

@@ -108,8 +108,7 @@ def dir_bytes(path: Path) -> int:
 
 
 def main(args) -> None:
-    with Lesson("08", "local / sharded state dict (distributed checkpoint)", args,
-                gpu_model="t5-large", steps=8, quick_steps=3, batch_size=4, gpu_batch_size=8) as L:
+    with Lesson("08", args) as L:
         # each part's models are freed (and checked) before the next part starts
         if args.load_from:
             with L.variant("load"):

@@ -199,8 +199,7 @@ def main(args) -> None:
         args.seq_len = 16  # 15 letters: the quick run stays short on two CPU cores
     eval_batches = args.eval_batches or (2 if args.quick else 4)
     args.fisher_batches = args.fisher_batches or (2 if args.quick else 4)
-    with Lesson("09", "fine-tuning (freezing, child-tuning)", args, gpu_model="t5-large",
-                steps=30, quick_steps=6, batch_size=8, lr=1e-2,
+    with Lesson("09", args,
                 settings=dict(reserve_p=args.reserve_p, fisher_batches=args.fisher_batches,
                               shift=args.shift, task="upper-case and rotate letters by shift "
                                                          "(pre-trained on reversal)")) as L:

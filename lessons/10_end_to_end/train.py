@@ -41,7 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from utilities import distributed as D
 from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
-from utilities.course.lesson import LessonParser, bounded, positive_float, positive_int
+from utilities.course.lesson import (
+    LessonParser,
+    bounded,
+    exit_if_only_checking_flags,
+    positive_float,
+    positive_int,
+)
 from utilities.course.results import Results
 from utilities.data import ReverseTask, make_loader
 from utilities.dcp import check_checkpoint, training_state
@@ -356,6 +362,7 @@ def reduce_steps(local_losses: list[torch.Tensor], local_times: list[float],
 
 
 def main(cfg: Config) -> None:
+    exit_if_only_checking_flags()
     # -- 2. setup
     D.quiet_torch_internal_warnings()
     info = D.setup(cfg.device, cfg.backend)

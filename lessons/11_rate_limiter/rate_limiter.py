@@ -55,8 +55,7 @@ def parse_args(argv=None):
 
 
 def main(args) -> None:
-    with Lesson("11", "rate limiter (limit_all_gathers)", args, gpu_model="t5-large",
-                gpu_batch_size=8, steps=12, quick_steps=4, batch_size=4,
+    with Lesson("11", args,
                 needs_ranks="the rate limiter (all-gathers in flight)") as L:
         block = L.spec.block_class()
         on_gpu = L.device.type == "cuda"

@@ -192,8 +192,7 @@ def run_llama(L, name: str, kind: str, dp: int, tp: int, mesh) -> dict:
 
 
 def main(args) -> None:
-    with Lesson("12", "tensor + 2-D parallel", args, gpu_model="llama-1b", steps=8, quick_steps=4,
-                batch_size=4, settings={"tolerance": TOLERANCE}) as L:
+    with Lesson("12", args, settings={"tolerance": TOLERANCE}) as L:
         if L.spec.family != "llama":
             raise UsageError(f"--model {L.spec.name!r} is not allowed: this lesson splits Llama "
                              "attention heads; allowed: llama-tiny, llama-1b, llama-8b")

@@ -134,8 +134,7 @@ def main(args) -> None:
         precision = args.precision
     fp8_ok, fp8_reason = fp8_available("cuda" if on_gpu else "cpu")
 
-    with Lesson("13", "FP8 training with torch.compile", args, gpu_model="llama-tiny",
-                steps=20, quick_steps=6, batch_size=8, gpu_batch_size=4,
+    with Lesson("13", args,
                 settings=dict(precision=precision, widths=widths,
                               compile_backend=args.compile_backend)) as L:
         block = L.spec.block_class()

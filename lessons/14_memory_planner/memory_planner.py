@@ -93,8 +93,7 @@ def predict(args) -> dict[str, dict]:
 
 def main(args) -> None:
     mine = predict(args)  # before the Lesson joins the real process group
-    with Lesson("14", "memory planning without the hardware", args, gpu_model=GPU_MODEL,
-                steps=4, quick_steps=3, batch_size=BATCH, gpu_batch_size=GPU_BATCH) as L:
+    with Lesson("14", args) as L:
         plans: dict[str, dict] = {}
         if dist.is_initialized() and L.dist.world_size > 1:
             gathered: list = [None] * L.dist.world_size

@@ -13,7 +13,6 @@ or state that one rank shows as well.
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,29 @@ from utilities.errors import bad_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LESSONS_DIR = REPO_ROOT / "lessons"
+# set by the launcher when it starts a lesson script only to check its flags
+CHECK_FLAGS_ENV = "FSDP_COURSE_CHECK_FLAGS"
+
+
+@dataclass(frozen=True)
+class Run:
+    """How big a lesson runs by default: the model and per-rank batch on a GPU and on a CPU (or with
+    ``--quick``), and the steps per variant. Flags override each; the launcher reads them here to
+    plan ranks that share a GPU, so this is their one source."""
+
+    gpu_model: str = "t5-large"
+    gpu_batch_size: int = 8
+    cpu_model: str = "t5-tiny"
+    batch_size: int = 4
+    steps: int = 12
+    quick_steps: int = 6
+    lr: float = 3e-3
+
+    def model(self, on_gpu: bool, quick: bool) -> str:
+        return self.gpu_model if on_gpu and not quick else self.cpu_model
+
+    def batch(self, on_gpu: bool, quick: bool) -> int:
+        return self.gpu_batch_size if on_gpu and not quick else self.batch_size
 
 
 @dataclass(frozen=True)
@@ -31,9 +53,7 @@ class LessonInfo:
     script: str
     gpu_note: str = ""  # what only a GPU shows, for the learning path
     one_gpu_nproc: int = 1  # ranks on a one-GPU machine (2: a per-rank memory lesson)
-    # (model, batch) on GPU / with --quick, for scripts that do not use ``Lesson`` (see
-    # ``run_defaults``); None: read from the script's ``Lesson(...)`` call.
-    defaults: tuple[tuple[str, int], tuple[str, int]] | None = None
+    run: Run = Run()
 
     @property
     def path(self) -> Path:
@@ -61,30 +81,47 @@ LESSONS: dict[str, LessonInfo] = {
     info.number: info
     for info in (
         LessonInfo("01", "01_auto_wrap", "transformer auto-wrap", "auto_wrap.py",
-                   one_gpu_nproc=2),
+                   one_gpu_nproc=2,
+                   run=Run(steps=12, quick_steps=5, batch_size=4)),
         LessonInfo("02", "02_activation_checkpointing", "activation checkpointing",
-                   "activation_checkpointing.py"),
-        LessonInfo("03", "03_full_state_dict", "full state dict save/load", "full_state_dict.py"),
+                   "activation_checkpointing.py",
+                   run=Run(steps=10, quick_steps=4, batch_size=8)),
+        LessonInfo("03", "03_full_state_dict", "full state dict save/load", "full_state_dict.py",
+                   run=Run(steps=8, quick_steps=3, batch_size=4)),
         LessonInfo("04", "04_backward_prefetch", "backward prefetch", "backward_prefetch.py",
-                   "overlap of communication and compute shows only on GPUs"),
+                   "overlap of communication and compute shows only on GPUs",
+                   run=Run(steps=12, quick_steps=4, batch_size=4)),
         LessonInfo("05", "05_memory_maximizer", "memory maximizer (cudaMalloc retries)",
-                   "memory_maximizer.py", "cudaMalloc retries exist only on GPUs"),
+                   "memory_maximizer.py", "cudaMalloc retries exist only on GPUs",
+                   run=Run(steps=5, quick_steps=3, batch_size=1, gpu_batch_size=1)),
         LessonInfo("06", "06_sharding_strategies", "sharding strategies", "sharding_strategies.py",
-                   one_gpu_nproc=2),
+                   one_gpu_nproc=2,
+                   run=Run(steps=10, quick_steps=4, batch_size=2)),
         LessonInfo("07", "07_mixed_precision", "mixed precision (+ bf16 checker)",
-                   "mixed_precision.py", "bf16 speed-ups need a GPU"),
+                   "mixed_precision.py", "bf16 speed-ups need a GPU",
+                   run=Run(steps=12, quick_steps=4, batch_size=4)),
         LessonInfo("08", "08_local_state_dict", "local / sharded state dict (distributed checkpoint)",
-                   "sharded_state_dict.py"),
-        LessonInfo("09", "09_fine_tuning", "fine-tuning (freezing, child-tuning)", "fine_tuning.py"),
+                   "sharded_state_dict.py",
+                   run=Run(steps=8, quick_steps=3, batch_size=4)),
+        LessonInfo("09", "09_fine_tuning", "fine-tuning (freezing, child-tuning)", "fine_tuning.py",
+                   run=Run(steps=30, quick_steps=6, batch_size=8, gpu_batch_size=8, lr=1e-2)),
         LessonInfo("10", "10_end_to_end", "end-to-end training codebase", "train.py",
-                   defaults=(("llama-1b", 4), ("llama-tiny", 8))),
+                   run=Run(gpu_model="llama-1b", gpu_batch_size=4, cpu_model="llama-tiny",
+                           batch_size=8)),
         LessonInfo("11", "11_rate_limiter", "rate limiter (limit_all_gathers)", "rate_limiter.py",
-                   "the caching allocator's over-reservation exists only on GPUs", one_gpu_nproc=2),
-        LessonInfo("12", "12_tensor_parallel", "tensor + 2-D parallel", "tensor_parallel.py"),
+                   "the caching allocator's over-reservation exists only on GPUs", one_gpu_nproc=2,
+                   run=Run(steps=12, quick_steps=4, batch_size=4)),
+        LessonInfo("12", "12_tensor_parallel", "tensor + 2-D parallel", "tensor_parallel.py",
+                   run=Run(gpu_model="llama-1b", gpu_batch_size=4, steps=8, quick_steps=4,
+                           batch_size=4)),
         LessonInfo("13", "13_fp8_compile", "FP8 training with torch.compile", "fp8_compile.py",
-                   "FP8 needs a Hopper / Ada or newer GPU"),
+                   "FP8 needs a Hopper / Ada or newer GPU",
+                   run=Run(gpu_model="llama-tiny", gpu_batch_size=4, steps=20, quick_steps=6,
+                           batch_size=8)),
         LessonInfo("14", "14_memory_planner", "memory planning without the hardware",
-                   "memory_planner.py", one_gpu_nproc=2),
+                   "memory_planner.py", one_gpu_nproc=2,
+                   run=Run(gpu_model="llama-1b", gpu_batch_size=2, steps=4, quick_steps=3,
+                           batch_size=4)),
     )
 }
 
@@ -98,49 +135,5 @@ def get_lesson(number: str) -> LessonInfo:
 
 
 def run_defaults(info: LessonInfo, quick: bool) -> tuple[str, int]:
-    """The model and per-rank batch a lesson runs by default on GPU (or with ``--quick``).
-
-    The launcher plans the memory of ranks that share a GPU before it starts them, so it needs
-    these numbers; the lesson script is their only source. They are read from the keywords of its
-    ``Lesson(...)`` call (``gpu_model``, ``gpu_batch_size``, ``batch_size``; a module-level constant
-    is followed), without running it, falling back to ``Lesson``'s own defaults. Scripts that do
-    not use ``Lesson`` carry theirs in the catalog (``defaults``).
-    """
-    if info.defaults is not None:
-        return info.defaults[1] if quick else info.defaults[0]
-    import inspect
-
-    from utilities.course.lesson import CPU_MODEL, Lesson
-
-    params = inspect.signature(Lesson.__init__).parameters
-    found = {k: params[k].default for k in ("gpu_model", "batch_size", "gpu_batch_size")}
-    found.update(_lesson_call_keywords(info.script_path))
-    batch = found["batch_size"]
-    if quick:
-        return CPU_MODEL, int(batch)
-    return str(found["gpu_model"]), int(found["gpu_batch_size"] or batch)
-
-
-def _lesson_call_keywords(script: Path) -> dict[str, object]:
-    """Constant keywords of the first ``Lesson(...)`` call in ``script`` (names resolved through
-    the module's top-level constant assignments, tuple unpacking included)."""
-    tree = ast.parse(script.read_text())
-    constants: dict[str, object] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-            pairs = (zip(target.elts, value.elts) if isinstance(target, ast.Tuple)
-                     and isinstance(value, ast.Tuple) else [(target, value)])
-            for t, v in pairs:
-                if isinstance(t, ast.Name) and isinstance(v, ast.Constant):
-                    constants[t.id] = v.value
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Lesson":
-            out = {}
-            for kw in node.keywords:
-                if isinstance(kw.value, ast.Constant):
-                    out[kw.arg] = kw.value.value
-                elif isinstance(kw.value, ast.Name) and kw.value.id in constants:
-                    out[kw.arg] = constants[kw.value.id]
-            return out
-    return {}
+    """The model and per-rank batch a lesson runs by default on GPU (or with ``--quick``)."""
+    return info.run.model(on_gpu=True, quick=quick), info.run.batch(on_gpu=True, quick=quick)

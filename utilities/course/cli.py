@@ -11,7 +11,6 @@ and refused in one line if they would not fit.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from utilities.course.catalog import LESSONS, LessonInfo, get_lesson, run_defaults
+from utilities.course.catalog import CHECK_FLAGS_ENV, LESSONS, LessonInfo, get_lesson, run_defaults
 from utilities.distributed import (
     BACKENDS,
     DEVICES,
@@ -293,12 +292,14 @@ def check_output_dir(out: Path) -> None:
 
 
 def _validate_lesson_flags(info: LessonInfo, argv: list[str]) -> None:
-    """Parse the lesson's flags here first, so a bad one fails in one line before torchrun starts."""
-    spec = importlib.util.spec_from_file_location(f"lesson_{info.number}", info.script_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if hasattr(module, "parse_args"):
-        module.parse_args(argv)  # exits 2 with one line on a bad value
+    """Let the lesson script parse its flags first, so a bad one fails in one line before torchrun
+    starts (the script stops once they parse: ``exit_if_only_checking_flags``)."""
+    env = {**os.environ, CHECK_FLAGS_ENV: "1"}
+    done = subprocess.run([sys.executable, str(info.script_path), *argv], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr.strip().splitlines()[-1] + "\n" if done.stderr.strip() else "")
+        raise SystemExit(done.returncode)
 
 
 def lesson_command(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from utilities import distributed as D
-from utilities.course.catalog import LESSONS
+from utilities.course.catalog import CHECK_FLAGS_ENV, LESSONS
 from utilities.course.release import VariantScope, live_parameters
 from utilities.course.results import Results, table
 from utilities.data import ReverseTask, batches, make_loader
@@ -37,6 +37,13 @@ from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, ini
 from utilities.training import TrainStats, train
 
 CPU_MODEL = "t5-tiny"
+
+
+def exit_if_only_checking_flags() -> None:
+    """``fsdp-course run`` starts a lesson script once with this variable set, to check its flags
+    before torchrun starts the ranks: the script stops here, its flags parsed and accepted."""
+    if os.environ.get(CHECK_FLAGS_ENV) == "1":
+        raise SystemExit(0)
 
 
 def bounded(kind: type = int, low: float | None = None, high: float | None = None,
@@ -133,14 +140,12 @@ def lesson_parser(description: str | None) -> LessonParser:
 class Lesson:
     """Set-up, defaults, data and report for one lesson run (a context manager)."""
 
-    def __init__(self, number: str, title: str, args: argparse.Namespace, *,
-                 gpu_model: str = "t5-large", steps: int = 12, quick_steps: int = 6,
-                 batch_size: int = 8, gpu_batch_size: int | None = None, lr: float = 3e-3,
+    def __init__(self, number: str, args: argparse.Namespace, *,
                  settings: dict[str, Any] | None = None, needs_ranks: str | None = None):
-        self.number, self.title, self.args = number, title, args
-        self._defaults = dict(gpu_model=gpu_model, steps=steps, quick_steps=quick_steps,
-                              batch_size=batch_size, gpu_batch_size=gpu_batch_size or batch_size,
-                              lr=lr)
+        exit_if_only_checking_flags()
+        self.number, self.args = number, args
+        self.title = LESSONS[number].title
+        self._run = LESSONS[number].run  # model, batch and steps by default (the catalog's)
         self._settings = settings or {}
         self._needs_ranks = needs_ranks  # what this lesson cannot show on one rank
         self.results: Results | None = None
@@ -155,18 +160,16 @@ class Lesson:
         return self
 
     def _setup(self) -> None:
-        a, d = self.args, self._defaults
+        a, run = self.args, self._run
         D.quiet_torch_internal_warnings()
         self.dist = D.setup(a.device, a.backend)
         self.device = self.dist.device
         on_gpu = self.device.type == "cuda"
-        name = a.model or (d["gpu_model"] if on_gpu and not a.quick else CPU_MODEL)
-        self.spec: ModelSpec = get_model_spec(name)
-        self.steps = a.steps or (d["quick_steps"] if a.quick else d["steps"])
-        self.batch_size = a.batch_size or (d["gpu_batch_size"] if on_gpu and not a.quick
-                                           else d["batch_size"])
+        self.spec: ModelSpec = get_model_spec(a.model or run.model(on_gpu, a.quick))
+        self.steps = a.steps or (run.quick_steps if a.quick else run.steps)
+        self.batch_size = a.batch_size or run.batch(on_gpu, a.quick)
         self.seq_len = a.seq_len or self.spec.default_seq_len
-        self.lr = a.lr or d["lr"]
+        self.lr = a.lr or run.lr
         self.out = Path(a.out or Path("runs") / LESSONS[self.number].folder)
         settings = dict(steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
                         lr=self.lr, seed=a.seed, quick=a.quick, backend=self.dist.backend,

@@ -56,6 +56,11 @@ class Results:
         self.data["variants"].append(variant)
         return variant
 
+    def columns(self, *keys: str) -> None:
+        """The variant keys the printed table shows, in this order, after the standard columns
+        (default: every scalar key); the rest are named under the table and kept in results.json."""
+        self.data["columns"] = list(keys)
+
     def note(self, text: str) -> None:
         """A sentence the reader needs next to the numbers (e.g. what only a GPU shows)."""
         self.data["notes"].append(text)
@@ -113,39 +118,117 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(p.read_text())
 
 
+WIDTH = 120  # printed tables and notes fit a terminal; the full detail is in results.json
+
+
 def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
-    """The comparison as a plain-text table, one row per variant."""
-    extras = list(extra_columns)
-    for v in results["variants"]:
+    """The comparison as a plain-text table, one row per variant, at most ``WIDTH`` columns wide.
+
+    Every number is shown in a human unit (bytes as MiB/GiB, counts as 1.9M, seconds, ratios as
+    1.52x); columns that are empty for every variant are left out, and extra columns that do not
+    fit are named in a last line (their values are in results.json).
+    """
+    variants = results["variants"]
+    extras = list(extra_columns or results.get("columns", ()))
+    hidden = []
+    for v in variants:
         for k, val in v.items():
-            if k not in extras and isinstance(val, (int, float, str, bool)) and k not in _SKIP:
-                extras.append(k)
-    head = ["variant", "step s", "tokens/s", "MFU", "peak", "params", "grads", "optim", "activ",
-            "loss first->last", *extras]
-    rows = [head]
-    for v in results["variants"]:
-        mem = v.get("peak_memory_bytes") or {}
-        losses = v.get("losses") or []
-        rows.append([
-            v["name"], _num(v.get("step_time_s"), "{:.4f}"), _num(v.get("tokens_per_s"), "{:,.0f}"),
-            _num(v.get("mfu"), "{:.1%}"), fmt_bytes(mem.get("total")), fmt_bytes(mem.get("parameters")),
-            fmt_bytes(mem.get("gradients")), fmt_bytes(mem.get("optimizer")),
-            fmt_bytes(mem.get("activations")),
-            f"{losses[0]:.3f}->{losses[-1]:.3f}" if losses else "-",
-            *[str(v.get(k, "-")) for k in extras],
-        ])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+            if k not in extras and k not in _SKIP and (val is None or isinstance(val, (int, float, str))):
+                (hidden if results.get("columns") else extras).append(k)
+    first = [
+        ("step", lambda v: _seconds(v.get("step_time_s"))),
+        ("tokens/s", lambda v: _count(v.get("tokens_per_s"))),
+        ("MFU", lambda v: "-" if v.get("mfu") is None else f"{v['mfu']:.1%}"),
+        ("peak", _mem("total")),
+    ]
+    breakdown = [
+        *[(label, _mem(key)) for label, key in (("params", "parameters"), ("grads", "gradients"),
+                                                ("optim", "optimizer"), ("activ", "activations"))],
+        ("loss", lambda v: f"{v['losses'][0]:.3f}->{v['losses'][-1]:.3f}" if v.get("losses") else "-"),
+    ]
+    lesson = [(_label(k), (lambda key: lambda v: human(key, v.get(key)))(k)) for k in extras
+              if any(v.get(k) is not None for v in variants)]
+    # the lesson's own columns come before the memory breakdown, so they are the last to be cut
+    columns = [("variant", lambda v: str(v["name"]))]
+    columns += [(h, f) for h, f in first if any(f(v) != "-" for v in variants)]
+    columns += lesson + [(h, f) for h, f in breakdown if any(f(v) != "-" for v in variants)]
+    rows = [[h for h, _ in columns]] + [[f(v) for _, f in columns] for v in variants]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    shown, used = 0, -2
+    for w in widths:
+        if used + 2 + w > WIDTH:
+            break
+        used, shown = used + 2 + w, shown + 1
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:shown], widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths[:shown]))
+    more = [h for h, _ in columns[shown:]] + [_label(k) for k in dict.fromkeys(hidden)]
+    if more:
+        lines.append(_wrap("more columns in results.json: " + ", ".join(more)))
     title = (f"lesson {results['lesson']} {results['title']}: {results['model']['name']} "
-             f"({results['model']['parameters']:,} params) on {results['world_size']} x "
+             f"({_count(results['model']['parameters'])} params) on {results['world_size']} x "
              f"{results['device_name']} ({results['device']}), torch {results['torch']}")
-    notes = [f"note: {n}" for n in results.get("notes", [])]
-    return "\n".join([title, *lines, *notes])
+    notes = [_wrap(f"note: {n}") for n in results.get("notes", [])]
+    return "\n".join([_wrap(title), *lines, *notes])
 
 
-_SKIP = {"name", "step_time_s", "tokens_per_s", "mfu"}
+_SKIP = {"name", "step_time_s", "tokens_per_s", "mfu", "losses", "step_times_s",
+         "peak_memory_bytes", "release"}
+_UNITS = (("_bytes", ""), ("_parameters", ""), ("_params", ""), ("_s", " s"), ("_ratio", ""),
+          ("_x", ""))
 
 
-def _num(x: float | None, fmt: str) -> str:
-    return "-" if x is None else fmt.format(x)
+def human(key: str, value: Any) -> str:
+    """One value of a results.json column in a human unit, chosen by its key's suffix."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, str):
+        return value
+    if key.endswith("_bytes"):
+        return fmt_bytes(value)
+    if key.endswith(("_parameters", "_params", "_tokens", "_elements")):
+        return _count(value)
+    if key.endswith("_s"):
+        return _seconds(value)
+    if key.endswith(("_ratio", "_x", "speedup")):
+        return f"{value:.2f}x"
+    if key.endswith(("_fraction", "_pct")):
+        return f"{value:.1%}" if key.endswith("_fraction") else f"{value:.1f}%"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return _count(value) if abs(value) >= 10_000 else str(value)
+
+
+def _label(key: str) -> str:
+    for suffix, _ in _UNITS:
+        if key.endswith(suffix) and len(key) > len(suffix):
+            key = key[: -len(suffix)]
+            break
+    return key.replace("_", " ")
+
+
+def _mem(category: str):
+    return lambda v: fmt_bytes((v.get("peak_memory_bytes") or {}).get(category))
+
+
+def _seconds(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _count(n: float | None) -> str:
+    """1,234 -> 1.2K, 1,887,232 -> 1.89M: counts in a width a table can hold."""
+    if n is None:
+        return "-"
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}" if isinstance(n, float) else str(n)
+
+
+def _wrap(text: str) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, WIDTH, subsequent_indent="  ")) or text
