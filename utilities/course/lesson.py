@@ -20,7 +20,7 @@ import contextlib
 import os
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,13 +141,16 @@ class Lesson:
     """Set-up, defaults, data and report for one lesson run (a context manager)."""
 
     def __init__(self, number: str, args: argparse.Namespace, *,
-                 settings: dict[str, Any] | None = None, needs_ranks: str | None = None):
+                 settings: dict[str, Any] | None = None, needs_ranks: str | None = None,
+                 notes: tuple[str, ...] = (), cpu_note: str | None = None):
         exit_if_only_checking_flags()
         self.number, self.args = number, args
         self.title = LESSONS[number].title
         self._run = LESSONS[number].run  # model, batch and steps by default (the catalog's)
         self._settings = settings or {}
         self._needs_ranks = needs_ranks  # what this lesson cannot show on one rank
+        self._notes = list(notes)  # sentences the reader needs beside the numbers
+        self._cpu_note = cpu_note  # what a CPU run does not show (added on CPU only)
         self.results: Results | None = None
         self._scope: VariantScope | None = None
 
@@ -203,6 +206,9 @@ class Lesson:
             self._fail(exc)
         try:
             if exc_type is None and self.results is not None and self.dist.is_main:
+                cpu = [self._cpu_note] if self._cpu_note and self.device.type == "cpu" else []
+                for text in self._notes + cpu:
+                    self.results.note(text)
                 self.results.data["live_parameters_at_exit"] = live_parameters()
                 path = self.results.write(self.out)
                 print("\n" + table(self.results.data), flush=True)
@@ -252,6 +258,21 @@ class Lesson:
             if report["leaked_tensors"] or report["leaked_objects"]:
                 self.print(f"    warning: {name} left {report['leaked_objects']} model/optimizer "
                            f"object(s) and {report['leaked_tensors']} tensor(s) alive")
+
+    def run_variants(self, names: Iterable[str], build: Callable[[str], nn.Module], *,
+                     describe: Callable[[str, nn.Module, TrainStats], dict[str, Any]] | None = None,
+                     **train_kwargs: Any) -> None:
+        """The loop of every comparison: for each variant, ``build(name)`` makes its model with
+        the lesson's own FSDP code; the harness materializes it, trains a fresh AdamW on the same
+        batches (``train``), records step time, memory by category and losses plus the fields
+        ``describe(name, model, stats)`` returns, and frees everything before the next variant
+        (``variant``), so no variant's memory inflates another's peak."""
+        for name in names:
+            with self.variant(name):
+                model = self.materialize(build(name))
+                stats = self.train(model, name, **train_kwargs)
+                self.results.add(name, stats, **(describe(name, model, stats) if describe else {}))
+                del model, stats
 
     def _track(self, *objs: Any) -> None:
         if self._scope is not None:

@@ -1,0 +1,93 @@
+"""What a lesson notebook needs around the lesson's own code: its paths, a one-process world for
+trying the FSDP calls in a cell, and the multi-rank run with flags the learner changes.
+
+    nb = notebook("01")                      # repo and lesson folder importable, output folder
+    from auto_wrap import wrap_fsdp2          # the lesson's own functions: one source of truth
+    show(wrap_fsdp2)                         # their code, in the notebook
+    with world1():                           # a gloo world of 1 in this kernel: try them
+        ...
+    results = nb.run("--variants", "fsdp2-per-block")   # 2 CPU ranks (or the GPUs), results.json
+
+A notebook's runs go to ``runs/notebooks/NN_topic`` (or ``$FSDP_COURSE_RUNS/NN_topic``), never
+over a full run's ``runs/NN_topic/results.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from utilities.course.catalog import REPO_ROOT, LessonInfo, get_lesson
+
+_RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class LessonNotebook:
+    info: LessonInfo
+    out: Path
+    quick: bool
+
+    def run(self, *flags: str, nproc: int | None = None, quick: bool | None = None,
+            tail: int = 40) -> dict[str, Any]:
+        """Run the lesson on several ranks (``fsdp-course run NN``) with the lesson ``flags``, show
+        the end of its output, and return its results.json. Raises if the run fails."""
+        from utilities.course.results import load
+
+        quick = self.quick if quick is None else quick
+        cmd = [sys.executable, "-m", "utilities", "run", self.info.number, "--out", str(self.out)]
+        cmd += (["--quick"] if quick else []) + (["--nproc", str(nproc)] if nproc else [])
+        cmd += ["--", *flags] if flags else []
+        env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}  # world1() may set them
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        print("\n".join(proc.stdout.splitlines()[-tail:]))
+        if proc.returncode != 0:
+            print(proc.stderr[-4000:], file=sys.stderr)
+            raise RuntimeError(f"lesson {self.info.number} failed with exit code {proc.returncode}")
+        return load(self.out)
+
+
+def notebook(number: str) -> LessonNotebook:
+    """Make the repo and the lesson's folder importable and pick the output folder; quick (2 CPU
+    ranks, tiny model) unless a GPU is visible."""
+    import torch
+
+    info = get_lesson(number)
+    for path in (str(REPO_ROOT), str(info.path)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    base = Path(os.environ.get("FSDP_COURSE_RUNS", REPO_ROOT / "runs" / "notebooks"))
+    nb = LessonNotebook(info, base / info.folder, quick=not torch.cuda.is_available())
+    print(f"lesson {number}: code in {info.path}, runs written to {nb.out}, quick: {nb.quick}")
+    return nb
+
+
+def show(*functions: Callable[..., Any]) -> None:
+    """Print the source of the lesson's functions, so the notebook shows the code it runs."""
+    for fn in functions:
+        print(inspect.getsource(fn))
+
+
+@contextlib.contextmanager
+def world1(device: str = "cpu") -> Iterator[Any]:
+    """A process group of one rank in this kernel, so a cell can call ``fully_shard``, ``FSDP`` or
+    ``dcp.save`` as a training script would (nothing is sharded or communicated at world size 1)."""
+    from utilities.distributed import setup, teardown
+
+    saved = {k: os.environ.get(k) for k in _RENDEZVOUS}
+    try:
+        yield setup(device)
+    finally:
+        teardown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
