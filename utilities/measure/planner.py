@@ -184,6 +184,7 @@ def _train_step_tracked(model, batch, device: torch.device) -> dict[str, int]:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from utilities.course.release import TrackerHooks
+    from utilities.distributed import T5_POSITION_BIAS_VIEW
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=device.type == "cuda")
     for p in model.parameters():
@@ -193,7 +194,7 @@ def _train_step_tracked(model, batch, device: torch.device) -> dict[str, int]:
     tracker = FSDPMemTracker(model, optimizer)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None")
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        warnings.filterwarnings("ignore", message=T5_POSITION_BIAS_VIEW)
         with TrackerHooks(), tracker:  # the hooks go, so the fake model can be collected
             optimizer.zero_grad(set_to_none=True)
             model(**batch).loss.backward()
