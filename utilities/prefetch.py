@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from utilities.errors import bad_value
+from utilities.torch_internals import fsdp2_prefetch_states, fsdp2_state
 from utilities.training import default_step, sync
 
 
@@ -55,16 +56,12 @@ def prefetch_plan(blocks: Sequence[nn.Module]) -> list[dict[str, list[int]]]:
 
     Read from the module's FSDP state, so it shows what FSDP registered, not what we asked for.
     """
-    index = {}
-    for i, b in enumerate(blocks):
-        index[id(b._get_fsdp_state())] = i
+    index = {id(fsdp2_state(b)): i for i, b in enumerate(blocks)}
     plan = []
     for b in blocks:
-        state = b._get_fsdp_state()
-        plan.append({
-            "forward": [index.get(id(s), -1) for s in state._states_to_forward_prefetch],
-            "backward": [index.get(id(s), -1) for s in state._states_to_backward_prefetch],
-        })
+        forward, backward = fsdp2_prefetch_states(b)
+        plan.append({"forward": [index.get(id(s), -1) for s in forward],
+                     "backward": [index.get(id(s), -1) for s in backward]})
     return plan
 
 

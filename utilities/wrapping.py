@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from utilities.errors import bad_value
+from utilities.torch_internals import fsdp1_unit_numel
 
 APIS = ("fsdp2", "fsdp1")
 POLICIES = ("block", "whole", "size")
@@ -126,8 +127,7 @@ def unit_parameter_counts(model: nn.Module) -> list[int]:
     counts = []
     for unit in units:
         if isinstance(unit, FSDP):
-            handle = unit._handle
-            counts.append(int(handle.flat_param._unpadded_unsharded_size.numel()) if handle else 0)
+            counts.append(fsdp1_unit_numel(unit))
             continue
         seen: set[int] = set()
         n = 0

@@ -16,61 +16,63 @@ Python side of that loop once the model is no longer used.
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-# FlatParameter attributes that refer to modules or to the original parameters (torch 2.6-2.14).
-_FLAT_PARAM_BACKREFS = ("_modules", "_params", "_shared_params", "_tensors", "_param_infos",
-                        "_shared_param_infos", "_param_extensions", "_fqns")
+from utilities.torch_internals import (
+    FLAT_PARAM_BACKREFS,
+    FLAT_PARAM_HOOKS,
+    fsdp1_flat_param,
+    is_flat_param,
+)
 
 
 def break_fsdp1_cycles(model: nn.Module) -> int:
     """Cut the flat-parameter <-> module reference loops of an FSDP1 model (see the module
     docstring); returns how many flat parameters were cut. The model is unusable afterwards."""
     cut = 0
-    for p in list(model.parameters()) + [_flat_param(m) for m in model.modules()]:
-        if p is not None and getattr(p, "_is_flat_param", False):
+    for p in list(model.parameters()) + [fsdp1_flat_param(m) for m in model.modules()]:
+        if p is not None and is_flat_param(p):
             _cut_flat_param(p)
             cut += 1
     return cut
 
 
 def _cut_flat_param(p: torch.Tensor) -> None:
-    for name in _FLAT_PARAM_BACKREFS:
+    for name in FLAT_PARAM_BACKREFS:
         p.__dict__.pop(name, None)
     # A unit with frozen parameters reshards through a multi-grad hook on its inputs, whose
     # handle FSDP1 keeps until the next forward: its closure holds autograd nodes.
-    for name in ("_post_backward_hook_handle", "_post_backward_hook_state"):
+    for name in FLAT_PARAM_HOOKS:
         held = p.__dict__.pop(name, None)
         for handle in held if isinstance(held, tuple) else (held,):
             if hasattr(handle, "remove"):
                 handle.remove()
 
 
-def _flat_param(module: nn.Module) -> torch.Tensor | None:
-    handle = getattr(module, "_handle", None)  # FSDP1 units keep theirs on a handle
-    return getattr(handle, "flat_param", None)
-
-
 def _flat_params() -> list[torch.Tensor]:
     """Every live FSDP1 FlatParameter, found by the garbage collector: the FSDP wrapper of a
     finished model can be collected while its flat parameter and inner modules stay in the loop."""
-    return [t for t in _instances(torch.Tensor) if getattr(t, "_is_flat_param", False)]
+    return [t for t in _instances(torch.Tensor) if is_flat_param(t)]
 
 
 def _instances(cls: type) -> list[Any]:
     """Every live object of ``cls`` the garbage collector knows (a dead ``weakref.proxy`` among
     them answers ``isinstance`` with ReferenceError: skipped)."""
     found = []
-    for o in gc.get_objects():
-        try:
-            if isinstance(o, cls):
-                found.append(o)
-        except ReferenceError:
-            continue
+    with warnings.catch_warnings():
+        # isinstance on torch.distributed.reduce_op (deprecated) warns; it is only looked at here
+        warnings.simplefilter("ignore", FutureWarning)
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, cls):
+                    found.append(o)
+            except ReferenceError:
+                continue
     return found
 
 

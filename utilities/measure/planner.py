@@ -4,7 +4,7 @@
 checkpointing at batch 2 x 8192 tokens?" on a laptop. It does not estimate with a formula: it runs
 the real code path, in one process, with two stand-ins:
 
-* the ``"fake"`` process group (``torch.testing._internal.distributed.fake_pg``): one process plays
+* the ``"fake"`` process group (torch's own, reached through ``utilities.torch_internals``): one process plays
   rank 0 of ``gpus`` ranks; every collective returns at once, but the shapes are those of a real
   ``gpus``-rank job, so each parameter shard is exactly 1/gpus of the model;
 * ``FakeTensorMode``: every tensor has a shape, a dtype and a device but no storage, so a model of
@@ -136,11 +136,12 @@ class Plan:
 def fake_world(world_size: int):
     """A ``world_size``-rank fake process group seen from rank 0 (restores any real one after)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from utilities.torch_internals import fake_store
 
     if dist.is_initialized():
         raise RuntimeError("plan() needs a process without a process group (it creates a fake one)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield
     finally:

@@ -1,0 +1,95 @@
+"""Every private piece of torch the course reads, in one place, each behind a check.
+
+Public APIs cover what the lessons teach; a few things the course *measures* or *cleans up* have
+no public API: what FSDP2 registered to prefetch (lesson 04 shows it back to the learner), how
+many parameters an FSDP1 unit manages before padding (lesson 01), FSDP1's flat parameters and
+their back-references (freed between variants), and the fake process-group store behind
+``fsdp-course plan``. They are read here only. On a torch without them, the course says so in one
+line (``UnsupportedTorch``, a ``UsageError``) instead of an AttributeError from deep inside.
+Checked against torch 2.6 to 2.14 (the versions ``requirements.txt`` accepts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from utilities.errors import UsageError
+
+SUPPORTED = "torch 2.6 to 2.14"
+
+
+class UnsupportedTorch(UsageError):
+    """A private torch attribute the course reads is missing in this torch version."""
+
+
+def _unsupported(feature: str, missing: str) -> UnsupportedTorch:
+    return UnsupportedTorch(f"torch {torch.__version__} is not allowed for {feature}: it has no "
+                            f"{missing}; allowed: {SUPPORTED}")
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------------
+
+def fsdp2_prefetch_states(module: nn.Module) -> tuple[list[Any], list[Any]]:
+    """The FSDP states ``module`` will prefetch in forward and in backward, as FSDP2 registered
+    them (``set_modules_to_*_prefetch`` has no getter)."""
+    try:
+        state = module._get_fsdp_state()
+        return list(state._states_to_forward_prefetch), list(state._states_to_backward_prefetch)
+    except AttributeError as e:
+        raise _unsupported("reading FSDP2's prefetch lists", f"'{e.name}' on an FSDP module") from None
+
+
+def fsdp2_state(module: nn.Module) -> Any:
+    """The FSDP state object of a ``fully_shard``-ed module (an identity to match prefetch lists)."""
+    try:
+        return module._get_fsdp_state()
+    except AttributeError:
+        raise _unsupported("reading FSDP2's state", "FSDPModule._get_fsdp_state") from None
+
+
+# -- FSDP1 -----------------------------------------------------------------------------------------
+
+def fsdp1_flat_param(unit: nn.Module) -> torch.Tensor | None:
+    """The FlatParameter of an FSDP1 unit (None when the unit manages no parameter)."""
+    handle = getattr(unit, "_handle", None)
+    return getattr(handle, "flat_param", None)
+
+
+def fsdp1_unit_numel(unit: nn.Module) -> int:
+    """How many parameters an FSDP1 unit manages, without the padding its flat parameter adds."""
+    flat = fsdp1_flat_param(unit)
+    if flat is None:
+        return 0
+    size = getattr(flat, "_unpadded_unsharded_size", None)
+    if size is None:
+        raise _unsupported("counting an FSDP1 unit's parameters",
+                           "FlatParameter._unpadded_unsharded_size")
+    return int(size.numel())
+
+
+def is_flat_param(t: Any) -> bool:
+    """Whether ``t`` is an FSDP1 FlatParameter (the flat tensor a unit's parameters are views of)."""
+    return bool(getattr(t, "_is_flat_param", False))
+
+
+# Attributes by which a FlatParameter points back at its modules and original parameters (FSDP1
+# stores them on the tensor): removed when a finished variant is freed, so the loop can go.
+FLAT_PARAM_BACKREFS = ("_modules", "_params", "_shared_params", "_tensors", "_param_infos",
+                       "_shared_param_infos", "_param_extensions", "_fqns")
+FLAT_PARAM_HOOKS = ("_post_backward_hook_handle", "_post_backward_hook_state")
+
+
+# -- the fake process group ----------------------------------------------------------------------
+
+def fake_store() -> Any:
+    """The store of torch's "fake" process group: one process plays rank 0 of N, collectives do
+    nothing, so ``fsdp-course plan`` can shard a model for 8 GPUs on a laptop."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        raise _unsupported("fsdp-course plan",
+                           "torch.testing._internal.distributed.fake_pg.FakeStore") from None
+    return FakeStore()
