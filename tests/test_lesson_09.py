@@ -3,19 +3,23 @@ gradient entries never reach the update; every fine-tuning variant improves held
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
-from conftest import cli, notebook_results, variant
+from conftest import REPO, cli, notebook_results, variant
 from torch import nn
 
 from utilities.child_tuning import ChildTuning, global_topk_threshold, local
+
+sys.path.insert(0, str(REPO / "lessons" / "09_fine_tuning"))  # the lesson's own functions
+from fine_tuning import child_tuning_d, child_tuning_f, fisher_masks, freeze  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return notebook_results("09", tmp_path_factory)  # the notebook runs `fsdp-course run 09 --quick`
-
-
 
 
 # -- the notebook's quick run ----------------------------------------------------------------------
@@ -144,6 +148,57 @@ def test_child_tuning_d_masked_weights_do_not_move_under_fsdp2(world1):
         assert torch.equal(now[~m], b[~m])  # masked entries: bit-identical
         moved += int((now[m] != b[m]).sum())
     assert moved > 0
+
+
+# -- the lesson's own masks are ChildTuning's ------------------------------------------------------
+class _WithLoss(nn.Module):
+    """The toy model with a Hugging Face style output (``.loss``), as the lesson's masks expect."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _toy()
+
+    def forward(self, x: torch.Tensor) -> types.SimpleNamespace:
+        return types.SimpleNamespace(loss=self.net(x).pow(2).mean())
+
+
+def test_lesson_child_tuning_f_is_childtuning_f():
+    """The script's ChildTuning-F (its own function) masks exactly as the public class does, given
+    the same per-rank seed: the lesson shows the method it ships."""
+    ours, theirs = _toy(), _toy()
+    batch = next(_batches())
+    _backward(ours, batch)
+    _backward(theirs, batch)
+    ChildTuning(theirs.parameters(), mode="F", reserve_p=0.3, seed=0).apply()
+    child_tuning_f(list(ours.parameters()), 0.3, torch.Generator().manual_seed(0))  # seed 0, rank 0
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_lesson_fisher_mask_is_childtuning_d_under_fsdp2(world1):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _WithLoss()
+    fully_shard(model.net[0])
+    fully_shard(model)
+    params = list(model.parameters())
+    ct = ChildTuning(params, mode="D", reserve_p=0.25)
+    ct.compute_fisher_mask(model, ({"x": b["x"]} for b in _batches()), num_batches=3)
+    masks, threshold = fisher_masks(model, params, ({"x": b["x"]} for b in _batches()), 3, 0.25)
+    assert threshold == ct.threshold
+    assert all(torch.equal(m, c) for m, c in zip(masks, ct.masks))
+    model(next(_batches())["x"]).loss.backward()
+    child_tuning_d(params, masks)
+    for m, p in zip(masks, params):
+        assert bool((local(p.grad)[~m] == 0).all())  # what the optimizer will see: zero there
+    assert sum(int((local(p.grad)[m] != 0).sum()) for m, p in zip(masks, params)) > 0
+
+
+def test_freeze_counts_and_flags_by_name():
+    model = _toy()
+    trainable, frozen = freeze(model, ["0."])  # the first Linear: 16 x 32 + 32
+    assert (trainable, frozen) == (32 * 4 + 4, 16 * 32 + 32)
+    assert [p.requires_grad for p in model.parameters()] == [False, False, True, True]
 
 
 def test_global_threshold_is_the_exact_kth_largest():

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, cli, notebook_results, notebook_run_dir
 
 QUICK_STEPS, CKPT_EVERY = 30, 10
@@ -180,17 +181,70 @@ def test_bad_config_value_is_one_line_exit_2(flags, named):
     assert named in proc.stderr
 
 
-def test_every_config_field_is_a_flag_with_help():
-    import dataclasses
+def _lesson10(name: str):
+    """One of lesson 10's files as a module (train.py puts its folder on sys.path for the others)."""
     import importlib.util
 
-    path = REPO / "lessons/10_end_to_end/train.py"
-    spec = importlib.util.spec_from_file_location("lesson10_train", path)
+    spec = importlib.util.spec_from_file_location(f"lesson10_{name}", REPO / "lessons/10_end_to_end" / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    help_text = module.config_parser().format_help()
-    for f in dataclasses.fields(module.Config):
+    return module
+
+
+def test_every_config_field_is_a_flag_with_help():
+    import dataclasses
+
+    train = _lesson10("train.py")
+    config = _lesson10("train_config.py")
+    help_text = config.config_parser().format_help()
+    for f in dataclasses.fields(config.Config):
         assert "--" + f.name.replace("_", "-") in help_text
         assert f.metadata["help"]
-    cfg = module.parse_args(["--api", "fsdp1", "--grad-accum", "4", "--activation-checkpointing"])
+    cfg = train.parse_args(["--api", "fsdp1", "--grad-accum", "4", "--activation-checkpointing"])
     assert (cfg.api, cfg.grad_accum, cfg.activation_checkpointing) == ("fsdp1", 4, True)
+
+
+def _parallelized(*flags: str):
+    train = _lesson10("train.py")
+    cfg = train.finalize(train.parse_args(["--quick", *flags]), on_gpu=False)
+    return train.parallelize(train.build_model(cfg, torch.device("cpu")), cfg, torch.device("cpu"))
+
+
+def test_parallelize_makes_a_unit_per_block_then_the_root(world1):
+    """The FSDP2 steps in order: every other block checkpoint-wrapped, each block (its wrapper where
+    there is one) a fully_shard unit, and the root."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _parallelized("--activation-checkpointing", "--ac-every", "2", "--prefetch", "2")
+    blocks = list(model.model.layers)
+    assert [m for m in model.modules() if isinstance(m, FSDPModule)] == [model, *blocks]
+    assert [isinstance(b, CheckpointWrapper) for b in blocks] == [i % 2 == 0 for i in range(len(blocks))]
+
+
+def test_prefetch_names_the_next_blocks_both_ways():
+    class Unit:  # records what apply_prefetch asks of a fully_shard module
+        def __init__(self, i: int):
+            self.i, self.forward, self.backward = i, [], []
+
+        def set_modules_to_forward_prefetch(self, modules):
+            self.forward = [m.i for m in modules]
+
+        def set_modules_to_backward_prefetch(self, modules):
+            self.backward = [m.i for m in modules]
+
+    units = [Unit(i) for i in range(4)]
+    _lesson10("train.py").apply_prefetch(units, 2)
+    assert [u.forward for u in units] == [[1, 2], [2, 3], [3], []]
+    assert [u.backward for u in units] == [[], [0], [1, 0], [2, 1]]  # nearest first
+
+
+def test_fsdp1_parallelize_checkpoints_inside_its_units(world1):
+    """FSDP1's order: a unit per block first, then each block checkpoint-wrapped inside its unit."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = _parallelized("--api", "fsdp1", "--activation-checkpointing")
+    root, *units = [m for m in model.modules() if isinstance(m, FSDP)]
+    assert root is model and len(units) == len(model.module.model.layers)
+    assert all(isinstance(next(u.children()), CheckpointWrapper) for u in units)  # FSDP(wrapper(block))

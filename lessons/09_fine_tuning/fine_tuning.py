@@ -10,11 +10,12 @@
                           use_orig_params=True (without it, wrapping fails; this script shows the
                           error).
 
-Child-tuning (Xu et al., 2021) updates only a child network, by masking the gradients:
-ChildTuning-F draws a Bernoulli(reserve_p) mask every step and scales kept gradients by
-1/reserve_p; ChildTuning-D keeps, for the whole run, the reserve_p fraction of weights with the
-largest Fisher information (squared gradients accumulated over a few task batches), with one
-threshold for the whole sharded model (utilities/child_tuning.py).
+Child-tuning (Xu et al., 2021) updates only a child network, by masking the gradients between
+backward and optimizer.step: ChildTuning-F draws a Bernoulli(reserve_p) mask every step and scales
+kept gradients by 1/reserve_p; ChildTuning-D keeps, for the whole run, the reserve_p fraction of
+weights with the largest Fisher information (squared gradients accumulated over a few task
+batches), with one threshold for the whole sharded model. The masks are the functions below;
+utilities.child_tuning.ChildTuning packages the same method for your own code.
 
 The script first "pre-trains" t5 on the reversal task (or loads --pretrained), then fine-tunes it
 on a different task, writing every letter in upper case, rotated by --shift places
@@ -35,9 +36,12 @@ Run: fsdp-course run 09 [--quick]   or   torchrun --nproc-per-node 2 fine_tuning
 
 from __future__ import annotations
 
+import argparse
+import functools
 import string
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
@@ -45,26 +49,207 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-from utilities.child_tuning import ChildTuning, local
+from utilities.child_tuning import global_topk_threshold, local
 from utilities.course.lesson import Lesson, bounded, lesson_parser, positive_int
 from utilities.data import LETTERS, LetterTask, batches, make_loader
 from utilities.distributed import reduce_scalar
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
 from utilities.training import train
-from utilities.wrapping import shard_model
 
+ENCODER = ("encoder.block.", "encoder.final_layer_norm.")  # the lower half of a t5
 VARIANTS = {
-    # name: (api, what is frozen, child-tuning mode)
-    "full": ("fsdp2", None, None),
-    "frozen-encoder": ("fsdp2", "encoder", None),
-    "frozen-fsdp1": ("fsdp1", "encoder", None),
-    "child-tuning-f": ("fsdp2", None, "F"),
-    "child-tuning-d": ("fsdp2", None, "D"),
+    # name: (api, parameter-name prefixes to freeze, child-tuning mode)
+    "full": ("fsdp2", (), None),
+    "frozen-encoder": ("fsdp2", ENCODER, None),
+    "frozen-fsdp1": ("fsdp1", ENCODER, None),
+    "child-tuning-f": ("fsdp2", (), "F"),
+    "child-tuning-d": ("fsdp2", (), "D"),
 }
+
+
+# -- freezing: requires_grad_(False) before wrapping ----------------------------------------------
+def freeze(model: nn.Module, prefixes: Iterable[str]) -> tuple[int, int]:
+    """Freeze every parameter whose name starts with one of ``prefixes``; return the (trainable,
+    frozen) parameter counts. Do it before wrapping: FSDP1 reads requires_grad when it flattens
+    each unit (FSDP2 would also take it afterwards, per parameter)."""
+    prefixes = tuple(prefixes)
+    for name, p in model.named_parameters():
+        if prefixes and name.startswith(prefixes):
+            p.requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters()) - trainable
+
+
+def wrap_fsdp2(model: nn.Module, block_class: type[nn.Module]) -> nn.Module:
+    """FSDP2 keeps every parameter a DTensor of its own, so a unit may mix frozen and trainable
+    parameters: frozen ones get no gradient and are not reduce-scattered."""
+    for module in model.modules():
+        if isinstance(module, block_class):
+            fully_shard(module)
+    fully_shard(model)  # the root unit: embeddings, final norms and whatever no block holds
+    return model
+
+
+def wrap_fsdp1(model: nn.Module, block_class: type[nn.Module], device: torch.device,
+               use_orig_params: bool = True) -> nn.Module:
+    """FSDP1 flattens each unit into one FlatParameter with one requires_grad: a unit that mixes
+    frozen and trainable parameters needs use_orig_params=True (here the root holds the frozen
+    encoder's final norm and the trainable shared embedding)."""
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_class})
+    # device_id: the GPU of this rank, or the CPU (without it FSDP1 looks for an accelerator)
+    return FSDP(model, auto_wrap_policy=policy, use_orig_params=use_orig_params, device_id=device)
+
+
+def fsdp1_refusal(model: nn.Module, block_class: type[nn.Module], device: torch.device) -> str | None:
+    """What FSDP1 says when a unit mixes frozen and trainable parameters without use_orig_params
+    (None if it accepted them)."""
+    try:
+        wrap_fsdp1(model, block_class, device, use_orig_params=False)
+    except (ValueError, RuntimeError) as e:
+        return str(e).strip().splitlines()[0]
+    return None
+
+
+# -- child-tuning: a mask on the gradients, between backward and optimizer.step --------------------
+@torch.no_grad()
+def child_tuning_f(params: list[nn.Parameter], reserve_p: float, generator: torch.Generator) -> None:
+    """ChildTuning-F: keep each gradient entry with probability reserve_p, a fresh draw every
+    step, and scale the kept ones by 1/reserve_p so the expected gradient is unchanged. Under
+    FSDP2 a gradient is a DTensor: each rank masks its own shard, with its own generator."""
+    for p in params:
+        if p.grad is not None:
+            g = local(p.grad)
+            keep = torch.rand(g.shape, generator=generator).to(g.device) < reserve_p
+            g.mul_(keep.to(g.dtype)).div_(reserve_p)
+
+
+def fisher_masks(model: nn.Module, params: list[nn.Parameter], data: Iterator[dict],
+                 num_batches: int, reserve_p: float) -> tuple[list[torch.Tensor], float]:
+    """ChildTuning-D's mask, fixed before training: squared gradients summed over a few task
+    batches (the diagonal of the empirical Fisher), then the reserve_p fraction of entries with the
+    largest values, one threshold for the whole model. No rank holds every gradient;
+    global_topk_threshold finds the exact k-th largest over all ranks' shards by bisection, one
+    scalar all-reduce a step, without gathering anything."""
+    fisher = [torch.zeros_like(local(p)) for p in params]
+    for _ in range(num_batches):
+        model.zero_grad(set_to_none=True)
+        model(**next(data)).loss.backward()
+        with torch.no_grad():
+            for f, p in zip(fisher, params):
+                if p.grad is not None:
+                    f.add_(local(p.grad).float().pow(2))
+    model.zero_grad(set_to_none=True)
+    total = reduce_scalar(sum(f.numel() for f in fisher), "sum")
+    threshold = global_topk_threshold(fisher, max(1, int(round(reserve_p * total))))
+    return [f >= threshold for f in fisher], threshold
+
+
+@torch.no_grad()
+def child_tuning_d(params: list[nn.Parameter], masks: list[torch.Tensor]) -> None:
+    """ChildTuning-D: the same fixed mask every step, on this rank's shard of each gradient."""
+    for p, mask in zip(params, masks):
+        if p.grad is not None:
+            local(p.grad).mul_(mask.to(p.grad.dtype))
+
+
+def masked_step(mask: Callable[[], None]) -> Callable[[nn.Module, dict], torch.Tensor]:
+    """One training step's forward and backward, then the mask: the optimizer.step that follows
+    sees only the kept gradient entries."""
+    def step(model: nn.Module, batch: dict) -> torch.Tensor:
+        loss = model(**batch).loss
+        loss.backward()
+        mask()
+        return loss
+    return step
+
+
+# -- one variant: build, measure before, fine-tune, measure after ---------------------------------
+def run_variant(L: Lesson, name: str, state: dict[str, torch.Tensor], args: argparse.Namespace) -> None:
+    """Fresh pre-trained weights, frozen and wrapped as the variant says; held-out numbers before
+    and after fine-tuning with the variant's gradient mask, and what the frozen part cost."""
+    api, prefixes, mode = VARIANTS[name]
+    block = L.spec.block_class()
+    model = fresh_model(L, state)
+    n_trainable, n_frozen = freeze(model, prefixes)
+    extra = {}
+    if api == "fsdp1":
+        refused = fresh_model(L, state)  # a model of its own: a refused wrap leaves it half-wrapped
+        freeze(refused, prefixes)
+        extra["fsdp1_without_orig_params_error"] = report_refusal(L, fsdp1_refusal(refused, block,
+                                                                                    L.device))
+        del refused
+        model = wrap_fsdp1(model, block, L.device, use_orig_params=True)
+    else:
+        model = wrap_fsdp2(model, block)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    frozen_before = [local(p).detach().clone() for p in frozen]
+    loss_before, acc_before = evaluate(model, L, args.shift, args.eval_batches)
+
+    optimizer = torch.optim.AdamW(trainable, lr=L.lr, weight_decay=0.0)  # only what trains
+    step_fn = None
+    if mode == "F":
+        generator = torch.Generator().manual_seed(args.seed * 7919 + L.dist.rank)  # own entries
+        step_fn = masked_step(lambda: child_tuning_f(trainable, args.reserve_p, generator))
+    elif mode == "D":
+        t0 = time.perf_counter()
+        n = L.batch_size * L.dist.world_size * args.fisher_batches
+        masks, threshold = fisher_masks(model, trainable, task_data(L, args.shift, 2, n),
+                                        args.fisher_batches, args.reserve_p)
+        extra.update(fisher_time_s=round(time.perf_counter() - t0, 3), fisher_threshold=threshold,
+                     kept_fraction=kept_fraction(masks, L.device))
+        step_fn = masked_step(lambda: child_tuning_d(trainable, masks))
+    if mode:
+        extra["reserve_p"] = args.reserve_p
+    data = task_data(L, args.shift, 1, max(L.batch_size * L.dist.world_size * L.steps, 64))
+    stats = train(model, optimizer, data, L.steps, L.device, progress=name,
+                  flops_per_token=L.spec.flops_per_token(L.seq_len),
+                  **({"step_fn": step_fn} if step_fn else {}))
+    loss_after, acc_after = evaluate(model, L, args.shift, args.eval_batches)
+
+    unchanged = all(torch.equal(b, local(p).detach()) for b, p in zip(frozen_before, frozen))
+    resident = stats.peak_memory_bytes.get("detail", {}).get("resident_after_step", {})
+    L.results.add(
+        name, stats, api=api, frozen="encoder" if prefixes else "-", child_tuning=mode or "-",
+        trainable_parameters=n_trainable, frozen_parameters=n_frozen,
+        held_out_loss_before=round(loss_before, 4), held_out_loss_after=round(loss_after, 4),
+        held_out_accuracy_before=round(acc_before, 4), held_out_accuracy=round(acc_after, 4),
+        frozen_bit_identical=bool(reduce_scalar(int(unchanged), "min", L.device)),
+        frozen_with_optimizer_state=sum(1 for p in frozen if p in optimizer.state),
+        gradient_bytes_per_rank=resident.get("gradients"),
+        optimizer_bytes_per_rank=resident.get("optimizer"), **extra)
+    L.print(f"    held-out loss {loss_before:.3f} -> {loss_after:.3f}, token accuracy "
+            f"{acc_before:.1%} -> {acc_after:.1%}; trainable {n_trainable:,}, frozen {n_frozen:,}; "
+            f"grads {fmt_bytes(resident.get('gradients'))}, optimizer "
+            f"{fmt_bytes(resident.get('optimizer'))} per rank")
+
+
+# -- the lesson -----------------------------------------------------------------------------------
+def main(args: argparse.Namespace) -> None:
+    with Lesson("09", args, settings=settings(args), notes=NOTES, cpu_note=CPU_NOTE) as L:
+        L.results.columns("trainable_parameters", "frozen_parameters", "gradient_bytes_per_rank",
+                          "optimizer_bytes_per_rank", "held_out_loss_after", "frozen_bit_identical")
+        L.check(L.spec.is_seq2seq, "--model", L.spec.name, "a t5 model (the lesson freezes the encoder)")
+        state = pretrained_state(L, args)
+        for name in args.variants:
+            with L.variant(name):  # everything the variant made is freed before the next one
+                run_variant(L, name, state, args)
+
+
+# -- the pieces around it: flags, data, evaluation, pre-training -----------------------------------
 UPPER = string.ascii_uppercase.encode()
 HELD_OUT_SEED = 10_007  # the held-out split: examples no training batch ever contains
+NOTES = ("held_out_*: a split of the fine-tuning task (upper-case + rotate) that no training batch "
+         "contains; accuracy is teacher-forced token accuracy (argmax of the logits).",
+         "gradient_bytes_per_rank / optimizer_bytes_per_rank: what each rank keeps between steps "
+         "(sharded); frozen weights have neither.")
+CPU_NOTE = "CPU run: memory from torch.distributed._tools trackers; step times are only indicative."
 
 
 class ShiftTask(LetterTask):
@@ -89,7 +274,7 @@ reserve_p = bounded(float, 0, 1, low_open=True)
 shift_value = bounded(int, 1, 25)
 
 
-def parse_args(argv=None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
     p.add_argument("--reserve-p", type=reserve_p, default=0.3,
@@ -107,10 +292,21 @@ def parse_args(argv=None):
                         "e.g. OUT/pretrained.pt from an earlier run) instead of pre-training")
     p.add_argument("--eval-batches", type=positive_int, default=None,
                    help="held-out batches per rank for loss and token accuracy (default 2 quick, 4)")
-    return p.parse(argv)
+    args = p.parse(argv)
+    if args.quick and args.seq_len is None:
+        args.seq_len = 16  # 15 letters: the quick run stays short on two CPU cores
+    args.eval_batches = args.eval_batches or (2 if args.quick else 4)
+    args.fisher_batches = args.fisher_batches or (2 if args.quick else 4)
+    args.pretrain_steps = args.pretrain_steps or (12 if args.quick else 60)
+    return args
 
 
-# -- pieces ---------------------------------------------------------------------------------------
+def settings(args: argparse.Namespace) -> dict:
+    return dict(reserve_p=args.reserve_p, fisher_batches=args.fisher_batches, shift=args.shift,
+                task="upper-case and rotate letters by shift (pre-trained on reversal)",
+                pretrained=args.pretrained or "reversal, in this run")
+
+
 def task_data(L: Lesson, shift: int, seed_offset: int, n: int, shuffle: bool = True):
     ds = ShiftTask(n, L.seq_len, shift=shift, seed=L.args.seed + seed_offset)
     loader = make_loader(ds, L.batch_size, L.dist.rank, L.dist.world_size, seed=L.args.seed,
@@ -119,7 +315,7 @@ def task_data(L: Lesson, shift: int, seed_offset: int, n: int, shuffle: bool = T
 
 
 @torch.no_grad()
-def evaluate(model, L: Lesson, shift: int, num_batches: int) -> tuple[float, float]:
+def evaluate(model: nn.Module, L: Lesson, shift: int, num_batches: int) -> tuple[float, float]:
     """Held-out loss (nats per token) and token accuracy (teacher-forced argmax), over all ranks."""
     model.eval()
     n = L.batch_size * L.dist.world_size * num_batches
@@ -139,28 +335,46 @@ def evaluate(model, L: Lesson, shift: int, num_batches: int) -> tuple[float, flo
     return float(sums[0] / sums[2]), float(sums[1] / sums[2])
 
 
-def pretrain(L: Lesson, steps: int) -> dict[str, torch.Tensor]:
-    """A short FSDP2 run on the reversal task; returns the full state dict on every rank."""
+def kept_fraction(masks: list[torch.Tensor], device: torch.device) -> float:
+    """The share of entries a mask keeps, over every rank's shards."""
+    kept = reduce_scalar(sum(int(m.sum()) for m in masks), "sum", device)
+    return kept / max(reduce_scalar(sum(m.numel() for m in masks), "sum", device), 1)
+
+
+def report_refusal(L: Lesson, error: str | None) -> str | None:
+    if error:
+        L.print(f"  FSDP1 without use_orig_params: {error}")
+        L.results.note(f"FSDP1 with a frozen encoder and use_orig_params=False fails: {error}")
+    else:
+        L.print("  FSDP1 without use_orig_params: accepted the mixed units here")
+    return error
+
+
+def pretrained_state(L: Lesson, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The starting weights of every variant: a short FSDP2 run on the reversal task (saved as
+    OUT/pretrained.pt), or the state dict --pretrained names."""
+    if args.pretrained:
+        if not Path(args.pretrained).is_file():
+            raise UsageError(f"--pretrained {args.pretrained!r} is not a file")
+        L.print(f"  pre-trained weights from {args.pretrained}")
+        return torch.load(args.pretrained, map_location="cpu", weights_only=True)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    model = shard_model(L.build_model(), api="fsdp2", block_class=L.spec.block_class(),
-                        device=L.device)
+    model = wrap_fsdp2(L.build_model(), L.spec.block_class())
     opt = torch.optim.AdamW(model.parameters(), lr=L.lr)
-    stats = train(model, opt, L.data(seed_offset=0), steps, L.device, measure_memory=False,
-                  progress="pre-train (reversal)")
+    stats = train(model, opt, L.data(seed_offset=0), args.pretrain_steps, L.device,
+                  measure_memory=False, progress="pre-train (reversal)")
     L.print(f"  pre-training on reversal: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f} "
-            f"in {steps} steps")
+            f"in {args.pretrain_steps} steps")
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: v.detach().clone() for k, v in sd.items()}
+    state = {k: v.detach().clone() for k, v in sd.items()}
+    if L.dist.is_main:
+        L.out.mkdir(parents=True, exist_ok=True)
+        torch.save(state, L.out / "pretrained.pt")
+    return state
 
 
-def load_pretrained(path: str) -> dict[str, torch.Tensor]:
-    if not Path(path).is_file():
-        raise UsageError(f"--pretrained {path!r} is not a file")
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def fresh_model(L: Lesson, state: dict[str, torch.Tensor]):
+def fresh_model(L: Lesson, state: dict[str, torch.Tensor]) -> nn.Module:
     model = L.build_model()
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to shared
@@ -168,128 +382,6 @@ def fresh_model(L: Lesson, state: dict[str, torch.Tensor]):
         raise UsageError(f"pre-trained state dict does not fit {L.spec.name}: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
     return model
-
-
-def freeze(model, what: str | None) -> None:
-    if what == "encoder":  # the lower half of the network: every encoder block and its final norm
-        for p in model.encoder.block.parameters():
-            p.requires_grad_(False)
-        for p in model.encoder.final_layer_norm.parameters():
-            p.requires_grad_(False)
-
-
-def fsdp1_without_orig_params_error(L: Lesson, state) -> str | None:
-    """What FSDP1 says when a unit mixes frozen and trainable parameters without use_orig_params."""
-    model = fresh_model(L, state)
-    freeze(model, "encoder")
-    try:
-        shard_model(model, api="fsdp1", block_class=L.spec.block_class(), device=L.device)
-    except (ValueError, RuntimeError) as e:
-        return str(e).strip().splitlines()[0]
-    return None
-
-
-def _all_true(flag: bool, device) -> bool:
-    return bool(reduce_scalar(int(flag), "min", device))
-
-
-# -- the lesson -----------------------------------------------------------------------------------
-def main(args) -> None:
-    if args.quick and args.seq_len is None:
-        args.seq_len = 16  # 15 letters: the quick run stays short on two CPU cores
-    eval_batches = args.eval_batches or (2 if args.quick else 4)
-    args.fisher_batches = args.fisher_batches or (2 if args.quick else 4)
-    with Lesson("09", args,
-                settings=dict(reserve_p=args.reserve_p, fisher_batches=args.fisher_batches,
-                              shift=args.shift, task="upper-case and rotate letters by shift "
-                                                         "(pre-trained on reversal)")) as L:
-        if not L.spec.is_seq2seq:
-            raise UsageError(f"--model {L.spec.name!r} is not allowed; allowed: a t5 model "
-                             "(the lesson freezes the encoder)")
-        block = L.spec.block_class()
-        if args.pretrained:
-            state = load_pretrained(args.pretrained)
-            L.print(f"  pre-trained weights from {args.pretrained}")
-        else:
-            steps = args.pretrain_steps or (12 if args.quick else 60)
-            state = pretrain(L, steps)
-            if L.dist.is_main:
-                L.out.mkdir(parents=True, exist_ok=True)
-                torch.save(state, L.out / "pretrained.pt")
-        L.results.data["settings"]["pretrained"] = args.pretrained or "reversal, in this run"
-
-        for name in args.variants:
-            with L.variant(name):  # everything the variant made is freed before the next one
-                api, frozen_part, mode = VARIANTS[name]
-                model = fresh_model(L, state)
-                freeze(model, frozen_part)
-                n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-                n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-                step_fn, extra = None, {}
-                if api == "fsdp1":
-                    error = fsdp1_without_orig_params_error(L, state)
-                    extra["fsdp1_without_orig_params_error"] = error
-                    if error:
-                        L.print(f"  FSDP1 without use_orig_params: {error}")
-                        L.results.note(f"FSDP1 with a frozen encoder and use_orig_params=False fails: "
-                                       f"{error}")
-                    else:
-                        L.print("  FSDP1 without use_orig_params: accepted the mixed units here")
-                    model = shard_model(model, api="fsdp1", block_class=block, device=L.device,
-                                        use_orig_params=True)
-                else:
-                    model = shard_model(model, api="fsdp2", block_class=block, device=L.device)
-                trainable = [p for p in model.parameters() if p.requires_grad]
-                frozen = [p for p in model.parameters() if not p.requires_grad]
-                frozen_before = [local(p).detach().clone() for p in frozen]
-                loss_before, acc_before = evaluate(model, L, args.shift, eval_batches)
-
-                optimizer = torch.optim.AdamW(trainable, lr=L.lr, weight_decay=0.0)
-                data = task_data(L, args.shift, 1, max(L.batch_size * L.dist.world_size * L.steps, 64))
-                if mode is not None:
-                    ct = ChildTuning(trainable, mode=mode, reserve_p=args.reserve_p, seed=args.seed)
-                    if mode == "D":
-                        t0 = time.perf_counter()
-                        fisher_data = task_data(L, args.shift, 2, L.batch_size * L.dist.world_size
-                                                * args.fisher_batches)
-                        ct.compute_fisher_mask(model, fisher_data, args.fisher_batches)
-                        extra.update(fisher_time_s=round(time.perf_counter() - t0, 3),
-                                     fisher_threshold=ct.threshold, kept_fraction=ct.kept_fraction)
-                    step_fn = ct.step_fn()
-                    extra["reserve_p"] = args.reserve_p
-                    del ct
-                kwargs = {"step_fn": step_fn} if step_fn else {}
-                stats = train(model, optimizer, data, L.steps, L.device, progress=name,
-                              flops_per_token=L.spec.flops_per_token(L.seq_len), **kwargs)
-                loss_after, acc_after = evaluate(model, L, args.shift, eval_batches)
-
-                unchanged = all(torch.equal(b, local(p).detach()) for b, p in zip(frozen_before, frozen))
-                frozen_in_optimizer = sum(1 for p in frozen if p in optimizer.state)
-                resident = stats.peak_memory_bytes.get("detail", {}).get("resident_after_step", {})
-                L.results.add(
-                    name, stats, api=api, frozen=frozen_part or "-", child_tuning=mode or "-",
-                    trainable_parameters=n_trainable, frozen_parameters=n_frozen,
-                    held_out_loss_before=round(loss_before, 4), held_out_loss_after=round(loss_after, 4),
-                    held_out_accuracy_before=round(acc_before, 4), held_out_accuracy=round(acc_after, 4),
-                    frozen_bit_identical=_all_true(unchanged, L.device),
-                    frozen_with_optimizer_state=frozen_in_optimizer,
-                    gradient_bytes_per_rank=resident.get("gradients"),
-                    optimizer_bytes_per_rank=resident.get("optimizer"), **extra)
-                L.print(f"    held-out loss {loss_before:.3f} -> {loss_after:.3f}, token accuracy "
-                        f"{acc_before:.1%} -> {acc_after:.1%}; trainable {n_trainable:,}, frozen "
-                        f"{n_frozen:,}; grads {fmt_bytes(resident.get('gradients'))}, optimizer "
-                        f"{fmt_bytes(resident.get('optimizer'))} per rank")
-                # everything that refers to this variant's parameters, so L.variant can free them
-                del model, optimizer, trainable, frozen, frozen_before, data, step_fn, kwargs
-
-        L.results.note("held_out_*: a split of the fine-tuning task (upper-case + rotate) that no "
-                       "training batch contains; accuracy is teacher-forced token accuracy "
-                       "(argmax of the logits).")
-        L.results.note("gradient_bytes_per_rank / optimizer_bytes_per_rank: what each rank keeps "
-                       "between steps (sharded); frozen weights have neither.")
-        if L.device.type == "cpu":
-            L.results.note("CPU run: memory from torch.distributed._tools trackers; step times are "
-                           "only indicative.")
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
 
 _SKIP = {"name", "step_time_s", "tokens_per_s", "mfu", "losses", "step_times_s",
          "peak_memory_bytes", "release"}
-_UNITS = (("_bytes", ""), ("_parameters", ""), ("_params", ""), ("_s", " s"), ("_ratio", ""),
+_UNITS = (("_bytes_per_rank", ""), ("_bytes", ""), ("_parameters", ""), ("_params", ""), ("_s", " s"), ("_ratio", ""),
           ("_x", ""))
 
 
@@ -185,7 +185,7 @@ def human(key: str, value: Any) -> str:
         return "yes" if value else "no"
     if isinstance(value, str):
         return value
-    if key.endswith("_bytes"):
+    if key.endswith(("_bytes", "_bytes_per_rank")):
         return fmt_bytes(value)
     if key.endswith(("_parameters", "_params", "_tokens", "_elements")):
         return _count(value)
