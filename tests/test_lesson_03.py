@@ -3,12 +3,16 @@ clear line."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
-from conftest import cli, notebook_results, variant
+from conftest import REPO, cli, notebook_results, notebook_run_dir, variant
 
 from utilities.errors import UsageError
 from utilities.state_dict import FORMAT, atomic_torch_save, check_model_keys, read_full
+
+sys.path.insert(0, str(REPO / "lessons" / "03_full_state_dict"))  # the lesson's own functions
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +75,14 @@ def test_pickle_with_code_is_refused_not_run(tmp_path, capsys):
     assert "truncated" not in str(e.value)  # issue 14: it is not damaged, it is refused
 
 
-def test_crash_mid_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
-    path = _checkpoint(tmp_path / "ck.pt", {"w": torch.ones(4)})
+@pytest.mark.parametrize("writer", ["lesson", "utilities"])
+def test_crash_mid_save_keeps_the_old_checkpoint(world1, tmp_path, monkeypatch, writer):
+    """The lesson's save_on_rank0 and utilities' atomic_torch_save (behind save_full) alike."""
+    from full_state_dict import save_on_rank0
+
+    save = (lambda path, sd: save_on_rank0(path, sd, {}, 1)) if writer == "lesson" else _checkpoint
+    path = tmp_path / "ck.pt"
+    save(path, {"w": torch.ones(4)})
     before = path.read_bytes()
 
     def crash(obj, f, *a, **k):
@@ -81,7 +91,7 @@ def test_crash_mid_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        _checkpoint(path, {"w": torch.zeros(4)})
+        save(path, {"w": torch.zeros(4)})
     monkeypatch.undo()
     assert path.read_bytes() == before and [f.name for f in tmp_path.iterdir()] == ["ck.pt"]
     assert torch.equal(read_full(path)["model"]["w"], torch.ones(4))
@@ -90,6 +100,57 @@ def test_crash_mid_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
 def _checkpoint(path, model_sd):
     atomic_torch_save({"format": FORMAT, "step": 1, "model": model_sd, "optimizer": {}}, path)
     return path
+
+
+@pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
+def test_saved_on_2_ranks_loads_on_1(world1, tmp_path_factory, api):
+    """The notebook run's fsdp2 checkpoint (2 ranks) loads into a 1-rank model, FSDP2 or FSDP1,
+    with the lesson's load_full: every weight bit-identical to the file's."""
+    from full_state_dict import gather_full, load_full
+
+    from utilities.models import get_model_spec
+    from utilities.wrapping import shard_model
+
+    path = notebook_run_dir("03", tmp_path_factory) / "checkpoints" / "fsdp2.pt"
+    ckpt = read_full(path)
+    saved = ckpt["model"]
+    spec = get_model_spec("t5-tiny")
+    torch.manual_seed(1)
+    model = shard_model(spec.build("cpu"), api=api, block_class=spec.block_class())
+    assert load_full(path, model, torch.optim.AdamW(model.parameters())) == ckpt["step"]
+    loaded, _ = gather_full(model)
+    assert set(loaded) == set(saved)
+    for key, tensor in loaded.items():
+        assert torch.equal(tensor, saved[key]), key
+
+
+def test_public_save_full_and_load_full_read_the_lessons_files(world1, tmp_path):
+    """utilities.save_full / load_full (what users import) and the lesson's own functions write
+    and read the same file format, both ways, bit for bit."""
+    from full_state_dict import gather_full, load_full, save_full
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    import utilities
+
+    def model_and_optimizer(seed):
+        torch.manual_seed(seed)
+        model = fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = model_and_optimizer(0)
+    want, want_optim = gather_full(model, optimizer)
+    for save, load in ((save_full, utilities.load_full), (utilities.save_full, load_full)):
+        save(tmp_path / "ck.pt", model, optimizer, 7)
+        fresh, fresh_optimizer = model_and_optimizer(1)
+        assert load(tmp_path / "ck.pt", fresh, fresh_optimizer) == 7
+        got, got_optim = gather_full(fresh, fresh_optimizer)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        for index, state in want_optim["state"].items():
+            assert all(torch.equal(got_optim["state"][index][k], v) for k, v in state.items())
 
 
 def test_truncated_file_is_one_line(tmp_path):

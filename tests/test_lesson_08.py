@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, notebook_results, notebook_run_dir, run_lesson, variant
+from conftest import REPO, cli, notebook_results, notebook_run_dir, run_lesson, variant
 
 from utilities.dcp import check_checkpoint, checkpoint_files, from_torch_save, to_torch_save
 from utilities.errors import UsageError
+
+sys.path.insert(0, str(REPO / "lessons" / "08_local_state_dict"))  # the lesson's own functions
 
 FLAGS = ("--skip-resume-check",)
 
@@ -97,6 +101,34 @@ def test_unfinished_save_is_refused(tmp_path):
     (tmp_path / ".ckpt.tmp").mkdir()
     with pytest.raises(UsageError, match="never completed"):
         check_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_save_killed_mid_write_keeps_the_previous_checkpoint(world1, tmp_path, monkeypatch):
+    """The lesson's save writes into .NAME.tmp and renames it only once complete: a kill inside
+    dcp.save leaves the previous checkpoint loadable, and the next save recovers."""
+    import sharded_state_dict as lesson
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = tmp_path / "ckpt"
+    lesson.save(ckpt, model, optimizer, step=1, batches_consumed=1)
+
+    def killed(state, checkpoint_id):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
+        raise KeyboardInterrupt  # as a kill in the middle of the write would
+
+    monkeypatch.setattr(lesson.dcp, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        lesson.save(ckpt, model, optimizer, step=2, batches_consumed=2)
+    monkeypatch.undo()
+    assert (tmp_path / ".ckpt.tmp").is_dir() and check_checkpoint(ckpt) == ckpt
+    assert lesson.load(ckpt, model, optimizer) == (1, 1)
+    lesson.save(ckpt, model, optimizer, step=2, batches_consumed=2)
+    assert lesson.load(ckpt, model, optimizer) == (2, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_convert_to_torch_save_and_back_preserves_tensors(saved, tmp_path):

@@ -93,12 +93,14 @@ def test_more_ranks_than_gpus_share_them_evenly():
 
 @pytest.mark.parametrize("number", [n for n, i in LESSONS.items() if i.ready])
 def test_every_lesson_has_run_defaults_the_planner_knows(number):
-    """The fit check plans each lesson's own GPU model and batch, read from its script."""
+    """The fit check plans each lesson's own GPU model and batch, from the catalog's ``Run``: the
+    one source ``Lesson`` (and lesson 10's config) read their defaults from."""
     for quick in (False, True):
         model, batch = run_defaults(get_lesson(number), quick)
         assert get_model_spec(model) and batch >= 1
-    assert run_defaults(get_lesson("14"), False) == ("llama-1b", 2)  # module constants followed
-    assert run_defaults(get_lesson("10"), False) == ("llama-1b", 4)  # no Lesson(): the catalog's
+    assert run_defaults(get_lesson("14"), False) == ("llama-1b", 2)
+    assert run_defaults(get_lesson("10"), False) == ("llama-1b", 4)
+    assert run_defaults(get_lesson("10"), True) == ("llama-tiny", 8)
 
 
 # -- the process group's backend (issue 11 items 1-2; issue 15) ------------------------------------

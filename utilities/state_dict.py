@@ -10,6 +10,9 @@ any world size, FSDP1 or FSDP2, or plain ``transformers`` can read.
     step = load_full(path, model, optimizer)         # every rank calls it; rank 0 reads
     export_hf(model_state_dict, config, directory)   # rank 0: a from_pretrained-able folder
 
+Lesson 03 writes the gathering and the ``set_*_state_dict`` calls out itself and uses the pieces
+here that it does not teach: ``read_on_rank0`` (the safe, checked read), ``FORMAT``, ``export_hf``.
+
 Saving works for FSDP2 (``fully_shard``) and FSDP1 through ``torch.distributed.checkpoint.state_dict``
 (``how="dcp"``) and for FSDP1 through its classic ``FullStateDictConfig`` (``how="fsdp1-classic"``);
 both write the same keys, so either can be loaded by ``load_full``. Loading broadcasts rank 0's
@@ -222,20 +225,17 @@ def check_model_keys(path: str | os.PathLike, got: dict[str, Any],
         raise UsageError(f"checkpoint {path} is not of this model: {'; '.join(problems)}")
 
 
-def load_full(path: str | os.PathLike, model: nn.Module,
-              optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load a full checkpoint into an already sharded model (and optimizer); returns the step.
+def read_on_rank0(path: str | os.PathLike, model: nn.Module,
+                  optimizer: torch.optim.Optimizer | None = None
+                  ) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """Rank 0 reads and checks a full checkpoint for ``model``: ``(step, model_sd, optim_sd)``,
+    the two dicts empty on the other ranks (what ``broadcast_from_rank0=True`` expects).
 
-    Every rank must call this. Only rank 0 reads the file (its CPU holds one full copy); the
-    tensors reach the other ranks' shards through ``broadcast_from_rank0=True``. The keys are
-    checked first on rank 0 and the verdict is shared, so every rank raises the same UsageError.
+    Every rank must call this. The file is read with ``weights_only=True`` and its keys and shapes
+    are checked against the model (and the optimizer's, when one is given) on rank 0; the verdict
+    is shared, so every rank raises the same one-line UsageError and none starts a partial load.
+    For FSDP1 the tied aliases are left out (``drop_tied_aliases``).
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     expected = expected_shapes(model)
     ckpt, error = None, None
     if _rank() == 0:
@@ -253,10 +253,30 @@ def load_full(path: str | os.PathLike, model: nn.Module,
     if error is not None:
         raise UsageError(error)
     step = int(_broadcast_object(ckpt["step"] if ckpt is not None else None))
-    msd = ckpt["model"] if ckpt is not None else {}
-    fsdp1 = _is_fsdp1(model)
-    if msd and fsdp1:
+    if ckpt is None:
+        return step, {}, {}
+    msd = ckpt["model"]
+    if _is_fsdp1(model):
         msd = drop_tied_aliases(path, msd, getattr(model, "module", model))
+    return step, msd, (ckpt.get("optimizer") or {}) if optimizer is not None else {}
+
+
+def load_full(path: str | os.PathLike, model: nn.Module,
+              optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Load a full checkpoint into an already sharded model (and optimizer); returns the step.
+
+    Every rank must call this. Only rank 0 reads the file (its CPU holds one full copy); the
+    tensors reach the other ranks' shards through ``broadcast_from_rank0=True``. The keys are
+    checked first on rank 0 and the verdict is shared, so every rank raises the same UsageError.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    step, msd, osd = read_on_rank0(path, model, optimizer)
+    fsdp1 = _is_fsdp1(model)
     # strict: every key must be used. FSDP1 then reports the dropped tied aliases as "missing"
     # although they share storage with their target, so there we rely on our own check above.
     options = StateDictOptions(full_state_dict=True, cpu_offload=_offload(model),
@@ -265,7 +285,6 @@ def load_full(path: str | os.PathLike, model: nn.Module,
     # treat those ranks as "optimizer only" and skip the model broadcast (a hang in torch 2.13).
     set_model_state_dict(model, msd, options=options)
     if optimizer is not None:
-        osd = ckpt["optimizer"] if ckpt is not None else {}
         set_optimizer_state_dict(model, optimizer, osd, options=options)
     return step
 

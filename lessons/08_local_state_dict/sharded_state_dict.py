@@ -25,109 +25,314 @@ Run: fsdp-course run 08 [--quick] [--nproc N] [-- --load-from runs/08_local_stat
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import StateDictType
 
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.course.results import write_json
 from utilities.data import ReverseTask
 from utilities.dcp import (
-    async_save_checkpoint,
     check_checkpoint,
     from_torch_save,
-    fsdp1_state_dict,
     layout,
     load_checkpoint,
     load_fsdp1_local,
-    save_checkpoint,
+    prepare_save,
+    publish_save,
     to_torch_save,
 )
+from utilities.distributed import reduce_scalar
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
 from utilities.training import train
 from utilities.wrapping import shard_model
 
 
-def parse_args(argv=None):
-    p = lesson_parser(__doc__)
-    p.add_argument("--load-from", default=None, metavar="DIR",
-                   help="load this DCP checkpoint (written by any world size) instead of training")
-    p.add_argument("--skip-resume-check", action="store_true",
-                   help="default mode: skip the train k / save / resume k == 2k check")
-    args = p.parse(argv)
+# -- the code this lesson teaches -----------------------------------------------------------------
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int = 0,
+                   batches_consumed: int = 0) -> dict[str, Any]:
+    """What a resumable checkpoint holds: this rank's shards of the model and of the optimizer
+    state, the step, and the data position.
+
+    ``get_state_dict`` gives DTensors (FSDP2) or ShardedTensors (FSDP1) under the unwrapped model's
+    names, so either API loads what the other wrote. Step and position are tensors because
+    ``dcp.load`` fills the given dict in place.
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd,
+            "trainer": {"step": torch.tensor(step), "batches_consumed": torch.tensor(batches_consumed)}}
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+         batches_consumed: int) -> None:
+    """Every rank writes its own shards (``__R_0.distcp``), in parallel; ``.metadata`` comes last.
+
+    Written into ``.NAME.tmp`` and renamed to ``NAME`` once every rank is done (``utilities.dcp``'s
+    publish keeps the previous checkpoint until then), so a crash never leaves a half-written one.
+    """
+    tmp = prepare_save(Path(path))
+    dcp.save(training_state(model, optimizer, step, batches_consumed), checkpoint_id=str(tmp))
+    publish_save(tmp, Path(path))
+
+
+def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+               step: int, batches_consumed: int) -> Callable[[], None]:
+    """``dcp.async_save``: training waits only while the state is copied to CPU memory, then a
+    background thread writes the files. Call the returned ``finish()`` before the next save and
+    before exiting: it waits for the files, then publishes the directory."""
+    tmp = prepare_save(Path(path))
+    future = dcp.async_save(training_state(model, optimizer, step, batches_consumed),
+                            checkpoint_id=str(tmp))
+
+    def finish() -> None:
+        future.result()
+        publish_save(tmp, Path(path))
+
+    return finish
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """Load into an already sharded model and optimizer, on any number of ranks; returns (step,
+    batches consumed).
+
+    The target is built from *this* run's shards; ``dcp.load`` reads exactly the slices they cover,
+    from whichever files hold them, and ``set_state_dict`` puts them in place. For a checkpoint
+    from elsewhere use ``utilities.dcp.load_checkpoint``: PyTorch unpickles ``.metadata`` as is.
+    """
+    state = training_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["trainer"]["step"]), int(state["trainer"]["batches_consumed"])
+
+
+def fsdp1_state_dict(model: FSDP, kind: StateDictType) -> dict[str, Any]:
+    """FSDP1's own (deprecated) state dict types. ``LOCAL_STATE_DICT``: each rank's flat, padded
+    shard of each unit, loadable only by the same wrapping on the same world size.
+    ``SHARDED_STATE_DICT``: one ShardedTensor per parameter, which ``dcp.save`` can reshard."""
+    with warnings.catch_warnings():  # the deprecation notice, once per call, on every rank
+        warnings.filterwarnings("ignore", message=r"FSDP\.state_dict_type", category=FutureWarning)
+        with FSDP.state_dict_type(model, kind):
+            return model.state_dict()
+
+
+def save_fsdp1_local(directory: str | os.PathLike, model: FSDP) -> tuple[Path, int]:
+    """``LOCAL_STATE_DICT`` + ``torch.save``: every rank writes its flat shards to its own file,
+    named by its rank and the world size it is bound to; returns the file and its flat shards."""
+    path = Path(directory) / f"rank{dist.get_rank()}_of_{dist.get_world_size()}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    local = fsdp1_state_dict(model, StateDictType.LOCAL_STATE_DICT)
+    torch.save(local, path)
+    return path, sum(1 for key in local if key.endswith("flat_param"))
+
+
+def save_fsdp1_sharded(path: str | os.PathLike, model: FSDP) -> None:
+    """``SHARDED_STATE_DICT`` + ``dcp.save`` (model only): reshardable, like ``save``'s."""
+    dcp.save({"model": fsdp1_state_dict(model, StateDictType.SHARDED_STATE_DICT)},
+             checkpoint_id=str(path))
+
+
+# -- the experiment -------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--load-from", default=None, metavar="DIR",
+                        help="load this DCP checkpoint (written by any world size) instead of training")
+    parser.add_argument("--skip-resume-check", action="store_true",
+                        help="default mode: skip the train k / save / resume k == 2k check")
+    args = parser.parse(argv)
     if args.load_from is not None:
         try:
             check_checkpoint(args.load_from)  # before torchrun starts: a bad directory, one line
         except UsageError as e:
-            p.exit(2, f"error: {e}\n")
+            parser.exit(2, f"error: {e}\n")
     return args
 
 
-def eval_batch(L, n: int = 4) -> dict[str, torch.Tensor]:
-    """A fixed batch, the same on every rank and every world size, to compare outputs."""
-    ds = ReverseTask(n, L.seq_len, mode="seq2seq" if L.spec.is_seq2seq else "causal", seed=12345)
-    items = [ds[i] for i in range(n)]
-    return {k: torch.stack([it[k] for it in items]).to(L.device) for k in items[0]}
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
 
 
 @torch.no_grad()
-def outputs(model, L) -> torch.Tensor:
+def outputs(model: nn.Module, L: Lesson) -> torch.Tensor:
+    """Logits on a fixed batch, the same on every rank and every world size (forward is collective
+    under FSDP: every rank calls it)."""
+    ds = ReverseTask(4, L.seq_len, mode="seq2seq" if L.spec.is_seq2seq else "causal", seed=12345)
+    batch = {k: torch.stack([ds[i][k] for i in range(4)]).to(L.device) for k in ds[0]}
     model.eval()
-    logits = model(**eval_batch(L)).logits.float().cpu()
+    logits = model(**batch).logits.float().cpu()
     model.train()
     return logits
 
 
-def fsdp2_model(L, seed_offset: int = 0):
-    """The lesson's model sharded per block with FSDP2; ``seed_offset`` gives different weights."""
+def sharded(L: Lesson, api: str = "fsdp2", seed_offset: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The lesson's model sharded per block (wrapping is lesson 01's topic) and its AdamW;
+    ``seed_offset`` moves the weights, so a load that does nothing cannot pass."""
     model = L.build_model()
     if seed_offset:
         L.seed(seed_offset)
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.1)  # so a load that does nothing cannot pass
-    model = shard_model(model, api="fsdp2", block_class=L.spec.block_class(), device=L.device)
-    return L.materialize(model)
-
-
-def skip(data, n: int):
-    """Advance a data iterator past the ``n`` batches a checkpoint says were consumed."""
-    for _ in range(n):
-        next(data)
-    return data
+                p.add_(torch.randn_like(p) * 0.1)
+    model = L.materialize(shard_model(model, api=api, block_class=L.spec.block_class(), device=L.device))
+    return model, L.optimizer(model)
 
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def main(args) -> None:
+def main(args: argparse.Namespace) -> None:
     with Lesson("08", args) as L:
+        L.results.columns("save_s", "load_s", "checkpoint_bytes", "files", "reload_outputs_equal",
+                          "max_abs_loss_diff", "format")
         # each part's models are freed (and checked) before the next part starts
         if args.load_from:
             with L.variant("load"):
-                load_mode(L, Path(args.load_from))
-        else:
-            with L.variant("save-load"):
-                default_mode(L, args)
-            if not args.skip_resume_check:
-                with L.variant("resume"):
-                    resume_check(L, L.steps)
+                load_elsewhere(L, Path(args.load_from))
+            return
+        with L.variant("save-load"):
+            fsdp2_dcp(L)
+            convert(L)
+            fsdp1_formats(L)
+        if not args.skip_resume_check:
+            with L.variant("resume"):
+                resume_check(L, L.steps)
 
 
-def load_mode(L, src: Path) -> None:
-    model = fsdp2_model(L, seed_offset=7)
-    opt = L.optimizer(model)
+def fsdp2_dcp(L: Lesson) -> None:
+    """FSDP2: train k steps, save with DCP (plain and async), look at the files, reload."""
+    k = L.steps
+    model, opt = sharded(L)
+    stats = L.train(model, "fsdp2-dcp", optimizer=opt, measure_memory=False)
+    ckpt = L.out / "checkpoint"
+    _, save_s = timed(save, ckpt, model, opt, k, k)
+    per_rank = {f["file"]: f["bytes"] for f in layout(ckpt)}
+    saved_outputs = outputs(model, L)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if L.dist.is_main:  # for the tests: the outputs, and every tensor whole (lesson 03's way)
+        torch.save(saved_outputs, L.out / "outputs_saved.pt")
+        torch.save(full, L.out / "reference_full_model.pt")
+
+    t0 = time.perf_counter()
+    finish, blocked_s = timed(async_save, L.out / "checkpoint_async", model, opt, k, k)
+    finish()  # training would run here, overlapping the write
+    async_total_s = time.perf_counter() - t0
+
+    fresh, fresh_opt = sharded(L, seed_offset=3)
+    _, load_s = timed(load, ckpt, fresh, fresh_opt)
+    same = torch.equal(outputs(fresh, L), outputs(model, L))
+    L.results.add("fsdp2-dcp", stats, api="fsdp2", format="DCP (get_state_dict)",
+                  save_s=round(save_s, 4), load_s=round(load_s, 4),
+                  async_blocked_s=round(blocked_s, 4), async_total_s=round(async_total_s, 4),
+                  checkpoint_bytes=dir_bytes(ckpt), files=len(per_rank),
+                  reload_outputs_equal=same, layout=per_rank)
+    L.print(f"  DCP checkpoint {ckpt}: " + ", ".join(f"{n} {fmt_bytes(b)}" for n, b in per_rank.items()))
+    L.print(f"  save {save_s:.3f}s, load {load_s:.3f}s, async_save blocks {blocked_s:.3f}s (done "
+            f"after {async_total_s:.3f}s); reload outputs equal: {same}")
+    del model, opt, fresh, fresh_opt
+
+
+def convert(L: Lesson) -> None:
+    """One torch.save file and back, with PyTorch's format_utils (rank 0 only: no process group)."""
+    if L.dist.is_main:
+        single, to_s = timed(to_torch_save, L.out / "checkpoint", L.out / "converted.pt")
+        back, from_s = timed(from_torch_save, single, L.out / "converted_dcp")
+        L.results.add("convert", None, dcp_to_torch_save_s=round(to_s, 4),
+                      torch_save_to_dcp_s=round(from_s, 4), torch_save_bytes=single.stat().st_size,
+                      back_to_dcp_bytes=dir_bytes(back))
+    dist.barrier()
+
+
+def fsdp1_formats(L: Lesson) -> None:
+    """FSDP1: LOCAL_STATE_DICT (flat shards), SHARDED_STATE_DICT + dcp.save, get_state_dict + DCP."""
+    k, world = L.steps, L.dist.world_size
+    model, opt = sharded(L, api="fsdp1")
+    stats = L.train(model, "fsdp1", optimizer=opt, measure_memory=False)
+    local_dir, sharded_dir = L.out / "fsdp1_local", L.out / "fsdp1_sharded_dcp"
+    (rank_file, flat_params), local_s = timed(save_fsdp1_local, local_dir, model)
+    local_s = reduce_scalar(local_s, "max", L.device)  # done when the last rank's file is
+    _, sharded_s = timed(save_fsdp1_sharded, sharded_dir, model)
+    _, dcp_s = timed(save, L.out / "fsdp1_checkpoint", model, opt, k, k)
+    L.results.add("fsdp1-local", stats, api="fsdp1", format="LOCAL_STATE_DICT + torch.save",
+                  save_s=round(local_s, 4), checkpoint_bytes=dir_bytes(local_dir),
+                  rank0_file_bytes=rank_file.stat().st_size, flat_params=flat_params,
+                  files=len(list(local_dir.iterdir())), world_size_bound=world)
+    L.results.add("fsdp1-sharded-dcp", None, api="fsdp1",
+                  format="SHARDED_STATE_DICT + dcp.save (model only)", save_s=round(sharded_s, 4),
+                  checkpoint_bytes=dir_bytes(sharded_dir), files=len(layout(sharded_dir)))
+    L.results.add("fsdp1-dcp", None, api="fsdp1", format="DCP (get_state_dict)",
+                  save_s=round(dcp_s, 4), checkpoint_bytes=dir_bytes(L.out / "fsdp1_checkpoint"),
+                  files=len(layout(L.out / "fsdp1_checkpoint")))
+    L.print(f"  FSDP1 LOCAL_STATE_DICT: {flat_params} flat shard(s) per rank, "
+            f"{fmt_bytes(rank_file.stat().st_size)} on rank 0, save {local_s:.3f}s; "
+            f"SHARDED_STATE_DICT + DCP {sharded_s:.3f}s; get_state_dict + DCP {dcp_s:.3f}s")
+    L.results.note("checkpoint_bytes: the whole checkpoint directory, all ranks; fsdp1-local "
+                   "saves weights only (no optimizer), fsdp*-dcp save model + optimizer + step.")
+    L.results.note("LOCAL_STATE_DICT files are flat, padded shards: only FSDP1 with the same "
+                   f"wrapping on {world} rank(s) can load them. DCP checkpoints load on any "
+                   "world size (try --load-from).")
+    del model, opt
+
+
+def resume_check(L: Lesson, k: int) -> None:
+    """Train k, save, load into other weights and a fresh optimizer, train k more: the losses must
+    be those of 2k uninterrupted steps (the data position skips the batches already seen)."""
+    quiet = dict(measure_memory=False, progress=None)
+    model, opt = sharded(L)
+    whole = train(model, opt, L.data(), 2 * k, L.device, **quiet).losses
+    del model, opt
+
+    model, opt = sharded(L)
+    data = L.data()
+    first = train(model, opt, data, k, L.device, **quiet).losses
+    save(L.out / "resume_checkpoint", model, opt, k, k)
+    del model, opt, data  # as if the job had died here
+
+    model, opt = sharded(L, seed_offset=5)
+    step, consumed = load(L.out / "resume_checkpoint", model, opt)
+    data = L.data()
+    for _ in range(consumed):
+        next(data)
+    got = first + train(model, opt, data, k, L.device, **quiet).losses
+    diff = max(abs(a - b) for a, b in zip(whole, got))
+    L.results.add("resume-check", None, uninterrupted_losses=whole, resumed_losses=got,
+                  resumed_at_step=step, max_abs_loss_diff=diff)
+    if L.dist.is_main:
+        write_json(L.out / "resume_check.json", {"uninterrupted": whole, "resumed": got,
+                                                 "resumed_at_step": step, "max_abs_loss_diff": diff})
+    L.print(f"  resume check: {2 * k} uninterrupted vs {k} + save/load + {k}: max |loss diff| {diff:.2e}")
+
+
+def load_elsewhere(L: Lesson, src: Path) -> None:
+    """``--load-from``: a checkpoint from another run, maybe another world size. Loaded with
+    ``utilities.dcp.load_checkpoint``, which refuses a damaged or code-carrying directory in one
+    line, then re-saved from this world size."""
+    model, opt = sharded(L, seed_offset=7)
     resumed = load_checkpoint(src, model, opt)
     logits = outputs(model, L)
     resaved = L.out / "checkpoint"
-    save_s = save_checkpoint(resaved, model, opt, resumed.step, resumed.batches_consumed)
+    _, save_s = timed(save, resaved, model, opt, resumed.step, resumed.batches_consumed)
     if L.dist.is_main:
         torch.save(logits, L.out / "outputs_loaded.pt")
     L.results.add("dcp-load-resharded", None, loaded_from=str(src), world_size=L.dist.world_size,
@@ -138,15 +343,14 @@ def load_mode(L, src: Path) -> None:
             f"{resumed.step}, {resumed.batches_consumed} batches consumed; re-saved to {resaved}")
 
 
-def local_on_this_world(L, src: Path) -> str | None:
+def local_on_this_world(L: Lesson, src: Path) -> str | None:
     """The same run's FSDP1 LOCAL_STATE_DICT files, loaded here: on another number of ranks they
     fail (flat shards know their world size); DCP, above, reshards. Returns the error, if any."""
     files = sorted((src.parent / "fsdp1_local").glob("rank*_of_*.pt"))
     if not files:
         return None
     saved_world = int(files[0].stem.split("_of_")[1])
-    model = shard_model(L.build_model(), api="fsdp1", block_class=L.spec.block_class(), device=L.device)
-    model = L.materialize(model)
+    model, _ = sharded(L, api="fsdp1")
     path = files[0].parent / f"rank{min(L.dist.rank, saved_world - 1)}_of_{saved_world}.pt"
     try:
         load_fsdp1_local(model, path)
@@ -155,147 +359,6 @@ def local_on_this_world(L, src: Path) -> str | None:
         return str(e)
     L.print(f"  LOCAL_STATE_DICT saved on {saved_world} rank(s) loaded on {L.dist.world_size}")
     return None
-
-
-def default_mode(L, args) -> None:
-    k = L.steps
-    rank, world = L.dist.rank, L.dist.world_size
-
-    # 1. FSDP2: train k steps, save with DCP, look at the files
-    model = fsdp2_model(L)
-    opt = L.optimizer(model)
-    stats = L.train(model, "fsdp2-dcp", optimizer=opt, measure_memory=False)
-    ckpt = L.out / "checkpoint"
-    save_s = save_checkpoint(ckpt, model, opt, step=k, batches_consumed=k)
-    files = layout(ckpt)
-    per_rank = {f["file"]: f["bytes"] for f in files}
-    if L.dist.is_main:
-        torch.save(outputs(model, L), L.out / "outputs_saved.pt")
-    else:
-        outputs(model, L)  # forward is collective under FSDP
-    full = _full_model_state(model)
-    if L.dist.is_main:
-        torch.save(full, L.out / "reference_full_model.pt")
-
-    pending = async_save_checkpoint(L.out / "checkpoint_async", model, opt, step=k,
-                                    batches_consumed=k)
-    async_total = pending.wait()
-
-    fresh = fsdp2_model(L, seed_offset=3)
-    fresh_opt = L.optimizer(fresh)
-    resumed = load_checkpoint(ckpt, fresh, fresh_opt)
-    same = torch.equal(outputs(fresh, L), outputs(model, L))
-    L.results.add("fsdp2-dcp", stats, api="fsdp2", format="DCP (get_state_dict)",
-                  save_s=round(save_s, 4), load_s=round(resumed.seconds, 4),
-                  async_blocked_s=round(pending.blocked_s, 4), async_total_s=round(async_total, 4),
-                  checkpoint_bytes=dir_bytes(ckpt), files=len(files),
-                  reload_outputs_equal=same, layout=per_rank)
-    L.print(f"  DCP checkpoint {ckpt}: " + ", ".join(f"{n} {fmt_bytes(b)}" for n, b in per_rank.items()))
-    L.print(f"  save {save_s:.3f}s, load {resumed.seconds:.3f}s, async_save blocks "
-            f"{pending.blocked_s:.3f}s (done after {async_total:.3f}s); reload outputs equal: {same}")
-    del fresh, fresh_opt
-
-    # 2. one torch.save file and back, with PyTorch's format_utils (rank 0 only: no process group)
-    if L.dist.is_main:
-        t0 = time.perf_counter()
-        single = to_torch_save(ckpt, L.out / "converted.pt")
-        to_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        back = from_torch_save(single, L.out / "converted_dcp")
-        from_s = time.perf_counter() - t0
-        L.results.add("convert", None, dcp_to_torch_save_s=round(to_s, 4),
-                      torch_save_to_dcp_s=round(from_s, 4), torch_save_bytes=single.stat().st_size,
-                      back_to_dcp_bytes=dir_bytes(back))
-    _barrier()
-
-    # 3. FSDP1: LOCAL_STATE_DICT (flat shards), SHARDED_STATE_DICT + DCP, and get_state_dict + DCP
-    m1 = shard_model(L.build_model(), api="fsdp1", block_class=L.spec.block_class(), device=L.device)
-    m1 = L.materialize(m1)
-    opt1 = L.optimizer(m1)
-    stats1 = L.train(m1, "fsdp1", optimizer=opt1, measure_memory=False)
-    local_dir = L.out / "fsdp1_local"
-    if L.dist.is_main:
-        local_dir.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    t0 = time.perf_counter()
-    local = fsdp1_state_dict(m1, "local")
-    torch.save(local, local_dir / f"rank{rank}_of_{world}.pt")
-    _barrier()
-    local_s = time.perf_counter() - t0
-    local_keys = [k_ for k_ in local if k_.endswith("flat_param")]
-    local_bytes = (local_dir / f"rank{rank}_of_{world}.pt").stat().st_size
-
-    t0 = time.perf_counter()
-    sharded = fsdp1_state_dict(m1, "sharded")
-    import torch.distributed.checkpoint as dcp
-
-    sharded_dir = L.out / "fsdp1_sharded_dcp"
-    dcp.save({"model": sharded}, checkpoint_id=str(sharded_dir))
-    sharded_s = time.perf_counter() - t0
-    dcp1_s = save_checkpoint(L.out / "fsdp1_checkpoint", m1, opt1, step=k, batches_consumed=k)
-    L.results.add("fsdp1-local", stats1, api="fsdp1", format="LOCAL_STATE_DICT + torch.save",
-                  save_s=round(local_s, 4), checkpoint_bytes=dir_bytes(local_dir),
-                  rank0_file_bytes=local_bytes, flat_params=len(local_keys),
-                  files=len(list(local_dir.iterdir())), world_size_bound=world)
-    L.results.add("fsdp1-sharded-dcp", None, api="fsdp1",
-                  format="SHARDED_STATE_DICT + dcp.save (model only)", save_s=round(sharded_s, 4),
-                  checkpoint_bytes=dir_bytes(sharded_dir), files=len(layout(sharded_dir)))
-    L.results.add("fsdp1-dcp", None, api="fsdp1", format="DCP (get_state_dict)",
-                  save_s=round(dcp1_s, 4), checkpoint_bytes=dir_bytes(L.out / "fsdp1_checkpoint"),
-                  files=len(layout(L.out / "fsdp1_checkpoint")))
-    L.print(f"  FSDP1 LOCAL_STATE_DICT: {len(local_keys)} flat shard(s) per rank, "
-            f"{fmt_bytes(local_bytes)} on rank 0, save {local_s:.3f}s; SHARDED_STATE_DICT + DCP "
-            f"{sharded_s:.3f}s; get_state_dict + DCP {dcp1_s:.3f}s")
-    del m1, opt1, local, sharded
-
-    L.results.note("checkpoint_bytes: the whole checkpoint directory, all ranks; fsdp1-local "
-                   "saves weights only (no optimizer), fsdp*-dcp save model + optimizer + step.")
-    L.results.note("LOCAL_STATE_DICT files are flat, padded shards: only FSDP1 with the same "
-                   f"wrapping on {world} rank(s) can load them. DCP checkpoints load on any "
-                   "world size (try --load-from).")
-
-
-def resume_check(L, k: int) -> None:
-    quiet = dict(measure_memory=False, progress=None)
-    model = fsdp2_model(L)
-    whole = train(model, L.optimizer(model), L.data(), 2 * k, L.device, **quiet).losses
-    del model
-
-    model = fsdp2_model(L)
-    opt = L.optimizer(model)
-    data = L.data()
-    first = train(model, opt, data, k, L.device, **quiet).losses
-    ckpt = L.out / "resume_checkpoint"
-    save_checkpoint(ckpt, model, opt, step=k, batches_consumed=k)
-    del model, opt, data  # as if the job had died here
-
-    model = fsdp2_model(L, seed_offset=5)
-    opt = L.optimizer(model)
-    resumed = load_checkpoint(ckpt, model, opt)
-    data = skip(L.data(), resumed.batches_consumed)
-    second = train(model, opt, data, k, L.device, **quiet).losses
-    got = first + second
-    diff = max(abs(a - b) for a, b in zip(whole, got))
-    L.results.add("resume-check", None, uninterrupted_losses=whole, resumed_losses=got,
-                  resumed_at_step=resumed.step, max_abs_loss_diff=diff)
-    if L.dist.is_main:
-        write_json(L.out / "resume_check.json", {"uninterrupted": whole, "resumed": got,
-                                                 "resumed_at_step": resumed.step,
-                                                 "max_abs_loss_diff": diff})
-    L.print(f"  resume check: {2 * k} uninterrupted vs {k} + save/load + {k}: max |loss diff| "
-            f"{diff:.2e}")
-
-
-def _full_model_state(model) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from utilities import distributed as D
+from utilities.course.catalog import LESSONS
 from utilities.course.lesson import LessonParser, bounded, positive_float, positive_int
 from utilities.errors import UsageError
 from utilities.models import get_model_spec
@@ -114,9 +115,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
 
 def finalize(cfg: Config, on_gpu: bool) -> Config:
     """Fill the defaults that depend on the hardware and on --quick."""
-    cfg.model = cfg.model or ("llama-1b" if on_gpu and not cfg.quick else "llama-tiny")
+    run = LESSONS["10"].run  # model and batch: the catalog's, which the launcher plans with
+    cfg.model = cfg.model or run.model(on_gpu, cfg.quick)
     cfg.steps = cfg.steps or (30 if cfg.quick else 200)
-    cfg.batch_size = cfg.batch_size or (4 if on_gpu and not cfg.quick else 8)
+    cfg.batch_size = cfg.batch_size or run.batch(on_gpu, cfg.quick)
     cfg.seq_len = cfg.seq_len or (32 if cfg.quick else get_model_spec(cfg.model).default_seq_len)
     cfg.warmup_steps = max(1, cfg.steps // 10) if cfg.warmup_steps is None else cfg.warmup_steps
     cfg.eval_every = cfg.eval_every or max(1, cfg.steps // 3)

@@ -79,10 +79,11 @@ def show(*functions: Callable[..., Any]) -> None:
 def world1(device: str = "cpu") -> Iterator[Any]:
     """A process group of one rank in this kernel, so a cell can call ``fully_shard``, ``FSDP`` or
     ``dcp.save`` as a training script would (nothing is sharded or communicated at world size 1)."""
-    from utilities.distributed import setup, teardown
+    from utilities.distributed import quiet_torch_internal_warnings, setup, teardown
 
     saved = {k: os.environ.get(k) for k in _RENDEZVOUS}
     try:
+        quiet_torch_internal_warnings()  # the same narrow filters as a lesson run
         yield setup(device)
     finally:
         teardown()

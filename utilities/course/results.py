@@ -173,8 +173,8 @@ def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
 
 _SKIP = {"name", "step_time_s", "tokens_per_s", "mfu", "losses", "step_times_s",
          "peak_memory_bytes", "release"}
-_UNITS = (("_bytes_per_rank", ""), ("_bytes", ""), ("_parameters", ""), ("_params", ""), ("_s", " s"), ("_ratio", ""),
-          ("_x", ""))
+# unit suffixes dropped from a key to make its column label (the value shows the unit)
+_UNITS = ("_bytes_per_rank", "_bytes", "_parameters", "_params", "_s", "_ratio", "_x")
 
 
 def human(key: str, value: Any) -> str:
@@ -201,7 +201,7 @@ def human(key: str, value: Any) -> str:
 
 
 def _label(key: str) -> str:
-    for suffix, _ in _UNITS:
+    for suffix in _UNITS:
         if key.endswith(suffix) and len(key) > len(suffix):
             key = key[: -len(suffix)]
             break
