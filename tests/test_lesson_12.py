@@ -3,8 +3,12 @@ weights on each rank, and 2-D (FSDP across, TP inside) keeps both properties."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
-from conftest import cli, notebook_results, run_lesson, variant
+from conftest import REPO, cli, notebook_results, run_lesson, variant
+
+sys.path.insert(0, str(REPO / "lessons" / "12_tensor_parallel"))  # the lesson's own helpers
 
 TOL = 1e-5  # fp32; splitting a matmul only reorders its sums (measured: ~5e-7 on logits)
 LLAMA_TINY = 836_736
@@ -85,9 +89,9 @@ def test_tp_ranks_of_one_dp_group_see_the_same_batches():
     """The data loader shards over dp ranks only: both TP ranks of a group, which pass the same
     (dp_rank, dp_size), get identical batches; the two dp groups get disjoint examples."""
     import torch
+    from tp_helpers import data_parallel_loader
 
     from utilities.data import ReverseTask
-    from utilities.tensor_parallel import data_parallel_loader
 
     ds = ReverseTask(32, 12, mode="causal", seed=0)
 

@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 from conftest import REPO, cli, notebook_results, run_lesson, variant
 from torch import nn
 
-from utilities.fp8 import (
-    compile_blocks,
-    crossover_hidden,
-    float8_module_filter,
-    fp8_available,
-    fp8_linear_names,
-)
+from utilities.fp8 import float8_module_filter, fp8_available, fp8_linear_names
 from utilities.models import get_model_spec
 
 
@@ -41,7 +36,9 @@ def _load(path: str, name: str):
 
 
 GPU = _load("tests/gpu/test_fp8_smoke.py", "gpu_fp8_smoke")
+sys.path.insert(0, str(REPO / "lessons" / "13_fp8_compile"))  # the lesson's own helpers
 LESSON = _load("lessons/13_fp8_compile/fp8_compile.py", "lesson13_fp8_compile")
+crossover_hidden = _load("lessons/13_fp8_compile/fp8_helpers.py", "lesson13_fp8_helpers").crossover_hidden
 # The GPU sweep's flags with tiny values: 2 widths, 1 block, 4 steps (1 warm-up, 1 memory, 2 timed)
 TWIN_FLAGS = ("--hidden", "64,128", "--layers", "1", "--steps", "4", "--seq-len", "16",
               "--variants", "eager,compiled,fp8-compiled", "--compile-backend", "aot_eager")
@@ -116,7 +113,7 @@ def test_compile_blocks_keeps_parameter_names():
     spec = get_model_spec("llama-tiny")
     model = spec.build(device="meta")
     before = [n for n, _ in model.named_parameters()]
-    assert compile_blocks(model, spec.block_class()) == 4  # lazy: nothing compiles until called
+    assert LESSON.compile_blocks(model, spec.block_class()) == 4  # lazy: nothing compiles until called
     assert [n for n, _ in model.named_parameters()] == before  # no "_orig_mod." in checkpoints
 
 

@@ -1,18 +1,14 @@
-"""FP8 training (torchao Float8) and per-block ``torch.compile`` for FSDP2 models.
-
-The order matters and is always the same::
+"""FP8 training with torchao Float8 for FSDP2 models: what lesson 13 and benchmarks/layer.py share.
 
     ok, reason = fp8_available(device)           # torchao importable, GPU with capability >= 8.9
-    convert_for_fp8(model)                       # 1. swap nn.Linear -> Float8Linear (filtered)
-    shard_model(model, block_class=..., ...)     # 2. fully_shard each block, then the root
-    compile_blocks(model, block_class)           # 3. torch.compile each block in place
+    fp8_linear_names(model)                      # the Linear layers the filter would convert
+    convert_for_fp8(model, recipe="tensorwise")  # swap nn.Linear -> Float8Linear, before fully_shard
 
-1. *Convert first*: ``fully_shard`` replaces parameters with DTensors; torchao must see the plain
-   ``nn.Linear`` modules to swap them, and with ``enable_fsdp_float8_all_gather=True`` it wraps the
-   weights so FSDP2 all-gathers them already cast to float8 (half the bytes of bf16 on the wire).
-2. *Shard second*: FSDP2 then shards the (float8-aware) weights of each block.
-3. *Compile last*: without compile, Float8Linear's scaling (amax, scale, cast) runs as many small
-   eager kernels and is *slower* than bf16; inductor fuses them into the matmul's neighbours.
+Convert *before* ``fully_shard``: it replaces parameters with DTensors, and torchao must see the
+plain ``nn.Linear`` modules to swap them. With ``enable_fsdp_float8_all_gather=True`` it wraps the
+weights so FSDP2 all-gathers them already cast to float8 (half the bytes of bf16 on the wire).
+Lesson 13 (lessons/13_fp8_compile/fp8_compile.py) shows the whole order: convert, then
+``fully_shard``, then ``torch.compile`` per block.
 
 Nothing here imports torchao at module level: it is optional, and the filter is plain PyTorch so it
 can be tested (and its choices printed) without torchao installed.
@@ -21,9 +17,7 @@ can be tested (and its choices printed) without torchao installed.
 from __future__ import annotations
 
 import importlib.util
-import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch import nn
@@ -118,83 +112,3 @@ def convert_for_fp8(model: nn.Module, fsdp_float8_all_gather: bool | None = None
     config = float8_config(recipe, fsdp_float8_all_gather)
     convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
     return names
-
-
-def fp8_precompute_scales(model: nn.Module) -> None:
-    """With float8 all-gather, compute every weight's scale in one fused op after optimizer.step()
-    (torchao's ``precompute_float8_dynamic_scale_for_fsdp``; a no-op when unavailable)."""
-    try:
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-    except ImportError:
-        return
-    precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def compile_blocks(model: nn.Module, block_class: type[nn.Module], **compile_kwargs) -> int:
-    """``torch.compile`` each transformer block in place (``Module.compile``) and return how many.
-
-    Per block, as torchtitan does, rather than the whole model: every block has the same shapes, so
-    inductor compiles one graph and reuses it for all of them (compile time does not grow with
-    depth); FSDP2's all-gather / reduce-scatter hooks stay outside the graphs, at the block
-    boundaries where FSDP wants them; and parameter names do not change (no ``_orig_mod.``), so
-    checkpoints load into eager and compiled models alike.
-    """
-    compile_kwargs.setdefault("dynamic", False)
-    n = 0
-    for module in model.modules():
-        if isinstance(module, block_class):
-            module.compile(**compile_kwargs)
-            n += 1
-    return n
-
-
-class Stopwatch:
-    """``with Stopwatch() as t: ...; t.seconds`` (synchronizes CUDA so GPU work is counted)."""
-
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
-        self.seconds = 0.0
-
-    def __enter__(self) -> Stopwatch:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds = time.perf_counter() - self._t0
-
-
-def crossover_hidden(variants: list[dict[str, Any]], candidate: str, baseline: str) -> dict[str, Any]:
-    """Where ``candidate`` starts to pay over ``baseline`` (e.g. fp8-compiled over compiled).
-
-    ``variants`` are results.json variants with ``variant``, ``hidden`` and ``tokens_per_s``. For
-    every width measured with both, the ratio candidate / baseline tokens/s; the crossover is the
-    smallest width from which the candidate is faster at that width *and every wider one measured*
-    (a single lucky width below a slower one is not a crossover). Returns ``{"hidden": int | None,
-    "ratios": {width: ratio}, "why": str}``; ``hidden`` is None when the candidate never pays at
-    the widest width, or when no width has both."""
-    tps = {(v["variant"], v.get("hidden")): v.get("tokens_per_s") for v in variants}
-    ratios = {h: tps[(candidate, h)] / tps[(baseline, h)]
-              for (name, h) in tps if name == candidate and h is not None
-              and tps.get((candidate, h)) and tps.get((baseline, h))}
-    widths = sorted(ratios)
-    hidden = None
-    for h in reversed(widths):
-        if ratios[h] <= 1.0:
-            break
-        hidden = h
-    if not widths:
-        why = f"no width was measured with both {candidate} and {baseline}"
-    elif hidden is None:
-        why = (f"{candidate} was not faster than {baseline} at the widest width measured "
-               f"({widths[-1]}): the crossover, if any, is above it")
-    elif hidden == widths[0]:
-        why = (f"{candidate} was faster at every width measured: the crossover is at or below "
-               f"{hidden}")
-    else:
-        below = max(h for h in widths if h < hidden)
-        why = f"{candidate} is slower at {below} and faster from {hidden} on"
-    return {"hidden": hidden, "ratios": {h: round(r, 4) for h, r in sorted(ratios.items())}, "why": why}

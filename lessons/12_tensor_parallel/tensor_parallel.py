@@ -7,6 +7,8 @@ the output; split row-wise (input features) it takes a slice of the input and gi
 Column-wise then row-wise, as in an MLP or an attention block (heads = columns of q/k/v, rows of
 o), costs one all-reduce per pair, and each rank holds 1/tp of the pair's weights.
 
+Run: fsdp-course run 12 [--quick]   or   torchrun --nproc-per-node 2 tensor_parallel.py --device cpu
+
 This script measures, per variant: the weight bytes each rank holds (all, split, replicated), the
 peak memory of a training step, the largest difference from the unsplit model's outputs and
 gradients on the same batch (it must be ~0: TP changes where the numbers are computed, not what
@@ -21,40 +23,125 @@ they are), and the loss curve.
 
 A variant needing another number of ranks than the run has is skipped, with a note: tpN-mlp needs
 a multiple of N ranks, tpN-llama[-sp] (N > 1) exactly N, dpAxtpB-2d exactly A*B.
-
-Run: fsdp-course run 12 [--quick]   or   torchrun --nproc-per-node 2 tensor_parallel.py --device cpu
 """
 
 from __future__ import annotations
 
-import copy
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from tp_helpers import FeedForward, check_llama_tp, ratios_vs_tp1, run_llama, run_mlp
 
 from utilities import distributed as D
 from utilities.course.lesson import Lesson, lesson_parser, positive_int
-from utilities.data import ReverseTask, batches
 from utilities.errors import UsageError
-from utilities.measure import MemoryProbe, fmt_bytes
 from utilities.models import get_model_spec
-from utilities.tensor_parallel import (
-    FeedForward,
-    apply_mlp_tp,
-    apply_tp,
-    check_llama_tp,
-    data_parallel_loader,
-    max_abs_diffs,
-    split_parameter_names,
-    weight_bytes,
-)
-from utilities.training import TrainStats, sync, train
-from utilities.wrapping import shard_model
 
+
+# -- the code this lesson teaches ---------------------------------------------------------------
+def mlp_tp_plan() -> dict[str, ParallelStyle]:
+    """w1 and w3 column-wise, w2 row-wise: one all-reduce per forward (at w2's output)."""
+    return {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+
+
+def llama_tp_plan(sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The plan for one ``LlamaDecoderLayer``: attention heads and MLP columns split.
+
+    The default ``use_local_output=True`` hands plain local tensors to the block's own code, so
+    ``LlamaAttention`` sees only its local heads (transformers 5.x infers the head count from the
+    tensor: no attribute needs changing). With ``sequence_parallel`` the norms and the residual
+    stream are sharded along the sequence (dim 1): an all-gather before q/k/v and gate/up, a
+    reduce-scatter after o and down instead of an all-reduce.
+    """
+    if not sequence_parallel:
+        return {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+    # The residual stream stays a DTensor sharded on the sequence from block to block.
+    to_seq = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": to_seq,
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": to_seq,
+    }
+
+
+def llama_model_sp_plan() -> dict[str, ParallelStyle]:
+    """Sequence parallelism outside the blocks: the embedding (split over the vocabulary) hands out
+    sequence shards, the final norm works on them, the head gathers them back into whole logits.
+    The embedding's output stays a DTensor so the model's own code (positions, rotary embeddings,
+    masks) still sees the whole sequence length."""
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+    """Tensor-parallelize every decoder block of a Hugging Face Llama over ``tp_mesh``, in place.
+    Without ``sequence_parallel`` embeddings, norms and the LM head stay whole on every rank."""
+    check_llama_tp(model.config, tp_mesh.size(), sequence_parallel)
+    if sequence_parallel:
+        parallelize_module(model, tp_mesh, llama_model_sp_plan())
+    for block in model.model.layers:
+        parallelize_module(block, tp_mesh, llama_tp_plan(sequence_parallel))
+    return model
+
+
+def apply_mlp_tp(mlp: FeedForward, tp_mesh: DeviceMesh) -> FeedForward:
+    """Split a ``FeedForward`` in place over ``tp_mesh`` (a 1-D mesh); returns it."""
+    if mlp.w1.out_features % tp_mesh.size():
+        raise UsageError(f"MLP hidden size {mlp.w1.out_features} does not divide by tp={tp_mesh.size()}")
+    return parallelize_module(mlp, tp_mesh, mlp_tp_plan())
+
+
+def mesh_2d(device_type: str, dp: int, tp: int) -> DeviceMesh:
+    """dp groups of tp ranks: TP inside a group (neighbouring ranks: one node), FSDP across."""
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def apply_2d(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """TP first on mesh["tp"], then FSDP2 on mesh["dp"]: fully_shard shards the TP shards (2-D
+    DTensors). The other way round, TP would try to split FSDP's shards."""
+    apply_tp(model, mesh["tp"])
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+# -- the lesson's variants -----------------------------------------------------------------------
 # name: (kind, dp size or None for "whatever is left", tp size)
 VARIANTS = {
     "tp1-mlp": ("mlp", None, 1),
@@ -67,17 +154,26 @@ VARIANTS = {
     "dp2xtp2-2d": ("2d", 2, 2),
 }
 TOLERANCE = 1e-5  # fp32: splitting a matmul only reorders its sums
-PUBLISHED_GB = {1: 4.04, 2: 2.03, 4: 1.02, 8: 0.60}  # Lightning TP docs, FeedForward(8192, 8192)
+NOTES = (
+    f"max_abs_diff_vs_unsplit: largest |difference| of outputs and gradients from the unsplit model "
+    f"on the same batch (fp32; expected below {TOLERANCE:g}).",
+    "split weights: q/k/v/o and gate/up/down of every block (MLP: w1/w2/w3); embeddings, norms and "
+    "the LM head are replicated on every TP rank, except with -sp, where the embedding and the head "
+    "are split too (norms stay whole: they are tiny; their activations are what SP shards).",
+    "published (Lightning TP docs, FeedForward(8192, 8192), peak per GPU): 4.04 / 2.03 / 1.02 / "
+    "0.60 GB on 1 / 2 / 4 / 8 GPUs.",
+)
+CPU_NOTE = "CPU run: memory from torch.distributed._tools trackers; step times on gloo are only indicative."
 
 
 def parse_args(argv=None):
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
-    p.add_argument("--mlp-dim", type=positive_int, default=None,
-                   help="FeedForward model width (default 8192 on GPU as published, 1024 on CPU, "
-                        "512 with --quick)")
-    p.add_argument("--mlp-hidden", type=positive_int, default=None,
-                   help="FeedForward hidden width (default: equal to --mlp-dim, as published)")
+    mlp = p.add_argument_group("the standalone MLP (Lightning's TP example)")
+    mlp.add_argument("--mlp-dim", type=positive_int, help="FeedForward model width (default 8192 on "
+                     "GPU as published, 1024 on CPU, 512 with --quick)")
+    mlp.add_argument("--mlp-hidden", type=positive_int,
+                     help="FeedForward hidden width (default: equal to --mlp-dim, as published)")
     args = p.parse(argv)
     if args.model is not None and get_model_spec(args.model).family != "llama":
         p.exit(2, f"error: --model {args.model!r} is not allowed: this lesson splits Llama attention "
@@ -88,164 +184,58 @@ def parse_args(argv=None):
 
 
 def fits(kind: str, dp: int | None, tp: int, world: int) -> bool:
+    """tpN-mlp needs a multiple of N ranks, tp1-llama any number, the others exactly dp x tp."""
     if kind == "mlp":
         return world % tp == 0
     if tp == 1 and kind == "llama":
         return True
-    return dp * tp == world  # "llama-sp" and "2d": exactly dp x tp ranks
+    return dp * tp == world
 
 
-def run_mlp(L, name: str, tp: int, tp_mesh, dim: int, hidden: int) -> dict:
-    """Split the MLP, check it against the unsplit one, then time and measure training steps."""
-    L.seed()
-    ref = FeedForward(dim, hidden).to(L.device)
-    model = copy.deepcopy(ref)
-    if tp > 1:
-        apply_mlp_tp(model, tp_mesh)
-    split = split_parameter_names(model) if tp > 1 else {n for n, _ in model.named_parameters()}
-    g = torch.Generator().manual_seed(L.args.seed + 1)
-    xs = [torch.randn(L.batch_size, L.seq_len, dim, generator=g).to(L.device) for _ in range(L.steps)]
-
-    out_ref = ref(xs[0])
-    out_ref.square().mean().backward()
-    out = model(xs[0])
-    out.square().mean().backward()
-    diff_out = (out - out_ref).abs().max().item()
-    diffs = max_abs_diffs(ref, model)
-    del ref, out_ref, out
-    model.zero_grad(set_to_none=True)
-
-    opt = torch.optim.AdamW(model.parameters(), lr=L.lr, foreach=L.device.type == "cuda")
-    stats = TrainStats()
-    for step, x in enumerate(xs):  # step 0 warm-up, step 1 measured for memory, the rest timed
-        sync(L.device)
-        t0 = time.perf_counter()
-        if step == 1:
-            with MemoryProbe(model, opt, L.device) as probe:
-                loss = _mlp_step(model, opt, x)
-            stats.peak_memory_bytes = probe.peak
-        else:
-            loss = _mlp_step(model, opt, x)
-        sync(L.device)
-        if step > 1:
-            stats.step_times_s.append(time.perf_counter() - t0)
-            stats.tokens_per_step = x.shape[0] * x.shape[1]
-        stats.losses.append(loss)
-    wb = weight_bytes(model, split)
-    L.print(f"  {name}: weights per rank {fmt_bytes(wb['weight_bytes_per_rank'])}, peak "
-            f"{fmt_bytes(stats.peak_memory_bytes.get('total'))}, max |diff| output {diff_out:.2e} "
-            f"grads {diffs['grads']:.2e}")
-    return dict(stats=stats, **wb, max_abs_diff_output=diff_out, max_abs_diff_grads=diffs["grads"],
-                max_abs_diff_vs_unsplit=max(diff_out, diffs["grads"]))
-
-
-def _mlp_step(model, opt, x) -> float:
-    opt.zero_grad(set_to_none=True)
-    loss = model(x).square().mean()
-    loss.backward()
-    opt.step()
-    return loss.item()
-
-
-def llama_data(L, dp_rank: int, dp_size: int):
-    n = max(L.batch_size * dp_size * max(L.steps, 1), 64)
-    ds = ReverseTask(n, L.seq_len, mode="causal", seed=L.args.seed)
-    return batches(data_parallel_loader(ds, L.batch_size, dp_rank, dp_size, seed=L.args.seed), L.device)
-
-
-def run_llama(L, name: str, kind: str, dp: int, tp: int, mesh) -> dict:
-    """Split the Llama (and FSDP it for 2-D), check it against the unsplit model, then train it."""
-    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
-    ref = L.build_model()
-    model = copy.deepcopy(ref)
-    if tp > 1:
-        # TP first: FSDP then shards the TP shards over dp
-        apply_tp(model, mesh["tp"], sequence_parallel=kind == "llama-sp")
-    split = split_parameter_names(model) if tp > 1 else set()
+def parallelize(kind: str, tp: int, mesh: DeviceMesh | None):
+    """The variant's split as a function of the model (None: the unsplit baseline)."""
+    if tp == 1 and kind != "2d":
+        return None
+    if kind == "mlp":
+        return lambda model: apply_mlp_tp(model, mesh["tp"])
     if kind == "2d":
-        shard_model(model, block_class=L.spec.block_class(), mesh=mesh["dp"], device=L.device)
-
-    # The unsplit reference sees the whole global batch: every dp group's batch, concatenated.
-    firsts = [next(llama_data(L, r, dp)) for r in range(dp)]
-    glob = {k: torch.cat([b[k] for b in firsts]) for k in firsts[0]}
-    out_ref = ref(**glob)
-    out_ref.loss.backward()
-    out = model(**firsts[dp_rank])
-    out.loss.backward()
-    rows = slice(dp_rank * L.batch_size, (dp_rank + 1) * L.batch_size)
-    diff_out = (out.logits - out_ref.logits[rows]).abs().max().item()
-    diffs = max_abs_diffs(ref, model)
-    del ref, out_ref, out
-    model.zero_grad(set_to_none=True)
-
-    stats = train(model, L.optimizer(model), llama_data(L, dp_rank, dp), L.steps, L.device,
-                  progress=name, flops_per_token=L.spec.flops_per_token(L.seq_len))
-    stats.tokens_per_step = stats.tokens_per_step * dp // L.dist.world_size  # TP ranks share a batch
-    wb = weight_bytes(model, split)
-    L.print(f"  {name}: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f}, weights per rank "
-            f"{fmt_bytes(wb['weight_bytes_per_rank'])} "
-            f"(split {fmt_bytes(wb['split_weight_bytes_per_rank'])}), "
-            f"peak {fmt_bytes(stats.peak_memory_bytes.get('total'))}, max |diff| logits {diff_out:.2e} "
-            f"grads {diffs['grads']:.2e}")
-    return dict(stats=stats, **wb, max_abs_diff_output=diff_out, max_abs_diff_grads=diffs["grads"],
-                max_abs_diff_vs_unsplit=max(diff_out, diffs["grads"]))
+        return lambda model: apply_2d(model, mesh)
+    return lambda model: apply_tp(model, mesh["tp"], sequence_parallel=kind == "llama-sp")
 
 
 def main(args) -> None:
-    with Lesson("12", args, settings={"tolerance": TOLERANCE}) as L:
+    with Lesson("12", args, settings={"tolerance": TOLERANCE}, notes=NOTES, cpu_note=CPU_NOTE) as L:
         if L.spec.family != "llama":
             raise UsageError(f"--model {L.spec.name!r} is not allowed: this lesson splits Llama "
                              "attention heads; allowed: llama-tiny, llama-1b, llama-8b")
-        on_gpu = L.device.type == "cuda" and not args.quick
-        dim = args.mlp_dim or (8192 if on_gpu else 512 if args.quick else 1024)
-        hidden = args.mlp_hidden or dim
         world = L.dist.world_size
+        dim = args.mlp_dim or (8192 if L.device.type == "cuda" and not args.quick
+                               else 512 if args.quick else 1024)
+        hidden = args.mlp_hidden or dim
         L.results.data["settings"].update(mlp_dim=dim, mlp_hidden=hidden)
-        meshes: dict[int, object] = {}
-        skipped = []
-        mlp_base = None
-        for name in args.variants:
+        L.results.columns("tp_size", "dp_size", "max_abs_diff_vs_unsplit", "weight_bytes_per_rank",
+                          "peak_ratio_vs_tp1", "split_weight_bytes_per_rank")
+        skipped = [n for n in args.variants if not fits(*VARIANTS[n], world)]
+        meshes: dict[int, DeviceMesh] = {}  # one (world // tp, tp) mesh per tp size, made once
+        for name in (n for n in args.variants if n not in skipped):
+            kind, dp, tp = VARIANTS[name]
+            dp = dp or world // tp
+            if kind != "mlp" and tp > 1:
+                check_llama_tp(L.spec.config(), tp)
+            if (tp > 1 or kind == "2d") and tp not in meshes:
+                meshes[tp] = mesh_2d(L.device.type, world // tp, tp)
+            mesh = meshes.get(tp)
             with L.variant(name):  # everything the variant made is freed before the next one
-                kind, dp, tp = VARIANTS[name]
-                if not fits(kind, dp, tp, world):
-                    skipped.append(name)
-                    continue
-                if kind != "mlp" and tp > 1:
-                    check_llama_tp(L.spec.config(), tp)
-                mesh = None
-                if tp > 1 or kind == "2d":
-                    if tp not in meshes:
-                        meshes[tp] = D.mesh(L.device.type, (world // tp, tp), ("dp", "tp"))
-                    mesh = meshes[tp]
                 if kind == "mlp":
-                    r = run_mlp(L, name, tp, mesh["tp"] if mesh is not None else None, dim, hidden)
+                    stats, row = run_mlp(L, name, parallelize(kind, tp, mesh), dim, hidden)
                 else:
-                    r = run_llama(L, name, kind, dp if dp is not None else world // tp, tp, mesh)
-                stats = r.pop("stats")
-                extra = dict(kind=kind, tp_size=tp, dp_size=dp if dp is not None else world // tp, **r)
-                if kind == "mlp":
-                    if tp == 1:
-                        mlp_base = (r["weight_bytes_per_rank"], stats.peak_memory_bytes.get("total"))
-                    elif mlp_base is not None:
-                        extra["weight_ratio_vs_tp1"] = round(r["weight_bytes_per_rank"] / mlp_base[0], 4)
-                        extra["peak_ratio_vs_tp1"] = round(stats.peak_memory_bytes["total"] / mlp_base[1], 4)
-                        if tp in PUBLISHED_GB:
-                            extra["published_ratio_vs_tp1"] = round(PUBLISHED_GB[tp] / PUBLISHED_GB[1], 4)
-                L.results.add(name, stats, **extra)
-
+                    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+                    stats, row = run_llama(L, name, parallelize(kind, tp, mesh), dp, dp_rank)
+                L.results.add(name, stats, kind=kind, tp_size=tp, dp_size=dp, **row)
+                del stats
+        ratios_vs_tp1(L.results.data["variants"])
         if skipped:
             L.results.note(f"skipped (need another number of ranks than {world}): {', '.join(skipped)}")
-        L.results.note(f"max_abs_diff_vs_unsplit: largest |difference| of outputs and gradients from "
-                       f"the unsplit model on the same batch (fp32; expected below {TOLERANCE:g}).")
-        L.results.note("split weights: q/k/v/o and gate/up/down of every block (MLP: w1/w2/w3); "
-                       "embeddings, norms and the LM head are replicated on every TP rank, except "
-                       "with -sp, where the embedding and the head are split too (norms stay "
-                       "whole: they are tiny; their activations are what SP shards).")
-        L.results.note("published (Lightning TP docs, FeedForward(8192, 8192), peak per GPU): "
-                       "4.04 / 2.03 / 1.02 / 0.60 GB on 1 / 2 / 4 / 8 GPUs.")
-        if L.device.type == "cpu":
-            L.results.note("CPU run: memory from torch.distributed._tools trackers; step times on "
-                           "gloo are only indicative.")
 
 
 if __name__ == "__main__":

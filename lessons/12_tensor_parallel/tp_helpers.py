@@ -1,29 +1,33 @@
-"""Tensor parallelism (TP) and 2-D parallelism (FSDP across, TP inside) for the course's models.
+"""What lesson 12 measures around its tensor-parallel code (tensor_parallel.py holds the plans).
 
-A linear layer ``y = x @ W.T`` can be split two ways across the ``tp`` ranks of a mesh:
-
-* **column-wise** (``ColwiseParallel``): each rank holds a slice of W's *output* features and
-  computes a slice of ``y`` from the full ``x``. No communication in forward.
-* **row-wise** (``RowwiseParallel``): each rank holds a slice of W's *input* features, multiplies
-  its slice of ``x`` and gets a partial sum of ``y``; one all-reduce adds the partial sums.
-
-Put a column-wise layer first and a row-wise one second, and the first one's sliced output *is*
-the second one's sliced input: an MLP (or an attention block, whose heads are the columns of q, k,
-v and the rows of o) costs one all-reduce in forward and one in backward, whatever its size.
-
-``llama_tp_plan`` / ``apply_tp`` split the attention heads and the MLP of every Llama block;
-``FeedForward`` is the standalone MLP of Lightning's TP example, for the published memory figure.
+* ``FeedForward``: the standalone SwiGLU MLP of Lightning's TP example, for the published figure;
+* ``check_llama_tp``: refuse a tp size that does not divide the heads (one line, not a traceback);
+* ``split_parameter_names`` / ``weight_bytes``: what each rank holds, split and replicated;
+* ``max_abs_diffs``: a split model against its unsplit twin after the same forward and backward;
+* ``data_parallel_loader``: data sharded over the dp ranks only (a TP group shares one batch);
+* ``run_mlp`` / ``run_llama``: build the unsplit reference, split a copy with the lesson's code,
+  compare the two on one batch, then train the split one and record what it holds.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
+from utilities.data import ReverseTask, batches, make_loader
 from utilities.errors import UsageError
+from utilities.measure import MemoryProbe, fmt_bytes
+from utilities.training import TrainStats, sync, train
+
+PUBLISHED_GB = {1: 4.04, 2: 2.03, 4: 1.02, 8: 0.60}  # Lightning TP docs, FeedForward(8192, 8192)
 
 
 class FeedForward(nn.Module):
@@ -39,170 +43,56 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def mlp_tp_plan() -> dict[str, Any]:
-    """w1 and w3 column-wise, w2 row-wise: one all-reduce per forward (at w2's output)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
-
-
-def apply_mlp_tp(mlp: FeedForward, tp_mesh) -> FeedForward:
-    """Split a ``FeedForward`` in place over ``tp_mesh`` (a 1-D mesh); returns it."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    hidden = mlp.w1.out_features
-    if hidden % tp_mesh.size():
-        raise UsageError(f"MLP hidden size {hidden} does not divide by tp={tp_mesh.size()}")
-    return parallelize_module(mlp, tp_mesh, mlp_tp_plan())
-
-
-def llama_tp_plan(sequence_parallel: bool = False) -> dict[str, Any]:
-    """The plan for one ``LlamaDecoderLayer``: attention heads and MLP columns split.
-
-    ``use_local_output=True`` (the default) hands plain local tensors to the module's own code, so
-    ``LlamaAttention`` sees only its local heads. In transformers 5.x it reshapes with
-    ``view(*input_shape, -1, head_dim)``, so the number of heads is inferred from the local tensor,
-    and ``num_key_value_groups`` (query heads per kv head) is the same ratio locally as globally:
-    no attribute needs changing. (Older versions reshaped with ``self.num_heads``; there you would
-    divide ``num_heads`` and ``num_key_value_heads`` by tp yourself.)
-
-    Without ``sequence_parallel`` the norms and the residual stream are replicated: every TP rank
-    holds the whole ``(batch, seq, hidden)`` activations between the split layers. With it
-    (``SequenceParallel``), they are sharded along the sequence: the norms run on each rank's
-    slice of the tokens, an all-gather brings the whole sequence back before q/k/v and gate/up, and
-    o and down end in a reduce-scatter instead of an all-reduce (the same bytes moved, less memory
-    held). Use it with ``llama_model_sp_plan`` on the model's embeddings, final norm and head.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    if not sequence_parallel:
-        return {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
-        }
-    # The residual stream stays a DTensor sharded on the sequence (dim 1) from block to block.
-    to_seq = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-    return {
-        "input_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": to_seq,
-        "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": to_seq,
-    }
-
-
-def llama_model_sp_plan() -> dict[str, Any]:
-    """Sequence parallelism outside the blocks: the embedding (split over the vocabulary) hands
-    out sequence shards, the final norm works on them, the head gathers them back and returns the
-    whole logits on every rank. The output stays a DTensor (not a local slice) so that the model's
-    own code (positions, rotary embeddings, masks) still sees the whole sequence length."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
-    return {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                              use_local_output=False),
-        "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    }
-
-
-def check_llama_tp(config, tp: int) -> None:
-    """Refuse a tp size that does not divide the heads, kv heads and MLP width."""
-    for what, n in (("attention heads", config.num_attention_heads),
-                    ("key/value heads", config.num_key_value_heads),
-                    ("intermediate size", config.intermediate_size)):
+def check_llama_tp(config, tp: int, sequence_parallel: bool = False) -> None:
+    """Refuse a tp size that does not divide the heads, kv heads and MLP width (and, with sequence
+    parallelism, the vocabulary, which then splits the embedding and the head)."""
+    sizes = [("attention heads", config.num_attention_heads),
+             ("key/value heads", config.num_key_value_heads),
+             ("intermediate size", config.intermediate_size)]
+    if sequence_parallel:
+        sizes.append(("vocabulary", config.vocab_size))
+    for what, n in sizes:
         if n % tp:
             raise UsageError(f"tp={tp} does not divide the model's {what} ({n}); allowed: a tp "
                              f"size that divides {n}")
 
 
-def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
-    """Tensor-parallelize every decoder block of a Hugging Face Llama over ``tp_mesh``, in place.
-
-    Without ``sequence_parallel``, embeddings, norms and the LM head stay replicated (every rank
-    holds them whole, and the activations between blocks too). With it, the norms and the
-    activations between the split layers are sharded along the sequence, the embedding over the
-    vocabulary and the head over its outputs (see ``llama_tp_plan``).
-    """
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    check_llama_tp(model.config, tp_mesh.size())
-    if sequence_parallel:
-        vocab = model.config.vocab_size
-        if vocab % tp_mesh.size():
-            raise UsageError(f"tp={tp_mesh.size()} does not divide the vocabulary ({vocab}); "
-                             "sequence parallelism splits the embedding and the head over it")
-        parallelize_module(model, tp_mesh, llama_model_sp_plan())
-    for block in model.model.layers:
-        parallelize_module(block, tp_mesh, llama_tp_plan(sequence_parallel))
-    return model
-
-
-def split_parameter_names(model: nn.Module) -> set[str]:
-    """Names of the parameters that TP split (they are DTensors sharded on some mesh dim)."""
-    from torch.distributed.tensor import DTensor, Shard
-
+def split_parameter_names(model: nn.Module, tp_dim: str = "tp") -> set[str]:
+    """Names of the parameters that TP split: DTensors sharded along the mesh dimension named
+    ``tp_dim`` (FSDP's shards along "dp" do not count: in 2-D every parameter has those)."""
     names = set()
     for name, p in model.named_parameters():
-        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
-            names.add(name)
+        if isinstance(p, DTensor):
+            dims = p.device_mesh.mesh_dim_names or ()
+            if any(isinstance(pl, Shard) and d == tp_dim for d, pl in zip(dims, p.placements)):
+                names.add(name)
     return names
 
 
-def local_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank holds for ``t`` (a DTensor holds only its local shard)."""
-    local = getattr(t, "_local_tensor", t)
-    return local.numel() * local.element_size()
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def weight_bytes(model: nn.Module, names: set[str] | None = None) -> dict[str, int]:
     """Per-rank parameter bytes: all of them, the ``names`` subset (the split ones) and the rest."""
     total = split = 0
     for name, p in model.named_parameters():
-        n = local_bytes(p)
+        local = _local(p)
+        n = local.numel() * local.element_size()
         total += n
-        if names is not None and _strip(name) in names:
+        if names is not None and name in names:
             split += n
     return {"weight_bytes_per_rank": total, "split_weight_bytes_per_rank": split,
             "replicated_weight_bytes_per_rank": total - split}
 
 
-def _strip(name: str) -> str:
-    # FSDP1 / checkpoint wrappers prefix names; FSDP2 does not, but be lenient.
-    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (gathers a DTensor; a plain tensor is returned as is)."""
-    from torch.distributed.tensor import DTensor
-
+def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def max_abs_diffs(ref: nn.Module, par: nn.Module) -> dict[str, float]:
     """Largest |difference| of parameters and of gradients between a model and its split copy
     (same parameter names), after both ran the same forward and backward."""
-    import logging
-
     ref_params = dict(ref.named_parameters())
     dp = dg = 0.0
     # Gathering a 2-D (FSDP x TP) DTensor logs that it takes two all-gathers: true, and harmless here.
@@ -211,10 +101,10 @@ def max_abs_diffs(ref: nn.Module, par: nn.Module) -> dict[str, float]:
     log.setLevel(logging.ERROR)
     try:
         for name, p in par.named_parameters():
-            r = ref_params[_strip(name)]
-            dp = max(dp, (full(p.detach()) - r.detach()).abs().max().item())
+            r = ref_params[name]
+            dp = max(dp, (_full(p.detach()) - r.detach()).abs().max().item())
             if r.grad is not None or p.grad is not None:
-                dg = max(dg, (full(p.grad) - r.grad).abs().max().item())
+                dg = max(dg, (_full(p.grad) - r.grad).abs().max().item())
     finally:
         log.setLevel(level)
     return {"params": dp, "grads": dg}
@@ -227,6 +117,123 @@ def data_parallel_loader(dataset, batch_size: int, dp_rank: int, dp_size: int, s
     the sampler's rank is the dp rank (``mesh["dp"].get_local_rank()``) and its number of replicas
     the dp size, never the global rank and world size.
     """
-    from utilities.data import make_loader
-
     return make_loader(dataset, batch_size, dp_rank, dp_size, seed=seed)
+
+
+def _summary(model: nn.Module, split: set[str], diff_out: float, diff_grads: float) -> dict[str, Any]:
+    return dict(**weight_bytes(model, split), max_abs_diff_output=diff_out,
+                max_abs_diff_grads=diff_grads, max_abs_diff_vs_unsplit=max(diff_out, diff_grads))
+
+
+def run_mlp(L, name: str, parallelize: Callable[[nn.Module], nn.Module] | None, dim: int,
+            hidden: int) -> tuple[TrainStats, dict[str, Any]]:
+    """Split a FeedForward with ``parallelize`` (None: keep it whole), check it against the unsplit
+    one on the first input, then time and measure training steps on it (step 0 warm-up, step 1
+    measured for memory, the rest timed). Its loss is a plain square mean of the output: the
+    reversal task's batches do not fit an MLP of random inputs."""
+    L.seed()
+    ref = FeedForward(dim, hidden).to(L.device)
+    model = copy.deepcopy(ref)
+    if parallelize is not None:
+        parallelize(model)
+    split = split_parameter_names(model) if parallelize else {n for n, _ in model.named_parameters()}
+    g = torch.Generator().manual_seed(L.args.seed + 1)
+    xs = [torch.randn(L.batch_size, L.seq_len, dim, generator=g).to(L.device) for _ in range(L.steps)]
+
+    out_ref = ref(xs[0])
+    out_ref.square().mean().backward()
+    out = model(xs[0])
+    out.square().mean().backward()
+    diff_out = (out - out_ref).abs().max().item()
+    diffs = max_abs_diffs(ref, model)
+    del ref, out_ref, out
+    model.zero_grad(set_to_none=True)
+
+    opt = L.optimizer(model)
+    stats = TrainStats()
+    for step, x in enumerate(xs):
+        sync(L.device)
+        t0 = time.perf_counter()
+        if step == 1:
+            with MemoryProbe(model, opt, L.device) as probe:
+                loss = _mlp_step(model, opt, x)
+            stats.peak_memory_bytes = probe.peak
+        else:
+            loss = _mlp_step(model, opt, x)
+        sync(L.device)
+        if step > 1:
+            stats.step_times_s.append(time.perf_counter() - t0)
+            stats.tokens_per_step = x.shape[0] * x.shape[1]
+        stats.losses.append(loss)
+    row = _summary(model, split, diff_out, diffs["grads"])
+    L.print(f"  {name}: weights per rank {fmt_bytes(row['weight_bytes_per_rank'])}, peak "
+            f"{fmt_bytes(stats.peak_memory_bytes.get('total'))}, max |diff| output {diff_out:.2e} "
+            f"grads {diffs['grads']:.2e}")
+    return stats, row
+
+
+def _mlp_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
+    opt.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _llama_data(L, dp_rank: int, dp_size: int):
+    n = max(L.batch_size * dp_size * max(L.steps, 1), 64)
+    ds = ReverseTask(n, L.seq_len, mode="causal", seed=L.args.seed)
+    return batches(data_parallel_loader(ds, L.batch_size, dp_rank, dp_size, seed=L.args.seed), L.device)
+
+
+def run_llama(L, name: str, parallelize: Callable[[nn.Module], nn.Module] | None, dp: int,
+              dp_rank: int) -> tuple[TrainStats, dict[str, Any]]:
+    """Split a copy of the lesson's Llama with ``parallelize`` (None: keep it whole), check it
+    against the unsplit model on the same global batch, then train it on this dp group's data."""
+    ref = L.build_model()
+    model = copy.deepcopy(ref)
+    if parallelize is not None:
+        parallelize(model)
+    split = split_parameter_names(model)
+
+    # The unsplit reference sees the whole global batch: every dp group's batch, concatenated.
+    firsts = [next(_llama_data(L, r, dp)) for r in range(dp)]
+    glob = {k: torch.cat([b[k] for b in firsts]) for k in firsts[0]}
+    out_ref = ref(**glob)
+    out_ref.loss.backward()
+    out = model(**firsts[dp_rank])
+    out.loss.backward()
+    rows = slice(dp_rank * L.batch_size, (dp_rank + 1) * L.batch_size)
+    diff_out = (out.logits - out_ref.logits[rows]).abs().max().item()
+    diffs = max_abs_diffs(ref, model)
+    del ref, out_ref, out
+    model.zero_grad(set_to_none=True)
+
+    stats = train(model, L.optimizer(model), _llama_data(L, dp_rank, dp), L.steps, L.device,
+                  progress=name, flops_per_token=L.spec.flops_per_token(L.seq_len))
+    stats.tokens_per_step = stats.tokens_per_step * dp // L.dist.world_size  # TP ranks share a batch
+    row = _summary(model, split, diff_out, diffs["grads"])
+    L.print(f"  {name}: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f}, weights per rank "
+            f"{fmt_bytes(row['weight_bytes_per_rank'])} "
+            f"(split {fmt_bytes(row['split_weight_bytes_per_rank'])}), "
+            f"peak {fmt_bytes(stats.peak_memory_bytes.get('total'))}, max |diff| logits {diff_out:.2e} "
+            f"grads {diffs['grads']:.2e}")
+    return stats, row
+
+
+def ratios_vs_tp1(variants: list[dict[str, Any]]) -> None:
+    """Each split MLP's weights and peak as a ratio to the unsplit one's, beside the published
+    ratio at the same tp (Lightning's figure), added to the results' variants in place."""
+    mlps = [v for v in variants if v["kind"] == "mlp"]
+    base = next((v for v in mlps if v["tp_size"] == 1), None)
+    if base is None:
+        return
+    for v in mlps:
+        tp = v["tp_size"]
+        if tp == 1:
+            continue
+        v["weight_ratio_vs_tp1"] = round(v["weight_bytes_per_rank"] / base["weight_bytes_per_rank"], 4)
+        v["peak_ratio_vs_tp1"] = round(v["peak_memory_bytes"]["total"] /
+                                       base["peak_memory_bytes"]["total"], 4)
+        if tp in PUBLISHED_GB:
+            v["published_ratio_vs_tp1"] = round(PUBLISHED_GB[tp] / PUBLISHED_GB[1], 4)

@@ -41,26 +41,79 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 import torch
+from fp8_helpers import compare, first_step_seconds, flops_per_token, report_crossovers, width_spec
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from utilities.course.lesson import Lesson, lesson_parser
-from utilities.fp8 import (
-    Stopwatch,
-    compile_blocks,
-    convert_for_fp8,
-    crossover_hidden,
-    float8_module_filter,
-    fp8_available,
-    fp8_linear_names,
-    fp8_precompute_scales,
-)
-from utilities.models import ModelSpec, _llama
-from utilities.precision import fsdp2_policy
-from utilities.wrapping import shard_model
+from utilities.fp8 import float8_module_filter, fp8_available, fp8_linear_names
+from utilities.models import ModelSpec
+from utilities.precision import default_policy, fsdp2_policy
 
+
+# -- the code this lesson teaches: convert -> shard -> compile, in that order ---------------------
+def convert_to_fp8(model: nn.Module) -> list[str]:
+    """1. Swap the filtered nn.Linear layers for torchao's Float8Linear, *before* fully_shard (it
+    must see plain Linears, not DTensor parameters). Tensorwise scaling with float8 all-gather:
+    FSDP2 casts each shard to float8 before gathering it, half the bytes of bf16. Needs torchao
+    (optional) and an sm_89+ GPU."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    keep = float8_module_filter()  # dims multiples of 16; never lm_head or embeddings
+    names = fp8_linear_names(model, keep)
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=keep)
+    return names
+
+
+def shard(model: nn.Module, block_class: type[nn.Module], mp_policy: MixedPrecisionPolicy) -> None:
+    """2. FSDP2: each transformer block one unit, the root takes what is left."""
+    for module in list(model.modules()):
+        if isinstance(module, block_class):
+            fully_shard(module, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+
+
+def compile_blocks(model: nn.Module, block_class: type[nn.Module], backend: str = "inductor") -> int:
+    """3. torch.compile each block in place, last, over the finished modules (torchtitan's way).
+    Identical blocks share one compiled graph (compile time does not grow with depth); FSDP2's
+    all-gather and reduce-scatter hooks stay at the block boundaries, outside the graphs; and
+    Module.compile keeps parameter names (no "_orig_mod."), so checkpoints load either way."""
+    blocks = [m for m in model.modules() if isinstance(m, block_class)]
+    for block in blocks:
+        block.compile(backend=backend, dynamic=False)
+    return len(blocks)
+
+
+def parallelize(model: nn.Module, variant: str, block_class: type[nn.Module],
+                mp_policy: MixedPrecisionPolicy, backend: str) -> dict[str, int]:
+    """The three steps for one variant; returns what was converted and compiled."""
+    done = {}
+    if variant == "fp8-compiled":
+        done["fp8_linears"] = len(convert_to_fp8(model))
+    shard(model, block_class, mp_policy)
+    if variant != "eager":
+        done["compiled_blocks"] = compile_blocks(model, block_class, backend)
+    return done
+
+
+def precompute_fp8_scales(model: nn.Module) -> None:
+    """After optimizer.step(): every float8 weight's scale in one fused amax, not one per layer
+    (an optimization only: a torchao without it computes each scale at its all-gather)."""
+    try:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    except ImportError:
+        return
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+# -- the lesson's variants -----------------------------------------------------------------------
 VARIANTS = ("eager", "compiled", "fp8-compiled")
 GPU_WIDTHS = (1024, 2048, 4096)  # FP8 lost at 1024 on an H100; the sweep finds where it starts to pay
 GPU_LAYERS = 4             # enough blocks to see per-block compile reuse, small enough for 1 GPU
 GPU_SEQ_LEN = 2048
+COMPILE_NOTE = ("compile_s: first step of the compiled variant minus eager's first step; all timed "
+                "steps come after it (tokens/s excludes compilation).")
 
 
 def hidden_list(text: str) -> list[int]:
@@ -102,135 +155,70 @@ def parse_args(argv=None):
     return args
 
 
-def width_spec(hidden: int, layers: int, seq_len: int) -> ModelSpec:
-    """A Llama of the given width: head dim 128 (64 below 1024), 4x fewer KV heads, FFN ~3.5x."""
-    head_dim = 128 if hidden >= 1024 else 64
-    heads = hidden // head_dim
-    kv = max(1, heads // 4)
-    inter = 16 * round(3.5 * hidden / 16)  # a multiple of 16, as FP8 GEMMs need
-    return ModelSpec(f"llama-h{hidden}", "llama", _llama(hidden, inter, layers, heads, kv),
-                     "LlamaDecoderLayer", seq_len)
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def flops_per_token(spec: ModelSpec, params: int, seq_len: int) -> float:
-    cfg = spec.config()
-    return 6.0 * params + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
-
-
 def main(args) -> None:
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     widths = args.hidden or (list(GPU_WIDTHS) if on_gpu and not args.quick else None)
     if widths and on_gpu and args.seq_len is None:
         args.seq_len = GPU_SEQ_LEN
-    if args.precision == "auto":  # bf16 on CPU too: the part of the lesson a laptop can run
-        from utilities.precision import default_policy
-
-        precision = default_policy()[0] if on_gpu else "bf16"
-    else:
-        precision = args.precision
+    # bf16 on CPU too: the part of the lesson a laptop can run
+    precision = args.precision if args.precision != "auto" else default_policy()[0] if on_gpu else "bf16"
     fp8_ok, fp8_reason = fp8_available("cuda" if on_gpu else "cpu")
+    shows = ("inductor's fused CPU kernels" if args.compile_backend == "inductor" else
+             f"the {args.compile_backend} backend (graph capture, no generated kernels)")
+    cpu_note = (f"CPU run in {precision}: compiled vs eager shows {shows}, not the GPU picture; FP8 "
+                "needs a Hopper/Ada GPU (sm_89+).")
 
-    with Lesson("13", args,
-                settings=dict(precision=precision, widths=widths,
-                              compile_backend=args.compile_backend)) as L:
+    with Lesson("13", args, settings=dict(precision=precision, widths=widths,
+                                          compile_backend=args.compile_backend),
+                notes=(COMPILE_NOTE,), cpu_note=cpu_note) as L:
+        L.results.columns("first_step_s", "compile_s", "speedup_vs_eager", "speedup_vs_compiled",
+                          "compiled_blocks", "fp8_linears")
         block = L.spec.block_class()
         specs = [width_spec(h, args.layers or GPU_LAYERS, L.seq_len) for h in widths] if widths \
             else [L.spec]
-        def variant_label(name: str, spec: ModelSpec) -> str:  # with --hidden: compiled-h1024, ...
-            return f"{name}-h{spec.config().hidden_size}" if widths else name
-
-        if "fp8-compiled" in args.variants and not fp8_ok:
+        names = [n for n in args.variants if n != "fp8-compiled" or fp8_ok]
+        if len(names) < len(args.variants):
+            label = lambda spec: f"fp8-compiled-h{spec.config().hidden_size}" if widths else "fp8-compiled"
             L.print(f"  fp8-compiled skipped: {fp8_reason}")
             L.results.note(f"fp8-compiled skipped: {fp8_reason}")
-            L.results.data["skipped"] = {variant_label("fp8-compiled", spec): fp8_reason for spec in specs}
+            L.results.data["skipped"] = {label(spec): fp8_reason for spec in specs}
         warm = L.data(seed_offset=1000)  # the compile step uses its own batch, not the timed data
-
         for spec in specs:
-            for name in args.variants:
-                if name == "fp8-compiled" and not fp8_ok:
-                    continue
-                variant_name = variant_label(name, spec)
-                with L.variant(variant_name):  # freed before the next variant
-                    L.seed()
-                    model = spec.build(device=L.device)
-                    params = count_parameters(model)
-                    extra = dict(variant=name, precision=precision, hidden=spec.config().hidden_size,
-                                 parameters=params)
-                    # 1. convert (before sharding: torchao must see plain nn.Linear modules)
-                    if name == "fp8-compiled":
-                        extra["fp8_linears"] = len(convert_for_fp8(model))
-                    else:
-                        extra["fp8_linears_if_converted"] = len(fp8_linear_names(
-                            model, float8_module_filter()))
-                    # 2. shard: each block, then the root
-                    model = shard_model(model, block_class=block, device=L.device,
-                                        mp_policy=fsdp2_policy(precision))
-                    # 3. compile each block in place
-                    if name != "eager":
-                        extra["compiled_blocks"] = compile_blocks(model, block,
-                                                                  backend=args.compile_backend)
-                    optimizer = L.optimizer(model)
-                    if name == "fp8-compiled":  # one fused amax for all float8 weights after each step
-                        optimizer.register_step_post_hook(lambda *_, m=model: fp8_precompute_scales(m))
+            for name in names:
+                run_variant(L, spec, name, block, precision, warm, widths is not None)
+        compare(L.results.data["variants"])
+        if widths and L.results.data["variants"]:  # the widest model names the run
+            L.results.data["model"] = {"name": max(specs, key=lambda s: s.config().hidden_size).name,
+                                       "parameters": max(v["parameters"] for v in L.results.data["variants"])}
+        if widths:  # where FP8 (and compile) start to pay, from the sweep's rows
+            report_crossovers(L, args.variants, None if fp8_ok else fp8_reason)
 
-                    torch._dynamo.reset()  # so compile cost is measured from scratch for each variant
-                    with Stopwatch(L.device) as first:
-                        model(**next(warm)).loss.backward()
-                    model.zero_grad(set_to_none=True)
-                    extra["first_step_s"] = round(first.seconds, 3)
-                    L.print(f"  {variant_name}: first forward+backward (compile included) "
-                            f"{first.seconds:.2f}s")
 
-                    stats = L.train(model, variant_name, optimizer=optimizer,
-                                    flops_per_token=flops_per_token(spec, params, L.seq_len))
-                    L.results.add(variant_name, stats, **extra)
-                    del model, optimizer
-                    torch._dynamo.reset()  # compiled code of this variant goes too
-
-        # Compile time = the compiled variant's first step minus the eager one's (same shapes).
-        by_name = {v["name"]: v for v in L.results.data["variants"]}
-        for v in L.results.data["variants"]:
-            suffix = v["name"][len(v["variant"]):]
-            eager = by_name.get("eager" + suffix)
-            if v["variant"] != "eager" and eager is not None:
-                v["compile_s"] = round(v["first_step_s"] - eager["first_step_s"], 3)
-                v["speedup_vs_eager"] = round(v["tokens_per_s"] / eager["tokens_per_s"], 3)
-            compiled = by_name.get("compiled" + suffix)
-            if v["variant"] == "fp8-compiled" and compiled is not None:
-                v["speedup_vs_compiled"] = round(v["tokens_per_s"] / compiled["tokens_per_s"], 3)
-
-        if widths:
-            widest = max(specs, key=lambda s: s.config().hidden_size)
-            L.results.data["model"] = {"name": widest.name, "parameters": max(
-                v["parameters"] for v in L.results.data["variants"])} if L.results.data["variants"] \
-                else L.results.data["model"]
-        L.results.note("compile_s: first step of the compiled variant minus eager's first step; "
-                       "all timed steps come after it (tokens/s excludes compilation).")
-        # Where FP8 starts to pay (and compile, on the bf16 rows): the lesson's measured crossover.
-        measured = L.results.data["variants"]
-        for key, candidate, baseline in (("fp8", "fp8-compiled", "compiled"),
-                                         ("compile", "compiled", "eager")):
-            if not widths or candidate not in args.variants or baseline not in args.variants:
-                continue
-            if candidate == "fp8-compiled" and not fp8_ok:
-                found = {"hidden": None, "ratios": {}, "why": f"fp8-compiled skipped: {fp8_reason}"}
-            else:
-                found = crossover_hidden(measured, candidate, baseline)
-            L.results.data[f"{key}_crossover_hidden"] = found["hidden"]
-            L.results.data[f"{key}_crossover"] = found
-            ratios = "".join(f", h{h}: {r:.2f}x" for h, r in found["ratios"].items())
-            L.print(f"  {key} crossover (tokens/s {candidate} / {baseline}{ratios}): "
-                    f"{found['hidden'] if found['hidden'] is not None else 'none'} ({found['why']})")
-            L.results.note(f"{key}_crossover_hidden = {found['hidden']}: {found['why']}")
-        if L.device.type == "cpu":
-            shows = ("inductor's fused CPU kernels" if args.compile_backend == "inductor" else
-                     f"the {args.compile_backend} backend (graph capture, no generated kernels)")
-            L.results.note(f"CPU run in {precision}: compiled vs eager shows {shows}, not the GPU "
-                           "picture; FP8 needs a Hopper/Ada GPU (sm_89+).")
+def run_variant(L, spec: ModelSpec, name: str, block: type[nn.Module], precision: str, warm,
+                by_width: bool) -> None:
+    """Build one variant (convert -> shard -> compile), time its compile step, train it, record it;
+    its model and its compiled code are gone before the next one."""
+    label = f"{name}-h{spec.config().hidden_size}" if by_width else name  # compiled-h1024, ...
+    with L.variant(label):
+        L.seed()
+        model = spec.build(device=L.device)
+        params = sum(p.numel() for p in model.parameters())
+        extra = dict(variant=name, precision=precision, hidden=spec.config().hidden_size,
+                     parameters=params)
+        if name != "fp8-compiled":
+            extra["fp8_linears_if_converted"] = len(fp8_linear_names(model, float8_module_filter()))
+        extra.update(parallelize(model, name, block, fsdp2_policy(precision), L.args.compile_backend))
+        optimizer = L.optimizer(model)
+        if name == "fp8-compiled":
+            optimizer.register_step_post_hook(lambda *_, m=model: precompute_fp8_scales(m))
+        torch._dynamo.reset()  # so compile cost is measured from scratch for each variant
+        extra["first_step_s"] = round(first_step_seconds(model, next(warm), L.device), 3)
+        L.print(f"  {label}: first forward+backward (compile included) {extra['first_step_s']:.2f}s")
+        stats = L.train(model, label, optimizer=optimizer,
+                        flops_per_token=flops_per_token(spec, params, L.seq_len))
+        L.results.add(label, stats, **extra)
+        del model, optimizer, stats
+        torch._dynamo.reset()  # compiled code of this variant goes too
 
 
 if __name__ == "__main__":

@@ -25,23 +25,63 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
-from utilities.course.lesson import CPU_MODEL, Lesson, lesson_parser
+from utilities.course.catalog import LESSONS
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.measure import fmt_bytes
 from utilities.measure.planner import largest_batch, parse_memory, plan
 from utilities.models import get_model_spec
 from utilities.precision import fsdp2_policy
 
+CATS = ("total", "parameters", "gradients", "optimizer", "activations")
+
+
+# -- the code this lesson teaches ----------------------------------------------------------------
+def predict(model: str, gpus: int, strategy: str, precision: str, ac: str, batch: int, seq: int,
+            device_type: str) -> dict:
+    """The plan: one real training step of ``model`` in this process, playing rank 0 of ``gpus``
+    (fake process group) on fake tensors (no storage), under FSDPMemTracker. It must run before
+    the lesson joins its real process group: plan() makes its own fake one."""
+    p = plan(model, gpus=gpus, gpu_memory_bytes=parse_memory("80GB"), strategy=strategy,
+             precision=precision, ac=ac, batch=batch, seq=seq, device_type=device_type)
+    return p.as_dict()  # peak_bytes per category, detail, budget_bytes, fits, overflowing, ...
+
+
+def shard(model: nn.Module, block_class: type[nn.Module], strategy: str, precision: str,
+          ac: str) -> nn.Module:
+    """The same configuration for real, as plan() builds it: activation checkpointing first, then
+    fully_shard each block (its checkpoint wrapper, if any) and the root."""
+    if ac != "none":
+        apply_activation_checkpointing(model, block_class, every=1 if ac == "full" else 2)
+    opts = dict(reshard_after_forward=strategy == "full_shard", mp_policy=fsdp2_policy(precision))
+    for unit in block_units(model, block_class):
+        fully_shard(unit, **opts)
+    fully_shard(model, **opts)
+    return model
+
+
+def compare(predicted: dict[str, int], measured: dict[str, int]) -> dict[str, float | None]:
+    """prediction_ratio per category: predicted / measured at the peak (1.0: exact)."""
+    return {c: predicted[c] / measured[c] if measured[c] else None for c in CATS}
+
+
+# -- the lesson's configurations -----------------------------------------------------------------
 VARIANTS = {
     # name: (strategy, precision, activation checkpointing)
     "full_shard-fp32": ("full_shard", "fp32", "none"),
     "shard_grad_op-fp32": ("shard_grad_op", "fp32", "none"),
     "full_shard-bf16-ac": ("full_shard", "bf16", "full"),
 }
-CATS = ("total", "parameters", "gradients", "optimizer", "activations")
-GPU_MODEL, BATCH, GPU_BATCH = "llama-1b", 4, 2
-BIG = dict(gpus=8, gpu_memory="80GB", strategy="full_shard", precision="bf16", ac="full", seq=8192)
+BIG = dict(gpus=8, gpu_memory_bytes=parse_memory("80GB"), strategy="full_shard", precision="bf16",
+           ac="full", seq=8192)
+NOTE = ("predicted_peak_bytes: utilities.measure.planner.plan() (FSDPMemTracker on fake tensors with "
+        "a fake process group, one process); measured: the same tracker on the real run's tensors. "
+        "prediction_ratio = predicted/measured.")
+CPU_NOTE = ("CPU run: the prediction is checked against the tracker on real CPU tensors, not against "
+            "torch.cuda.max_memory_allocated (no GPU here).")
 
 
 def parse_args(argv=None):
@@ -50,96 +90,75 @@ def parse_args(argv=None):
     return p.parse(argv)
 
 
-def _jobs(args) -> list[tuple[str, dict]]:
-    """Every plan the lesson makes, as (key, plan() keywords); computed before any process group
-    exists (plan() creates its own fake one), shared out over the ranks."""
+def plan_jobs(args) -> list[tuple[str, dict]]:
+    """Every plan the lesson makes, as (key, keywords): the lesson's configurations at the run's
+    model, ranks, batch and sequence (the catalog's defaults unless flags say otherwise), then a few
+    real-size ones (llama-8b on 8 x 80 GB; more without --quick)."""
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    name = args.model or (GPU_MODEL if on_gpu and not args.quick else CPU_MODEL)
-    spec = get_model_spec(name)
+    run = LESSONS["14"].run
+    name = args.model or run.model(on_gpu, args.quick)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    batch = args.batch_size or (GPU_BATCH if on_gpu and not args.quick else BATCH)
-    seq = args.seq_len or spec.default_seq_len
-    jobs = [(v, dict(model=name, gpus=world, gpu_memory_bytes=parse_memory("80GB"), strategy=s,
-                     precision=p, ac=ac, batch=batch, seq=seq, device_type="cuda" if on_gpu else "cpu"))
+    batch = args.batch_size or run.batch(on_gpu, args.quick)
+    seq = args.seq_len or get_model_spec(name).default_seq_len
+    jobs = [(v, dict(model=name, gpus=world, strategy=s, precision=p, ac=ac, batch=batch, seq=seq,
+                     device_type="cuda" if on_gpu else "cpu"))
             for v, (s, p, ac) in VARIANTS.items() if v in args.variants]
-    big = dict(BIG, gpu_memory_bytes=parse_memory(BIG["gpu_memory"]))
-    big.pop("gpu_memory")
-    jobs.append(("llama-8b-8x80GB-batch2", dict(big, model="llama-8b", batch=2)))
+    jobs.append(("llama-8b-8x80GB-batch2", dict(BIG, model="llama-8b", batch=2)))
     if not args.quick:
-        jobs.append(("llama-1b-8x80GB-batch8", dict(big, model="llama-1b", batch=8)))
-        jobs.append(("llama-8b-8x80GB-largest-batch", dict(big, model="llama-8b", batch=None)))
+        jobs.append(("llama-1b-8x80GB-batch8", dict(BIG, model="llama-1b", batch=8)))
+        jobs.append(("llama-8b-8x80GB-largest-batch", dict(BIG, model="llama-8b", batch=None)))
     return jobs
 
 
-def _run_job(key: str, kw: dict) -> dict:
-    if kw["batch"] is None:
-        kw = dict(kw)
-        kw.pop("batch")
-        best, p = largest_batch(**kw)
-        return dict(p.as_dict(), largest_batch=best)
-    return plan(**kw).as_dict()
-
-
-def predict(args) -> dict[str, dict]:
-    """This rank's share of the plans (the biggest ones on the last rank), keyed by name."""
+def my_plans(args) -> dict[str, dict]:
+    """This rank's share of the plans: rank 0 the small ones it will also train, the last rank the
+    big ones (a planned llama-8b step takes half a minute of CPU)."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    jobs = _jobs(args)
-    small = [j for j in jobs if j[0] in VARIANTS]
-    big = [j for j in jobs if j[0] not in VARIANTS]
-    mine = small if rank == 0 else []  # rank 0 plans the small models it will also train...
-    mine += [j for i, j in enumerate(big) if i % world == world - 1 - rank]  # ...the last, the big
-    return {key: _run_job(key, kw) for key, kw in mine}
+    plans = {}
+    for i, (key, kw) in enumerate(j for j in plan_jobs(args) if j[0] not in VARIANTS):
+        if i % world != world - 1 - rank:
+            continue
+        if kw["batch"] is None:  # the largest batch that fits, and its plan
+            kw = {k: v for k, v in kw.items() if k != "batch"}
+            best, p = largest_batch(**kw)
+            plans[key] = dict(p.as_dict(), largest_batch=best)
+        else:
+            plans[key] = plan(**kw).as_dict()
+    if rank == 0:
+        plans.update((key, predict(**kw)) for key, kw in plan_jobs(args) if key in VARIANTS)
+    return plans
 
 
 def main(args) -> None:
-    mine = predict(args)  # before the Lesson joins the real process group
-    with Lesson("14", args) as L:
-        plans: dict[str, dict] = {}
+    mine = my_plans(args)  # before the Lesson joins the real process group
+    with Lesson("14", args, notes=(NOTE,), cpu_note=CPU_NOTE) as L:
+        plans = dict(mine)
         if dist.is_initialized() and L.dist.world_size > 1:
             gathered: list = [None] * L.dist.world_size
             dist.all_gather_object(gathered, mine)
             for part in gathered:
                 plans.update(part)
-        else:
-            plans = mine
+        L.results.columns("predicted_over_measured_ratio", "predicted_peak_total_bytes")
         block = L.spec.block_class()
-        for name in args.variants:
-            with L.variant(name):  # everything the variant made is freed before the next one
-                strategy, precision, ac = VARIANTS[name]
-                model = L.build_model()
-                if ac != "none":
-                    apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
-                opts = dict(reshard_after_forward=strategy == "full_shard",
-                            mp_policy=fsdp2_policy(precision))
-                from torch.distributed.fsdp import fully_shard
 
-                for unit in block_units(model, block):
-                    fully_shard(unit, **opts)
-                fully_shard(model, **opts)
-                model = L.materialize(model)
-                stats = L.train(model, name)
-                measured = stats.peak_memory_bytes
-                predicted = plans[name]["peak_bytes"]
-                ratio = {c: (predicted[c] / measured[c] if measured[c] else None) for c in CATS}
-                L.results.add(name, stats, strategy=strategy, precision=precision, ac=ac,
-                              predicted_peak_bytes=predicted, predicted_detail=plans[name]["detail"],
-                              prediction_ratio=ratio)
-                L.print(f"    predicted {fmt_bytes(predicted['total'])}, measured "
-                        f"{fmt_bytes(measured['total'])}: ratio {ratio['total']:.3f}")
-                del model, unit  # the last block (``unit``) reaches the whole model
+        def describe(name: str, model: nn.Module, stats) -> dict:
+            strategy, precision, ac = VARIANTS[name]
+            predicted = plans[name]["peak_bytes"]
+            ratio = compare(predicted, stats.peak_memory_bytes)
+            L.print(f"    predicted {fmt_bytes(predicted['total'])}, measured "
+                    f"{fmt_bytes(stats.peak_memory_bytes['total'])}: ratio {ratio['total']:.3f}")
+            return dict(strategy=strategy, precision=precision, ac=ac, predicted_peak_bytes=predicted,
+                        predicted_detail=plans[name]["detail"], prediction_ratio=ratio,
+                        predicted_peak_total_bytes=predicted["total"],
+                        predicted_over_measured_ratio=ratio["total"])
 
-        big = {k: v for k, v in plans.items() if k not in VARIANTS}
-        L.results.data["plans"] = big
+        L.run_variants(args.variants, lambda name: shard(L.build_model(), block, *VARIANTS[name]),
+                       describe=describe)
+        L.results.data["plans"] = big = {k: v for k, v in plans.items() if k not in VARIANTS}
         for key, p in big.items():
             extra = f", largest batch {p['largest_batch']}" if "largest_batch" in p else ""
             L.print(f"  plan {key}: peak {fmt_bytes(p['peak_bytes']['total'])} per rank of "
                     f"{fmt_bytes(p['budget_bytes'])} budget, fits={p['fits']}{extra}")
-        L.results.note("predicted_peak_bytes: utilities.measure.planner.plan() (FSDPMemTracker on fake "
-                       "tensors with a fake process group, one process); measured: the same "
-                       "tracker on the real run's tensors. prediction_ratio = predicted/measured.")
-        if L.device.type == "cpu":
-            L.results.note("CPU run: the prediction is checked against the tracker on real CPU "
-                           "tensors, not against torch.cuda.max_memory_allocated (no GPU here).")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 from utilities.course.catalog import REPO_ROOT, LessonInfo
 
 
-def record(info: LessonInfo, cast_path: Path, run_args: list[str], width: int = 160,
+def record(info: LessonInfo, cast_path: Path, run_args: list[str], width: int = 120,
            height: int = 40) -> int:
     """Run the lesson through the CLI and write its output as an asciinema v2 recording."""
     shown = "fsdp-course run " + " ".join([info.number, *run_args])
