@@ -322,7 +322,8 @@ def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
     if "-h" in flags or "--help" in flags:
         return subprocess.call([sys.executable, str(info.script_path), *flags])
     check_output_dir(out)
-    _validate_lesson_flags(info, cmd[cmd.index(str(info.script_path)) + 1:])
+    if flags:  # the flags the launcher adds itself (--device, --out, --quick, --model) are checked
+        _validate_lesson_flags(info, cmd[cmd.index(str(info.script_path)) + 1:])
     backend = _lesson_settings(flags).backend
     plan = decide_launch(info, device, nproc, backend=backend if backend in BACKENDS else "auto")
     if plan.shared:
