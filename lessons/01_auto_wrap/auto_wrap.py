@@ -9,73 +9,134 @@ This script trains the same model, on the same data, wrapped five ways, and meas
 number of FSDP units, the largest unit, the peak of unsharded parameters, the peak memory by
 category and the step time.
 
-    FSDP2: fully_shard(model)                           one unit
-    FSDP2: fully_shard(block) for each block, then root  one unit per block
-    FSDP1: FullyShardedDataParallel(model)               one unit
-    FSDP1: transformer_auto_wrap_policy(block class)     one unit per block
-    FSDP1: size_based_auto_wrap_policy(min params)       the naive alternative
+    fsdp2-one-unit     wrap_fsdp2(model)                               fully_shard(model) only
+    fsdp2-per-block    wrap_fsdp2(model, is_block)                     fully_shard(block)..., root
+    fsdp1-one-unit     wrap_fsdp1(model, None)                         FullyShardedDataParallel(model)
+    fsdp1-per-block    wrap_fsdp1(model, block_policy(Block))          transformer_auto_wrap_policy
+    fsdp1-size-based   wrap_fsdp1(model, size_policy(--min-params))    size_based_auto_wrap_policy
 
 Run: fsdp-course run 01 [--quick]   or   torchrun --nproc-per-node 2 auto_wrap.py --device cpu
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities.course.lesson import Lesson, lesson_parser, positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
-from utilities.wrapping import fsdp_units, shard_model, unit_parameter_counts
-
-VARIANTS = {
-    # name: (api, policy)
-    "fsdp2-one-unit": ("fsdp2", "whole"),
-    "fsdp2-per-block": ("fsdp2", "block"),
-    "fsdp1-one-unit": ("fsdp1", "whole"),
-    "fsdp1-per-block": ("fsdp1", "block"),
-    "fsdp1-size-based": ("fsdp1", "size"),
-}
+from utilities.models import ModelSpec
+from utilities.training import TrainStats
+from utilities.wrapping import fsdp_units, unit_parameter_counts
 
 
-def parse_args(argv=None):
+# -- FSDP2: you pick the units, one fully_shard call per unit --------------------------------------
+def wrap_fsdp2(model: nn.Module, is_unit: Callable[[nn.Module], bool] | None = None) -> nn.Module:
+    """Each ``fully_shard`` call makes one unit: the parameters it gathers at once. The modules
+    ``is_unit`` picks get theirs, inner ones first (a unit takes the parameters no unit inside it
+    has taken); the root's call takes what is left (embeddings, final norms, the head).
+    ``is_unit=None``: one unit for the whole model."""
+    if is_unit is not None:
+        for module in reversed(list(model.modules())):  # reversed: inner modules before outer ones
+            if module is not model and is_unit(module):
+                fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+# -- FSDP1: one wrapper call; an auto-wrap policy picks the units ---------------------------------
+def block_policy(block_class: type[nn.Module]) -> Callable[..., bool]:
+    """Every instance of the transformer block class becomes a unit: what you want."""
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_class})
+
+
+def size_policy(min_params: int) -> Callable[..., bool]:
+    """Any subtree holding ``min_params`` parameters not yet in a unit becomes one: the naive
+    alternative, which knows nothing of blocks and cuts across them."""
+    return functools.partial(size_based_auto_wrap_policy, min_num_params=min_params)
+
+
+def wrap_fsdp1(model: nn.Module, policy: Callable[..., bool] | None, device: torch.device) -> FSDP:
+    """``policy=None``: one unit for the whole model. ``device_id`` is this rank's GPU, or the CPU
+    (without it FSDP1 looks for an accelerator). A model built on the meta device (too big for one
+    host) gets memory and its weights unit by unit, just before FSDP1 shards that unit."""
+    def materialize(module: nn.Module) -> None:
+        module.to_empty(device=device, recurse=False)
+        model._init_weights(module)  # the Hugging Face model's own initialization
+
+    on_meta = any(p.is_meta for p in model.parameters())
+    return FSDP(model, auto_wrap_policy=policy, device_id=device,
+                param_init_fn=materialize if on_meta else None)
+
+
+# -- the comparison ---------------------------------------------------------------------------------
+def variants(block_class: type[nn.Module], min_params: int,
+             device: torch.device) -> dict[str, Callable[[nn.Module], nn.Module]]:
+    """Each variant's wrapping: the calls above, with the model's block class."""
+    def is_block(module: nn.Module) -> bool:
+        return isinstance(module, block_class)
+
+    fsdp1 = functools.partial(wrap_fsdp1, device=device)
+    return {
+        "fsdp2-one-unit": wrap_fsdp2,
+        "fsdp2-per-block": functools.partial(wrap_fsdp2, is_unit=is_block),
+        "fsdp1-one-unit": functools.partial(fsdp1, policy=None),
+        "fsdp1-per-block": functools.partial(fsdp1, policy=block_policy(block_class)),
+        "fsdp1-size-based": functools.partial(fsdp1, policy=size_policy(min_params)),
+    }
+
+
+VARIANTS = tuple(variants(nn.Module, 1, torch.device("cpu")))  # the names, for --variants
+POLICIES = {"one-unit": "whole", "per-block": "block", "size-based": "size"}  # results.json "policy"
+NOTES = ("peak_unsharded_parameter_bytes: all-gathered parameters alive at the memory peak; one "
+         "unit means the whole model is gathered at once.",)
+CPU_NOTE = ("CPU run: memory from torch.distributed._tools trackers; step times on CPU include no "
+            "communication overlap and are only indicative.")
+
+
+def parameters_per_block(spec: ModelSpec) -> int:
+    model = spec.build("meta")  # the structure only, no memory
+    block = next(m for m in model.modules() if isinstance(m, spec.block_class()))
+    return sum(p.numel() for p in block.parameters())
+
+
+def main(args: argparse.Namespace) -> None:
+    with Lesson("01", args, needs_ranks="how wrapping bounds the unsharded parameters at the peak",
+                notes=NOTES, cpu_note=CPU_NOTE) as L:
+        L.results.columns("fsdp_units", "largest_unit_parameters", "peak_unsharded_parameter_bytes")
+        block, per_block = L.spec.block_class(), parameters_per_block(L.spec)
+        L.print(f"block class: {block.__name__} ({per_block:,} parameters per block)")
+        wrappings = variants(block, args.min_params or per_block // 2, L.device)
+
+        def describe(name: str, model: nn.Module, stats: TrainStats) -> dict:
+            units = unit_parameter_counts(model)
+            unsharded = unsharded_parameter_bytes(stats.peak_memory_bytes)
+            L.print(f"    {len(units)} units, largest {max(units):,} params, unsharded params at "
+                    f"peak {fmt_bytes(unsharded)}")
+            api, kind = name.split("-", 1)
+            return dict(api=api, policy=POLICIES[kind], fsdp_units=len(fsdp_units(model)),
+                        largest_unit_parameters=max(units), peak_unsharded_parameter_bytes=unsharded)
+
+        L.run_variants(args.variants, lambda name: wrappings[name](L.build_model()), describe=describe)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
     p.add_argument("--min-params", type=positive_int, default=None,
                    help="size-based policy threshold in parameters (default: half a block)")
     return p.parse(argv)
-
-
-def main(args) -> None:
-    with Lesson("01", args,
-                needs_ranks="how wrapping bounds the unsharded parameters at the peak") as L:
-        block = L.spec.block_class()
-        block_params = sum(p.numel() for p in next(m for m in L.spec.build("meta").modules()
-                                                   if isinstance(m, block)).parameters())
-        min_params = args.min_params or block_params // 2
-        L.print(f"block class: {block.__name__} ({block_params:,} parameters per block)")
-
-        for name in args.variants:
-            with L.variant(name):  # everything the variant made is freed before the next one
-                api, policy = VARIANTS[name]
-                model = shard_model(L.build_model(), api=api, block_class=block, policy=policy,
-                                    device=L.device, min_num_params=min_params)
-                model = L.materialize(model)
-                units = unit_parameter_counts(model)
-                stats = L.train(model, name)
-                unsharded = unsharded_parameter_bytes(stats.peak_memory_bytes)
-                L.results.add(name, stats, api=api, policy=policy, fsdp_units=len(fsdp_units(model)),
-                              largest_unit_parameters=max(units), peak_unsharded_parameter_bytes=unsharded)
-                L.print(f"    {len(units)} units, largest {max(units):,} params, unsharded params at "
-                        f"peak {fmt_bytes(unsharded)}")
-                del model
-
-        L.results.note("peak_unsharded_parameter_bytes: all-gathered parameters alive at the "
-                       "memory peak; one unit means the whole model is gathered at once.")
-        if L.device.type == "cpu":
-            L.results.note("CPU run: memory from torch.distributed._tools trackers; step times on "
-                           "CPU include no communication overlap and are only indicative.")
 
 
 if __name__ == "__main__":

@@ -28,93 +28,115 @@ Run: fsdp-course run 02 [--quick]   or   torchrun --nproc-per-node 2 activation_
 
 from __future__ import annotations
 
+import argparse
+import functools
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
-
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.distributed.fsdp import fully_shard
 
-from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
+
 from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.batch_search import all_ranks_agree, find_max_batch, training_trial
+from utilities.training import TrainStats
 from utilities.wrapping import shard_model
 
-VARIANTS = {
-    # name: (api, which blocks: "none" | "every" | "all")
-    "fsdp2-none": ("fsdp2", "none"),
-    "fsdp2-selective": ("fsdp2", "every"),
-    "fsdp2-all": ("fsdp2", "all"),
-    "fsdp1-none": ("fsdp1", "none"),
-    "fsdp1-selective": ("fsdp1", "every"),
-    "fsdp1-all": ("fsdp1", "all"),
-}
+# NO_REENTRANT is torch.utils.checkpoint(use_reentrant=False): the reentrant form needs inputs that
+# require grad, takes no keyword arguments and is deprecated.
+NO_REENTRANT = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def parse_args(argv=None):
-    p = lesson_parser(__doc__)
-    p.add_variants(VARIANTS)
-    p.add_argument("--every", type=positive_int, default=2,
-                   help="selective variant: checkpoint every N-th block (1 = all; default 2)")
-    p.add_argument("--search", choices=("on", "off"), default="on",
-                   help="after the variants, find the largest batch per rank that fits with FSDP2 "
-                        "and no / all blocks checkpointed (default on)")
-    p.add_argument("--search-limit", type=positive_int, default=None,
-                   help="largest batch the search tries (default 256 on GPU, 64 on CPU)")
-    p.add_argument("--budget-mib", type=positive_float, default=None,
-                   help="memory per rank a batch must fit in, in MiB (default: on GPU none, the "
-                        "search stops at cudaMalloc retries or OOM; on CPU 1.25 x the peak of "
-                        "fsdp2-none at --batch-size)")
-    return p.parse(argv)
+def every_nth_block(model: nn.Module, block_class: type[nn.Module], every: int) -> set[nn.Module]:
+    """Selective checkpointing: the 1st, (1 + every)-th, ... block in module order (every=1: all)."""
+    return set([m for m in model.modules() if isinstance(m, block_class)][::every])
 
 
+def fsdp2_checkpointed(model: nn.Module, block_class: type[nn.Module], every: int | None) -> nn.Module:
+    """FSDP2: checkpoint *before* sharding. Each chosen block is replaced, in its parent, by a
+    CheckpointWrapper around it; then fully_shard goes on each block's outermost module (the
+    wrapper where there is one), so a checkpointed block and its wrapper are one unit.
+    ``every=None``: nothing checkpointed."""
+    chosen = every_nth_block(model, block_class, every) if every else set()
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if child in chosen:
+                setattr(parent, name, NO_REENTRANT(child))
+    units = [m for m in model.modules()  # a checkpointed block's wrapper, or a plain block
+             if isinstance(m, CheckpointWrapper) or (isinstance(m, block_class) and m not in chosen)]
+    for unit in units:
+        fully_shard(unit)
+    fully_shard(model)
+    return model
 
 
-def build(L, api: str, every: int | None):
-    """The model sharded with ``api``, with every ``every``-th block checkpointed (None: none)."""
+def fsdp1_checkpointed(model: nn.Module, block_class: type[nn.Module], every: int | None,
+                       device: torch.device) -> nn.Module:
+    """FSDP1 wants the other order: wrap first (one unit per block, lesson 01), *then* let
+    apply_activation_checkpointing swap each block that check_fn accepts, inside its unit, for a
+    CheckpointWrapper. ``every=None``: nothing checkpointed."""
+    # = FSDP(model, auto_wrap_policy=transformer_auto_wrap_policy for block_class, device_id=device)
+    model = shard_model(model, api="fsdp1", block_class=block_class, policy="block", device=device)
+    if every:
+        chosen = every_nth_block(model, block_class, every)
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=NO_REENTRANT,
+                                       check_fn=lambda m: m in chosen)
+    return model
+
+
+def checkpointed_blocks(model: nn.Module) -> int:
+    """How many modules run under a CheckpointWrapper."""
+    return sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+
+
+# -- the comparison ---------------------------------------------------------------------------------
+VARIANTS = [f"{api}-{blocks}" for api in ("fsdp2", "fsdp1") for blocks in ("none", "selective", "all")]
+NOTES = ("activations: peak bytes the tracker attributes to activations; a checkpointed block keeps "
+         "only its input and recomputes the rest in backward.",)
+CPU_NOTE = ("CPU run: memory from torch.distributed._tools trackers; step times on CPU are only "
+            "indicative (the recompute costs about one extra forward).")
+
+
+def build(L: Lesson, api: str, every: int | None) -> nn.Module:
+    """A fresh model, checkpointed every ``every``-th block (None: none) and sharded with ``api``."""
     block = L.spec.block_class()
-    model = L.build_model()
     if api == "fsdp2":
-        n = apply_activation_checkpointing(model, block, every=every, api="fsdp2") if every else 0
-        for unit in block_units(model, block):  # the CheckpointWrapper where a block has one
-            fully_shard(unit)
-        fully_shard(model)
-    else:
-        model = shard_model(model, api="fsdp1", block_class=block, policy="block", device=L.device)
-        n = apply_activation_checkpointing(model, block, every=every, api="fsdp1") if every else 0
-    return L.materialize(model), n
+        return L.materialize(fsdp2_checkpointed(L.build_model(), block, every))
+    return L.materialize(fsdp1_checkpointed(L.build_model(), block, every, L.device))
 
 
-def main(args) -> None:
-    with Lesson("02", args, settings={"every": args.every}) as L:
-        block = L.spec.block_class()
-        L.print(f"block class: {block.__name__}; selective = every {args.every} block(s)")
-        peaks: dict[str, int | None] = {}
-        for name in args.variants:
-            with L.variant(name):  # everything the variant made is freed before the next one
-                api, which = VARIANTS[name]
-                every = {"none": None, "every": args.every, "all": 1}[which]
-                model, n = build(L, api, every)
-                stats = L.train(model, name)
-                mem = stats.peak_memory_bytes
-                peaks[name] = mem.get("total")
-                L.results.add(name, stats, api=api, checkpointed_blocks=n)
-                L.print(f"    {n} checkpointed blocks, activations {fmt_bytes(mem.get('activations'))}, "
-                        f"peak {fmt_bytes(mem.get('total'))}")
-                del model
+def main(args: argparse.Namespace) -> None:
+    with Lesson("02", args, settings={"every": args.every}, notes=NOTES, cpu_note=CPU_NOTE) as L:
+        L.results.columns("checkpointed_blocks")
+        L.print(f"block class: {L.spec.block_class().__name__}; selective = every {args.every} block(s)")
+        every = {"none": None, "selective": args.every, "all": 1}  # which blocks are checkpointed
 
+        def describe(name: str, model: nn.Module, stats: TrainStats) -> dict:
+            mem, n = stats.peak_memory_bytes, checkpointed_blocks(model)
+            L.print(f"    {n} checkpointed blocks, activations {fmt_bytes(mem.get('activations'))}, "
+                    f"peak {fmt_bytes(mem.get('total'))}")
+            return dict(api=name.split("-")[0], checkpointed_blocks=n)
+
+        def build_variant(name: str) -> nn.Module:
+            api, blocks = name.split("-")
+            return build(L, api, every[blocks])
+
+        L.run_variants(args.variants, build_variant, describe=describe)
         if args.search == "on":
-            search_largest_batch(L, args, peaks.get("fsdp2-none"))
-
-        L.results.note("activations: peak bytes the tracker attributes to activations; a "
-                       "checkpointed block keeps only its input and recomputes the rest in backward.")
-        if L.device.type == "cpu":
-            L.results.note("CPU run: memory from torch.distributed._tools trackers; step times on "
-                           "CPU are only indicative (the recompute costs about one extra forward).")
+            none = [v for v in L.results.data["variants"] if v["name"] == "fsdp2-none"]
+            search_largest_batch(L, args, none[0]["peak_memory_bytes"].get("total") if none else None)
 
 
-def search_largest_batch(L, args, none_peak: int | None) -> None:
+def search_largest_batch(L: Lesson, args: argparse.Namespace, none_peak: int | None) -> None:
     """The largest clean batch per rank with FSDP2 and no / every block checkpointed (lesson 05's
     search). On GPU a trial fails on cudaMalloc retries or OOM; on CPU, where nothing retries, on
     going over a memory budget (the tracked peak)."""
@@ -123,13 +145,13 @@ def search_largest_batch(L, args, none_peak: int | None) -> None:
     budget = int(args.budget_mib * 2**20) if args.budget_mib else None
     if budget is None and not on_gpu:
         if none_peak is None:  # fsdp2-none was not among the variants: measure it here
-            none_peak = training_trial(L.batch_size, lambda: build(L, "fsdp2", None)[0], L.optimizer,
+            none_peak = training_trial(L.batch_size, lambda: build(L, "fsdp2", None), L.optimizer,
                                        L.data(), 2, L.device)[0].peak_bytes
         budget = int(1.25 * none_peak)
     found = {}
     for which, every in (("none", None), ("all", 1)):
         def try_batch(batch: int, every=every):
-            return training_trial(batch, lambda: build(L, "fsdp2", every)[0], L.optimizer,
+            return training_trial(batch, lambda: build(L, "fsdp2", every), L.optimizer,
                                   L.data(batch_size=batch), 2 if not on_gpu else 4, L.device,
                                   L.dist.world_size)[0]
 
@@ -144,6 +166,23 @@ def search_largest_batch(L, args, none_peak: int | None) -> None:
     where = f"a budget of {fmt_bytes(budget)} per rank" if budget else "this GPU (no retries, no OOM)"
     L.results.note(f"batch_search: largest batch per rank in {where}: {found['none']['best']} "
                    f"without checkpointing, {found['all']['best']} with every block checkpointed.")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = lesson_parser(__doc__)
+    p.add_variants(VARIANTS)
+    p.add_argument("--every", type=positive_int, default=2,
+                   help="selective variant: checkpoint every N-th block (1 = all; default 2)")
+    p.add_argument("--search", choices=("on", "off"), default="on",
+                   help="after the variants, find the largest batch per rank that fits with FSDP2 "
+                        "and no / all blocks checkpointed (default on)")
+    p.add_argument("--search-limit", type=positive_int, default=None,
+                   help="largest batch the search tries (default 256 on GPU, 64 on CPU)")
+    p.add_argument("--budget-mib", type=positive_float, default=None,
+                   help="memory per rank a batch must fit in, in MiB (default: on GPU none, the "
+                        "search stops at cudaMalloc retries or OOM; on CPU 1.25 x the peak of "
+                        "fsdp2-none at --batch-size)")
+    return p.parse(argv)
 
 
 if __name__ == "__main__":
