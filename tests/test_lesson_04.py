@@ -51,7 +51,7 @@ def test_fsdp1_options_recorded(results):
 
 
 def test_explicit_depth_is_registered_by_fsdp2(results):
-    # prefetch_plan is read back from each block's FSDP state after set_explicit_prefetch
+    # prefetch_plan is read back from each block's FSDP state after the lesson's prefetch_ahead
     depth = results["settings"]["prefetch_depth"]
     assert depth == 2
     plan = variant(results, "fsdp2-explicit")["prefetch_plan"]

@@ -23,89 +23,142 @@ Run: fsdp-course run 04 [--quick]   or   torchrun --nproc-per-node 2 backward_pr
 
 from __future__ import annotations
 
+import argparse
+import functools
 import sys
 from pathlib import Path
 
+import torch
+from torch import nn
+from torch.distributed.fsdp import BackwardPrefetch, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from torch.distributed.fsdp import BackwardPrefetch
-
 from utilities.course.lesson import Lesson, lesson_parser, positive_int
-from utilities.measure import fmt_bytes, unsharded_parameter_bytes
-from utilities.prefetch import prefetch_plan, profile_steps, set_explicit_prefetch
-from utilities.wrapping import shard_model
+from utilities.measure import unsharded_parameter_bytes
+from utilities.prefetch import prefetch_plan, profile_steps
+from utilities.training import TrainStats
 
-VARIANTS = {
-    # name: (api, FSDP1 options or FSDP2 prefetch mode)
-    "fsdp1-no-prefetch": ("fsdp1", dict(backward_prefetch=None)),
-    "fsdp1-backward-post": ("fsdp1", dict(backward_prefetch=BackwardPrefetch.BACKWARD_POST)),
-    "fsdp1-backward-pre": ("fsdp1", dict(backward_prefetch=BackwardPrefetch.BACKWARD_PRE)),
-    "fsdp1-pre+forward": ("fsdp1", dict(backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-                                        forward_prefetch=True)),
-    "fsdp2-implicit": ("fsdp2", "implicit"),
-    "fsdp2-explicit": ("fsdp2", "explicit"),
+
+# -- FSDP2: prefetching is implicit; explicit lists reach further ahead ----------------------------
+def shard_blocks(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
+    """``fully_shard`` every block, then the root; return the blocks in forward order, the order
+    prefetch lists speak of. With nothing more, FSDP2 prefetches implicitly: one block ahead in
+    forward, and in backward the block that ran before in forward (BACKWARD_PRE-like)."""
+    blocks = [m for m in model.modules() if isinstance(m, block_class)]  # T5: encoder, then decoder
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return blocks
+
+
+def prefetch_ahead(blocks: list[nn.Module], depth: int) -> None:
+    """Explicit prefetching ``depth`` blocks ahead. When block i starts its forward it issues the
+    all-gathers of blocks i+1..i+depth; backward runs the blocks in reverse, so when block i starts
+    its backward it issues those of blocks i-1..i-depth, nearest first. Depth 1 is what FSDP2
+    already does; each extra level keeps one more block's parameters unsharded at once."""
+    for i, block in enumerate(blocks):
+        next_in_forward = blocks[i + 1:i + 1 + depth]
+        next_in_backward = blocks[max(0, i - depth):i][::-1]
+        if next_in_forward:  # the last blocks have nothing ahead: they keep the implicit default
+            block.set_modules_to_forward_prefetch(next_in_forward)
+        if next_in_backward:
+            block.set_modules_to_backward_prefetch(next_in_backward)
+
+
+# -- FSDP1: prefetching is two constructor options -------------------------------------------------
+def wrap_fsdp1(model: nn.Module, block_class: type[nn.Module], device: torch.device,
+               backward_prefetch: BackwardPrefetch | None, forward_prefetch: bool) -> FSDP:
+    """One unit per block. ``backward_prefetch`` says when the next unit's all-gather is issued in
+    backward (BACKWARD_PRE, the default: before this unit's gradients; BACKWARD_POST: after them;
+    None: when the next unit is reached); ``forward_prefetch=True`` also issues the next unit's
+    all-gather in forward, following the order recorded in the first forward."""
+    def init_unit(module: nn.Module) -> None:  # a meta-built model: each unit just before sharding
+        module.to_empty(device=device, recurse=False)
+        model._init_weights(module)
+
+    on_meta = any(p.is_meta for p in model.parameters())
+    return FSDP(model, device_id=device,  # this rank's GPU, or the CPU (else FSDP1 wants a GPU)
+                auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                   transformer_layer_cls={block_class}),
+                backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+                param_init_fn=init_unit if on_meta else None)
+
+
+# -- the comparison ---------------------------------------------------------------------------------
+FSDP1_VARIANTS = {
+    "fsdp1-no-prefetch": dict(backward_prefetch=None, forward_prefetch=False),
+    "fsdp1-backward-post": dict(backward_prefetch=BackwardPrefetch.BACKWARD_POST, forward_prefetch=False),
+    "fsdp1-backward-pre": dict(backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False),
+    "fsdp1-pre+forward": dict(backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True),
 }
+FSDP2_VARIANTS = {"fsdp2-implicit": False, "fsdp2-explicit": True}  # explicit: --prefetch-depth
+VARIANTS = [*FSDP1_VARIANTS, *FSDP2_VARIANTS]
+NOTES = ("Prefetching changes when all-gathers are issued, never what is computed: every variant's "
+         "losses match.",)
+CPU_NOTE = ("CPU run: gloo runs each collective synchronously on the calling thread, so nothing "
+            "overlaps and step times here cannot show prefetching. The overlap and the exposed "
+            "communication time are measured only on GPUs (NCCL kernels on their own stream), with "
+            "a profiler trace per variant.")
 
 
-def parse_args(argv=None):
+def build(L: Lesson, depth: int, name: str) -> nn.Module:
+    """The model sharded as variant ``name`` says."""
+    block = L.spec.block_class()
+    if name in FSDP1_VARIANTS:
+        return wrap_fsdp1(L.build_model(), block, L.device, **FSDP1_VARIANTS[name])
+    model = L.build_model()
+    blocks = shard_blocks(model, block)
+    if FSDP2_VARIANTS[name]:
+        prefetch_ahead(blocks, depth)
+    return model
+
+
+def describe(L: Lesson, args: argparse.Namespace, name: str, model: nn.Module,
+             stats: TrainStats) -> dict:
+    """What the variant set and what it cost: the FSDP1 options, or the prefetch lists FSDP2
+    registered (read back from the model); on GPU (or with --trace) a profile of a few more steps."""
+    if name in FSDP1_VARIANTS:
+        options = FSDP1_VARIANTS[name]
+        prefetch = options["backward_prefetch"]
+        extra = {"api": "fsdp1", "backward_prefetch": prefetch.name if prefetch else None,
+                 "forward_prefetch": options["forward_prefetch"]}
+        summary = prefetch.name if prefetch else "none"
+        summary += ", forward" if options["forward_prefetch"] else ""
+    else:
+        explicit = FSDP2_VARIANTS[name]
+        blocks = [m for m in model.modules() if isinstance(m, L.spec.block_class())]
+        extra = {"api": "fsdp2", "prefetch_depth": args.prefetch_depth if explicit else None,
+                 "prefetch_plan": prefetch_plan(blocks)}
+        summary = f"explicit, depth {args.prefetch_depth}" if explicit else "implicit"
+    extra["prefetch"] = summary
+    extra["peak_unsharded_parameter_bytes"] = unsharded_parameter_bytes(stats.peak_memory_bytes)
+    if L.device.type == "cuda" or args.trace:
+        trace = profile_steps(model, L.optimizer(model), L.data(seed_offset=1), L.device,
+                              L.out / "traces" / f"{name}.rank{L.dist.rank}.json")
+        extra.update(trace=trace["trace"], exposed_comm_s_per_step=trace["exposed_comm_s_per_step"],
+                     comm_s_per_step=trace["comm_s_per_step"])
+    return extra
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
     p.add_argument("--prefetch-depth", type=positive_int, default=2,
                    help="FSDP2 explicit prefetch: how many blocks ahead to all-gather (default 2)")
     p.add_argument("--trace", action="store_true",
                    help="also record a torch.profiler Chrome trace per variant on CPU (always on GPU)")
-    args = p.parse(argv)
-    return args
+    return p.parse(argv)
 
 
-def train_variant(L, name: str, args) -> None:
-    """Shard the model the way ``name`` says, train it, and record step time, memory and trace."""
-    api, option = VARIANTS[name]
-    block = L.spec.block_class()
-    fsdp1_options = option if api == "fsdp1" else {}
-    model = L.materialize(shard_model(L.build_model(), api=api, block_class=block,
-                                      device=L.device, **fsdp1_options))
-    extra = {"api": api}
-    if api == "fsdp2":
-        blocks = [m for m in model.modules() if isinstance(m, block)]  # forward order
-        if option == "explicit":
-            set_explicit_prefetch(blocks, args.prefetch_depth)
-        extra["prefetch_depth"] = args.prefetch_depth if option == "explicit" else None
-        extra["prefetch_plan"] = prefetch_plan(blocks)
-    else:
-        prefetch = fsdp1_options["backward_prefetch"]
-        extra["backward_prefetch"] = prefetch.name if prefetch else None
-        extra["forward_prefetch"] = fsdp1_options.get("forward_prefetch", False)
-
-    optimizer = L.optimizer(model)
-    stats = L.train(model, name, optimizer=optimizer)
-    extra["peak_unsharded_parameter_bytes"] = unsharded_parameter_bytes(stats.peak_memory_bytes)
-    if L.device.type == "cuda" or args.trace:
-        trace = profile_steps(model, optimizer, L.data(seed_offset=1), L.device,
-                              L.out / "traces" / f"{name}.rank{L.dist.rank}.json")
-        extra["trace"] = trace["trace"]
-        extra["exposed_comm_s_per_step"] = trace["exposed_comm_s_per_step"]
-        extra["comm_s_per_step"] = trace["comm_s_per_step"]
-    L.results.add(name, stats, **extra)
-    L.print(f"    peak {fmt_bytes(stats.peak_memory_bytes.get('total'))}, unsharded "
-            f"params at peak {fmt_bytes(extra['peak_unsharded_parameter_bytes'])}")
-
-
-def main(args) -> None:
-    with Lesson("04", args,
-                settings=dict(prefetch_depth=args.prefetch_depth),
-                needs_ranks="prefetching (overlap of all-gathers with compute)") as L:
-        for name in args.variants:
-            with L.variant(name):  # everything the variant made is freed before the next one
-                train_variant(L, name, args)
-
-        L.results.note("Prefetching changes when all-gathers are issued, never what is computed: "
-                       "every variant's losses match.")
-        if L.device.type != "cuda":
-            L.results.note("CPU run: gloo runs each collective synchronously on the calling thread, "
-                           "so nothing overlaps and step times here cannot show prefetching. The "
-                           "overlap and the exposed communication time are measured only on GPUs "
-                           "(NCCL kernels on their own stream), with a profiler trace per variant.")
+def main(args: argparse.Namespace) -> None:
+    with Lesson("04", args, settings=dict(prefetch_depth=args.prefetch_depth), notes=NOTES,
+                cpu_note=CPU_NOTE, needs_ranks="prefetching (overlap of all-gathers with compute)") as L:
+        L.results.columns("prefetch", "exposed_comm_s_per_step", "peak_unsharded_parameter_bytes")
+        L.run_variants(args.variants, functools.partial(build, L, args.prefetch_depth),
+                       describe=functools.partial(describe, L, args))
 
 
 if __name__ == "__main__":

@@ -21,24 +21,104 @@ Run: fsdp-course run 05 [--quick]   or   torchrun --nproc-per-node 2 memory_maxi
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
+import torch
+from torch.distributed.fsdp import fully_shard
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
+from utilities import Memory_Maximizer
 from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
 from utilities.measure import fmt_bytes
-from utilities.measure.batch_search import Trial, all_ranks_agree, find_max_batch, training_trial
-from utilities.wrapping import shard_model
+from utilities.measure.batch_search import SearchResult, Trial, all_ranks_agree, find_max_batch
+from utilities.training import TrainStats, train
 
+
+# -- what the allocator says: retries are the signal, not OOMs -------------------------------------
+def cuda_malloc_retries(device: torch.device) -> int:
+    """How many times so far the CUDA caching allocator found no free cached block, emptied its
+    cache and called cudaMalloc again: ``num_alloc_retries``. It never resets by itself, so a
+    trial reads it before and after. A CPU has no caching allocator: 0."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
+def try_batch(L: Lesson, batch: int) -> tuple[Trial, TrainStats]:
+    """One trial: a fresh FSDP2 model (one unit per block) trained a few steps at ``batch``, watched
+    by ``Memory_Maximizer``. An OOM propagates for the search to record; the model goes either way."""
+    model = L.build_model()
+    for block in [m for m in model.modules() if isinstance(m, L.spec.block_class())]:
+        fully_shard(block)
+    fully_shard(model)  # the root: embeddings, final norms, what no block holds
+    model = L.materialize(model)
+    optimizer = L.optimizer(model)
+    retries_before = cuda_malloc_retries(L.device)
+    mm = Memory_Maximizer(verbose=False)
+    mm.start()  # resets the allocator's peaks and notes its retry and OOM counters
+    try:
+        stats = train(model, optimizer, L.data(batch_size=batch), L.steps, L.device,
+                      flops_per_token=L.spec.flops_per_token(L.seq_len))
+        mm.update()  # reserved memory after the last step
+    finally:
+        report = mm.stop()  # max reserved, retries and OOMs since start(); {"gpu": False} on CPU
+        del model, optimizer
+    retries = cuda_malloc_retries(L.device) - retries_before  # = report["cuda_malloc_retries"]
+    samples_per_s = batch * L.dist.world_size / stats.step_time_s if stats.step_time_s else None
+    trial = Trial(batch, throughput=samples_per_s, peak_bytes=stats.peak_memory_bytes.get("total"),
+                  retries=retries)
+    if report["gpu"]:
+        trial.max_reserved_bytes = int(report["max_reserved_gb"] * 2**30)
+        trial.ooms = report["ooms"]
+    return trial, stats
+
+
+# -- the search and its evidence --------------------------------------------------------------------
 MIB = 2**20
 # t5-tiny, seq 64, 2 ranks: the tracked peak per rank is about 14 MiB + 5.3 MiB per sample (batch 4:
 # 34.6 MiB, batch 8: 55.7 MiB). 48 MiB puts the answer (batch 6, 7 over) inside the sweep 1..32,
 # with a few MiB of margin on both sides.
 CPU_BUDGET_MIB = 48.0
+CPU_NOTE = ("CPU run: there is no caching allocator, so no cudaMalloc retries; a trial counts as "
+            "failed when its tracked peak (torch.distributed._tools trackers) exceeds the {budget:g} "
+            "MiB budget per rank, the CPU stand-in for retries and OOMs. Step times on a shared CPU "
+            "are only indicative.")
 
 
-def parse_args(argv=None):
+def search(L: Lesson, args: argparse.Namespace, budget_mib: float | None) -> SearchResult:
+    """Double the batch from --start-batch until a trial is not clean, then bisect; each trial is
+    one variant, freed before the next, and recorded with its verdict."""
+    limit = args.max_batch or (256 if L.device.type == "cuda" else 32)
+    budget = int(budget_mib * MIB) if budget_mib else None
+    stats_by_batch: dict[int, TrainStats] = {}
+
+    def trial(batch: int) -> Trial:
+        with L.variant(f"batch-{batch}"):
+            t, stats_by_batch[batch] = try_batch(L, batch)
+        return t
+
+    def log(t: Trial) -> None:
+        rate = f"{t.throughput:.1f} samples/s" if t.throughput else "-"
+        L.print(f"  batch {t.batch:>4} ({t.phase}): peak {fmt_bytes(t.peak_bytes)}, {rate}, "
+                f"retries {t.retries}, OOMs {t.ooms} -> {t.verdict}")
+
+    L.print(f"search: batch {args.start_batch}..{limit}, budget "
+            f"{f'{budget_mib:g} MiB per rank' if budget else 'none (retries and OOMs decide)'}")
+    result = find_max_batch(trial, start=args.start_batch, limit=limit, bisect=not args.no_bisect,
+                            budget_bytes=budget, agree=all_ranks_agree, on_trial=log)
+    for t in result.trials:
+        L.results.add(f"batch-{t.batch}", stats_by_batch.get(t.batch), batch=t.batch,
+                      samples_per_s=None if t.throughput is None else round(t.throughput, 2),
+                      peak_bytes=t.peak_bytes, retries=t.retries, ooms=t.ooms,
+                      over_budget=t.over_budget, max_reserved=t.max_reserved_bytes,
+                      clean=t.clean, verdict=t.verdict, phase=t.phase, error=t.error)
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_argument("--budget-mib", type=positive_float, default=None,
                    help=f"per-rank memory budget in MiB: a trial whose peak exceeds it counts as "
@@ -56,55 +136,15 @@ def parse_args(argv=None):
     return args
 
 
-def main(args) -> None:
-    with Lesson("05", args) as L:
-        on_gpu = L.device.type == "cuda"
-        budget_mib = args.budget_mib or (None if on_gpu else CPU_BUDGET_MIB)
-        budget = int(budget_mib * MIB) if budget_mib else None
-        limit = args.max_batch or (256 if on_gpu else 32)
-        block = L.spec.block_class()
-        world = L.dist.world_size
-        stats_by_batch = {}
-
-        def try_batch(batch: int) -> Trial:
-            def build():
-                return L.materialize(shard_model(L.build_model(), api="fsdp2", block_class=block,
-                                                 device=L.device))
-
-            with L.variant(f"batch-{batch}"):  # each trial is freed before the next one
-                trial, stats_by_batch[batch] = training_trial(
-                    batch, build, L.optimizer, L.data(batch_size=batch), L.steps, L.device, world,
-                    flops_per_token=L.spec.flops_per_token(L.seq_len))
-            return trial
-
-        def log(t: Trial) -> None:
-            rate = f"{t.throughput:.1f} samples/s" if t.throughput else "-"
-            L.print(f"  batch {t.batch:>4} ({t.phase}): peak {fmt_bytes(t.peak_bytes)}, {rate}, "
-                    f"retries {t.retries}, OOMs {t.ooms} -> {t.verdict}")
-
-        L.print(f"search: batch {args.start_batch}..{limit}, budget "
-                f"{f'{budget_mib:g} MiB per rank' if budget else 'none (retries and OOMs decide)'}")
-        result = find_max_batch(try_batch, start=args.start_batch, limit=limit,
-                                bisect=not args.no_bisect, budget_bytes=budget,
-                                agree=all_ranks_agree, on_trial=log)
-
-        for t in result.trials:
-            L.results.add(f"batch-{t.batch}", stats_by_batch.get(t.batch), batch=t.batch,
-                          samples_per_s=None if t.throughput is None else round(t.throughput, 2),
-                          peak_bytes=t.peak_bytes, retries=t.retries, ooms=t.ooms,
-                          over_budget=t.over_budget, max_reserved=t.max_reserved_bytes,
-                          clean=t.clean, verdict=t.verdict, phase=t.phase, error=t.error)
+def main(args: argparse.Namespace) -> None:
+    with Lesson("05", args, cpu_note=CPU_NOTE.format(budget=args.budget_mib or CPU_BUDGET_MIB)) as L:
+        L.results.columns("batch", "phase", "verdict", "retries", "ooms")
+        budget_mib = args.budget_mib or (None if L.device.type == "cuda" else CPU_BUDGET_MIB)
+        result = search(L, args, budget_mib)
         L.results.add("recommendation", None, batch=result.best, reason=result.reason,
                       budget_mib=budget_mib, trials=len(result.trials))
         L.print(f"recommendation: batch {result.best} per rank ({result.reason})")
-
         L.results.note(f"recommendation: batch {result.best} per rank: {result.reason}.")
-        if not on_gpu:
-            L.results.note(f"CPU run: there is no caching allocator, so no cudaMalloc retries; a "
-                           f"trial counts as failed when its tracked peak (torch.distributed._tools "
-                           f"trackers) exceeds the {budget_mib:g} MiB budget per rank, the CPU "
-                           f"stand-in for retries and OOMs. Step times on a shared CPU are only "
-                           f"indicative.")
 
 
 if __name__ == "__main__":

@@ -25,76 +25,117 @@ Run: fsdp-course run 11 [--quick]   or   torchrun --nproc-per-node 2 rate_limite
 
 from __future__ import annotations
 
-import gc
+import argparse
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-import torch
-
+from utilities import Memory_Maximizer
 from utilities.course.lesson import Lesson, lesson_parser
-from utilities.measure import fmt_bytes
-from utilities.memory_maximizer import Memory_Maximizer
 from utilities.training import default_step
-from utilities.wrapping import shard_model
 
+
+# -- FSDP1: the rate limiter is one constructor option ---------------------------------------------
+def wrap_fsdp1(model: nn.Module, block_class: type[nn.Module], device: torch.device,
+               limit_all_gathers: bool) -> FSDP:
+    """One unit per block. ``limit_all_gathers=True`` (the default since mid-2023) keeps at most
+    two units' all-gathers in flight: before issuing a third, the CPU waits on the event recorded
+    when the oldest one's gathered parameters were freed. ``False`` lets it issue as far ahead as
+    it can run."""
+    def init_unit(module: nn.Module) -> None:  # a meta-built model: each unit just before sharding
+        module.to_empty(device=device, recurse=False)
+        model._init_weights(module)
+
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_class})
+    on_meta = any(p.is_meta for p in model.parameters())
+    return FSDP(model, auto_wrap_policy=policy, limit_all_gathers=limit_all_gathers,
+                device_id=device,  # this rank's GPU, or the CPU (else FSDP1 looks for a GPU)
+                param_init_fn=init_unit if on_meta else None)
+
+
+# -- FSDP2: no such knob ---------------------------------------------------------------------------
+def wrap_fsdp2(model: nn.Module, block_class: type[nn.Module]) -> nn.Module:
+    """Nothing to set: FSDP2 has no limit_all_gathers. Each all-gather's output buffer is allocated
+    on the all-gather stream and freed by the copy-out into the parameters, and the next gather is
+    ordered after that free, so about two are in flight by construction. What stays gathered after
+    a block's forward is ``reshard_after_forward`` (lesson 06), not a rate limit."""
+    for module in model.modules():
+        if isinstance(module, block_class):
+            fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+def watched_step(mm: Memory_Maximizer) -> Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]:
+    """A training step that records the allocator's reserved memory right after backward, where
+    all-gathers issued ahead would have piled up."""
+    def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = default_step(model, batch)  # forward, backward
+        mm.update()
+        return loss
+    return step
+
+
+# -- the comparison ---------------------------------------------------------------------------------
 VARIANTS = {
-    # name: (api, options for FullyShardedDataParallel)
-    "fsdp1-limit-all-gathers": ("fsdp1", dict(limit_all_gathers=True)),
-    "fsdp1-unlimited": ("fsdp1", dict(limit_all_gathers=False)),
-    "fsdp2": ("fsdp2", {}),
+    # name: FSDP1's limit_all_gathers, or None for FSDP2
+    "fsdp1-limit-all-gathers": True,
+    "fsdp1-unlimited": False,
+    "fsdp2": None,
 }
+NOTES = ("limit_all_gathers bounds FSDP1 to 2 all-gathers in flight (default True since mid-2023); "
+         "FSDP2 has no such knob: its stream-ordered all-gather buffers are freed by the copy-out, "
+         "so about 2 are in flight by construction.",)
+CPU_NOTE = ("CPU run: the rate limiter's effect lives in the CUDA caching allocator (reserved "
+            "memory, cudaMalloc retries), which a CPU does not have; gloo runs collectives "
+            "synchronously, so the CPU thread cannot run ahead. Memory_Maximizer records nothing "
+            "here; its report is kept per variant.")
 
 
-def parse_args(argv=None):
+def run_variant(L: Lesson, name: str) -> None:
+    """Wrap, train under Memory_Maximizer (started on an emptied cache, so reserved memory is this
+    variant's own), record."""
+    limit = VARIANTS[name]
+    block = L.spec.block_class()
+    if L.device.type == "cuda":
+        torch.cuda.empty_cache()
+    if limit is None:
+        model = wrap_fsdp2(L.build_model(), block)
+    else:
+        model = wrap_fsdp1(L.build_model(), block, L.device, limit_all_gathers=limit)
+    model = L.materialize(model)
+    mm = Memory_Maximizer(verbose=L.dist.is_main)
+    mm.start()
+    stats = L.train(model, name, step_fn=watched_step(mm))
+    report = mm.stop()
+    gpu = dict(max_reserved_gb=report["max_reserved_gb"],
+               cuda_malloc_retries=report["cuda_malloc_retries"]) if report["gpu"] else {}
+    L.results.add(name, stats, api="fsdp2" if limit is None else "fsdp1", limit_all_gathers=limit,
+                  memory_maximizer=report, **gpu)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
-    args = p.parse(argv)
-    return args
+    return p.parse(argv)
 
 
-def main(args) -> None:
-    with Lesson("11", args,
-                needs_ranks="the rate limiter (all-gathers in flight)") as L:
-        block = L.spec.block_class()
-        on_gpu = L.device.type == "cuda"
-
+def main(args: argparse.Namespace) -> None:
+    with Lesson("11", args, needs_ranks="the rate limiter (all-gathers in flight)", notes=NOTES,
+                cpu_note=CPU_NOTE) as L:
+        L.results.columns("limit_all_gathers", "max_reserved_gb", "cuda_malloc_retries")
         for name in args.variants:
             with L.variant(name):  # everything the variant made is freed before the next one
-                api, options = VARIANTS[name]
-                if on_gpu:  # each variant starts from an empty cache, so reserved memory is its own
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                model = L.materialize(shard_model(L.build_model(), api=api, block_class=block,
-                                                  device=L.device, **options))
-                mm = Memory_Maximizer(verbose=L.dist.is_main)
-                mm.start()
-
-                def step(model, batch, mm=mm):
-                    loss = default_step(model, batch)
-                    mm.update()  # reserved memory right after backward, every step
-                    return loss
-
-                stats = L.train(model, name, step_fn=step)
-                report = mm.stop()
-                extra = {"api": api, "limit_all_gathers": options.get("limit_all_gathers"),
-                         "memory_maximizer": report}
-                if report.get("gpu"):
-                    extra.update(max_reserved_gb=report["max_reserved_gb"],
-                                 cuda_malloc_retries=report["cuda_malloc_retries"])
-                L.results.add(name, stats, **extra)
-                L.print(f"    peak {fmt_bytes(stats.peak_memory_bytes.get('total'))}")
-                del model
-
-        L.results.note("limit_all_gathers bounds FSDP1 to 2 all-gathers in flight (default True "
-                       "since mid-2023); FSDP2 has no such knob: its stream-ordered all-gather "
-                       "buffers are freed by the copy-out, so about 2 are in flight by construction.")
-        if not on_gpu:
-            L.results.note("CPU run: the rate limiter's effect lives in the CUDA caching allocator "
-                           "(reserved memory, cudaMalloc retries), which a CPU does not have; gloo "
-                           "runs collectives synchronously, so the CPU thread cannot run ahead. "
-                           "Memory_Maximizer records nothing here; its report is kept per variant.")
+                run_variant(L, name)
 
 
 if __name__ == "__main__":

@@ -189,7 +189,9 @@ def human(key: str, value: Any) -> str:
         return fmt_bytes(value)
     if key.endswith(("_parameters", "_params", "_tokens", "_elements")):
         return _count(value)
-    if key.endswith("_s"):
+    if key.endswith("_per_s"):
+        return f"{value:.3g}/s"
+    if key.endswith(("_s", "_s_per_step")):
         return _seconds(value)
     if key.endswith(("_ratio", "_x", "speedup")):
         return f"{value:.2f}x"
@@ -201,6 +203,8 @@ def human(key: str, value: Any) -> str:
 
 
 def _label(key: str) -> str:
+    if key.endswith("_per_s"):
+        return key[: -len("_per_s")].replace("_", " ") + "/s"
     for suffix in _UNITS:
         if key.endswith(suffix) and len(key) > len(suffix):
             key = key[: -len(suffix)]
