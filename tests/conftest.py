@@ -48,6 +48,33 @@ def run_lesson(number: str, out: Path, *lesson_flags: str, nproc: int = 2, quick
     return results
 
 
+def assert_documented_keys(results: dict, number: str) -> None:
+    """The keys every results.json has (README), from the quick CPU run on 2 ranks."""
+    for key in ("lesson", "title", "device", "device_name", "world_size", "torch", "model", "variants"):
+        assert key in results
+    assert results["lesson"] == number and results["device"] == "cpu" and results["world_size"] == 2
+
+
+def assert_help_lists(number: str, flags: tuple[str, ...]) -> None:
+    """``fsdp-course run NN -- --help`` explains each flag (and the lesson has its README)."""
+    from utilities.course.catalog import get_lesson
+
+    proc = cli("run", number, "--", "--help")
+    assert proc.returncode == 0
+    for flag in flags:
+        assert flag in proc.stdout, flag
+    assert (get_lesson(number).path / "README.md").is_file()
+
+
+def assert_same_losses(results: dict, reference: str, atol: float) -> None:
+    """Every variant's loss curve equals ``reference``'s (which trains): the knob the lesson turns
+    changes memory or time, never the numbers."""
+    losses = variant(results, reference)["losses"]
+    assert losses[-1] < losses[0] - 1.0
+    for v in results["variants"]:
+        assert v["losses"] == pytest.approx(losses, abs=atol), v["name"]
+
+
 def variant(results: dict, name: str) -> dict:
     for v in results["variants"]:
         if v["name"] == name:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import REPO, cli, notebook_results, variant
+from conftest import assert_documented_keys, assert_help_lists, cli, notebook_results, variant
 
 
 @pytest.fixture(scope="module")
@@ -12,9 +12,7 @@ def results(tmp_path_factory):
 
 
 def test_results_have_the_documented_keys(results):
-    for key in ("lesson", "title", "device", "device_name", "world_size", "torch", "model", "variants"):
-        assert key in results
-    assert results["lesson"] == "01" and results["device"] == "cpu" and results["world_size"] == 2
+    assert_documented_keys(results, "01")
     assert results["model"]["parameters"] == 1_887_232
     for v in results["variants"]:
         assert v["step_time_s"] > 0 and v["tokens_per_s"] > 0 and v["mfu"] is None
@@ -54,11 +52,7 @@ def test_bad_variant_is_one_line_exit_2():
 
 
 def test_lesson_help_explains_every_flag():
-    proc = cli("run", "01", "--", "--help")
-    assert proc.returncode == 0
-    for flag in ("--variants", "--min-params", "--model", "--device", "--quick", "--steps"):
-        assert flag in proc.stdout
-    assert (REPO / "lessons/01_auto_wrap/README.md").is_file()
+    assert_help_lists("01", ("--variants", "--min-params", "--model", "--device", "--quick", "--steps"))
 
 
 def test_readme_table_is_reproduced_by_the_quick_run(results):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-from conftest import cli, notebook_results, run_lesson, variant
+import sys
 
-from utilities import sharding as S
+import pytest
+from conftest import REPO, cli, notebook_results, run_lesson, variant
+
 from utilities.errors import UsageError
+
+sys.path.insert(0, str(REPO / "lessons" / "06_sharding_strategies"))  # the lesson's own formulas
 
 P = 1_887_232  # t5-tiny
 SHARDED = ("fsdp1-full-shard", "fsdp1-shard-grad-op", "fsdp2-reshard-true", "fsdp2-reshard-false")
@@ -85,6 +88,8 @@ def test_largest_model_ordering(results):
 
 
 def test_sharding_formulas_refuse_bad_values():
+    import sharding as S
+
     with pytest.raises(UsageError, match="non-trivial divisors"):
         S.bytes_per_param("reshard_to", 2, reshard_to=2)
     with pytest.raises(UsageError, match="full_shard"):

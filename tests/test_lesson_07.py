@@ -3,8 +3,12 @@ config); bf16 tracks fp32's loss and lowers peak memory; fp16 without a scaler l
 
 from __future__ import annotations
 
+import sys
+
 import pytest
-from conftest import cli, notebook_results, run_lesson, variant
+from conftest import REPO, cli, notebook_results, run_lesson, variant
+
+sys.path.insert(0, str(REPO / "lessons" / "07_mixed_precision"))  # the lesson's own policies
 
 DTYPES = {  # policy: (dtype of Linear weights inside forward, dtype of gradients at reduce-scatter)
     "fp32": ("float32", "float32"),
@@ -94,6 +98,20 @@ def test_default_policy_falls_back_to_fp32_without_bf16(results):
     assert name == ("bf16" if bf16_ready() else "fp32") and reason
     assert results["default_policy"]["name"] == name
     assert fsdp1_policy("fp32") is None and fsdp2_policy("fp32").param_dtype is None
+
+
+def test_the_lesson_policies_are_the_named_ones():
+    """The policies the lesson constructs in view are those utilities.precision gives by name, so
+    the lesson and code that imports the named policies cannot drift apart."""
+    from mixed_precision import FSDP1_POLICIES, FSDP2_POLICIES, NEEDS_SCALER
+
+    from utilities.precision import POLICIES, fsdp1_policy, fsdp2_policy
+
+    assert list(FSDP2_POLICIES) == list(FSDP1_POLICIES) == list(POLICIES) == list(DTYPES)
+    for name in POLICIES:
+        assert FSDP2_POLICIES[name] == fsdp2_policy(name), name
+        assert FSDP1_POLICIES[name] == fsdp1_policy(name), name
+    assert NEEDS_SCALER == {name for name, p in POLICIES.items() if p.scaler}
 
 
 def test_bad_policy_is_one_line_exit_2():

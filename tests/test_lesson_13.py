@@ -14,7 +14,7 @@ import os
 import sys
 
 import pytest
-from conftest import REPO, cli, notebook_results, run_lesson, variant
+from conftest import REPO, assert_help_lists, cli, notebook_results, run_lesson, variant
 from torch import nn
 
 from utilities.fp8 import float8_module_filter, fp8_available, fp8_linear_names
@@ -131,11 +131,7 @@ def test_bad_variant_is_one_line_exit_2():
 
 
 def test_lesson_help_explains_every_flag():
-    proc = cli("run", "13", "--", "--help")
-    assert proc.returncode == 0
-    for flag in ("--variants", "--hidden", "--layers", "--precision", "--quick", "--steps"):
-        assert flag in proc.stdout
-    assert (REPO / "lessons/13_fp8_compile/README.md").is_file()
+    assert_help_lists("13", ("--variants", "--hidden", "--layers", "--precision", "--quick", "--steps"))
 
 
 # -- CPU twins of tests/gpu/test_fp8_smoke.py -------------------------------------------------------

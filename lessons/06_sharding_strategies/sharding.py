@@ -1,9 +1,10 @@
-"""Sharding strategies in numbers: bytes per parameter, communication per step, largest model.
+"""Lesson 06's arithmetic: bytes per parameter, communication per step, the largest model.
 
 Every strategy keeps the same three kinds of training state per parameter (fp32 + AdamW: 4 bytes of
 parameter, 4 of gradient, 8 of optimizer state); they differ in how much of it each rank holds.
 The formulas here are per rank, in bytes, for ``world`` ranks (``replicate`` x ``shard`` for
-hybrid sharding); lesson 06 checks them against what it measures on CPU.
+hybrid sharding); sharding_strategies.py checks them against what it measures, and ``capacity``
+carries its measurements over to other GPU counts.
 
 Strategy names (FSDP2 equivalent in brackets):
 
@@ -151,3 +152,46 @@ def scale_measured(measured: PerParam, measured_world: int, strategy: str, world
     f = s0 / s1
     return PerParam(measured.parameters * f, measured.gradients * f, measured.optimizer * f,
                     measured.unsharded_parameters)
+
+
+# Which measured variant of lesson 06 stands for each strategy in the capacity chart (FSDP2 first).
+CAPACITY_FROM = {"ddp": ("ddp", "fsdp1-no-shard"),
+                 "shard_grad_op": ("fsdp2-reshard-false", "fsdp1-shard-grad-op"),
+                 "full_shard": ("fsdp2-reshard-true", "fsdp1-full-shard"),
+                 "hybrid_shard": ("fsdp2-hsdp", "fsdp1-hybrid-shard")}
+CLASSIC_A10_8GPU = {"ddp": 750e6, "shard_grad_op": 2e9, "full_shard": 2.5e9}  # the classic series
+
+
+def capacity(measured: dict[str, PerParam], world: int, replicate: int, gpus: int,
+             gpu_mem_bytes: float, activation_bytes: float) -> dict:
+    """The largest trainable model per strategy on 1 to 64 GPUs (and ``gpus``), from the bytes per
+    parameter measured on ``world`` ranks (keyed by variant name), scaled to each GPU count.
+
+    HSDP shards inside a node of up to 8 GPUs and replicates across nodes. The unsharded copy
+    (SHARD_GRAD_OP) comes from the formula: the tiny model's peak also holds the one or two units
+    being gathered, which a large model's does not.
+    """
+    node = min(gpus, 8)
+    gpu_counts = sorted({1, 2, 4, 8, 16, 32, 64, gpus})
+    curves: dict[str, list[int]] = {}
+    at_gpus = []
+    for strategy, sources in CAPACITY_FROM.items():
+        src = next((s for s in sources if s in measured), None)
+        curve = []
+        for g in gpu_counts:
+            rep = max(1, g // node) if g % node == 0 else 1
+            pp = bytes_per_param(strategy, g, replicate=rep)
+            if src is not None:
+                scaled = scale_measured(measured[src], world, strategy, g, replicate=rep,
+                                        measured_replicate=replicate)
+                pp = PerParam(scaled.parameters, scaled.gradients, scaled.optimizer,
+                              pp.unsharded_parameters)
+            n_max = largest_model(strategy, g, gpu_mem_bytes, activation_bytes, per_param=pp)
+            curve.append(n_max)
+            if g == gpus:
+                at_gpus.append({"strategy": strategy, "measured_from": src,
+                                "bytes_per_param": pp.total, "largest_model": n_max})
+        curves[strategy] = curve
+    return {"gpus": gpus, "gpu_mem_bytes": gpu_mem_bytes, "activation_bytes": activation_bytes,
+            "gpus_per_node_for_hsdp": node, "gpu_counts": gpu_counts, "largest_model": curves,
+            "at_gpus": at_gpus, "classic_a10_8gpu": dict(CLASSIC_A10_8GPU)}

@@ -17,28 +17,87 @@ it each rank holds, and in how many bytes each step sends:
     fsdp2-hsdp           fully_shard(mesh=2-D DeviceMesh (replicate, shard))
 
 For each it measures the per-rank parameter, gradient and optimizer bytes kept between steps, the
-peak by category, and compares them with the formulas in utilities/sharding.py; it also computes
-the bytes each step communicates and, from the measured bytes per parameter, the largest model each
-strategy can train on --gpus GPUs of --gpu-mem-gb GB (results.json key "capacity").
+peak by category, and compares them with the formulas in sharding.py (beside this script); it also
+computes the bytes each step communicates and, from the measured bytes per parameter, the largest
+model each strategy can train on --gpus GPUs of --gpu-mem-gb GB (results.json key "capacity").
 
 Run: fsdp-course run 06 [--quick]   or   torchrun --nproc-per-node 2 sharding_strategies.py --device cpu
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import sys
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from utilities import distributed as D
-from utilities import sharding as S
+import sharding as S
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy, fully_shard
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
-from utilities.wrapping import shard_model
+from utilities.training import TrainStats
 
-# name: (how it is wrapped, the strategy in utilities.sharding)
+
+# -- the code this lesson teaches -----------------------------------------------------------------
+def hsdp_mesh(device_type: str, replicate: int, shard: int) -> DeviceMesh:
+    """Hybrid sharding's 2-D mesh. Dim 0 replicates: each group along it holds a full copy of the
+    (sharded) state, and the groups all-reduce gradients. Dim 1 shards: its ranks split the state
+    and all-gather / reduce-scatter among themselves. Put it inside a node, replicate across nodes."""
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_fsdp2(model: nn.Module, block_class: type[nn.Module], mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | int | None = None) -> nn.Module:
+    """FSDP2 names the strategy with two arguments of ``fully_shard``, on each block and the root:
+
+        reshard_after_forward=True    FULL_SHARD: free a block's gathered weights after its forward
+        reshard_after_forward=False   SHARD_GRAD_OP: keep them until its backward (one gather less)
+        reshard_after_forward=d       keep a 1/d copy: the backward gathers over d ranks only
+        mesh=2-D (replicate, shard)   HYBRID_SHARD
+        None                          fully_shard's default: True, but the root keeps its weights
+                                      (backward starts with it; older torch, 2.6, reshards it too)
+    """
+    options = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    for module in model.modules():
+        if isinstance(module, block_class):
+            fully_shard(module, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model
+
+
+def shard_fsdp1(model: nn.Module, block_class: type[nn.Module], strategy: ShardingStrategy,
+                device: torch.device, mesh: DeviceMesh | None = None) -> nn.Module:
+    """FSDP1 names the strategy with one enum; HYBRID_SHARD takes the same 2-D mesh (or builds its
+    groups itself from ``process_group=(intra_node, inter_node)``)."""
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_class})
+
+    def init_unit(module: nn.Module) -> None:  # a meta-built model: each unit just before sharding
+        module.to_empty(device=device, recurse=False)
+        model._init_weights(module)
+
+    on_meta = any(p.is_meta for p in model.parameters())
+    # device_id: this rank's GPU, or the CPU (without it FSDP1 looks for an accelerator)
+    return FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy, device_mesh=mesh,
+                device_id=device, param_init_fn=init_unit if on_meta else None)
+
+
+def wrap_ddp(model: nn.Module) -> nn.Module:
+    """What NO_SHARD does, done by the module built for it: every rank keeps everything, and the
+    gradients are all-reduced in buckets while backward still runs."""
+    return DDP(model)
+
+
+# name: (how it is wrapped, the strategy in sharding.py)
 VARIANTS = {
     "ddp": ("ddp", "ddp"),
     "fsdp1-no-shard": ("fsdp1", "no_shard"),
@@ -50,14 +109,31 @@ VARIANTS = {
     "fsdp2-reshard-int": ("fsdp2", "reshard_to"),
     "fsdp2-hsdp": ("fsdp2", "hybrid_shard"),
 }
-# Which measured variant stands for each strategy in the capacity chart (today's API first).
-CAPACITY_FROM = {"ddp": ["ddp", "fsdp1-no-shard"],
-                 "shard_grad_op": ["fsdp2-reshard-false", "fsdp1-shard-grad-op"],
-                 "full_shard": ["fsdp2-reshard-true", "fsdp1-full-shard"],
-                 "hybrid_shard": ["fsdp2-hsdp", "fsdp1-hybrid-shard"]}
+FSDP1_STRATEGY = {"no_shard": ShardingStrategy.NO_SHARD, "full_shard": ShardingStrategy.FULL_SHARD,
+                  "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
+                  "hybrid_shard": ShardingStrategy.HYBRID_SHARD}
 
 
-def parse_args(argv=None):
+def wrap(name: str, model: nn.Module, block_class: type[nn.Module], device: torch.device,
+         mesh_2d: DeviceMesh, reshard_to: int | None) -> nn.Module:
+    """Variant ``name``: the model wrapped by one of the three functions above."""
+    api, strategy = VARIANTS[name]
+    if api == "ddp":
+        return wrap_ddp(model)
+    mesh = mesh_2d if strategy == "hybrid_shard" else None
+    if api == "fsdp1":
+        return shard_fsdp1(model, block_class, FSDP1_STRATEGY[strategy], device, mesh)
+    reshard = {"full_shard": True, "shard_grad_op": False, "reshard_to": reshard_to}.get(strategy)
+    return shard_fsdp2(model, block_class, mesh, reshard)
+
+
+def reshard_divisor(world: int) -> int | None:
+    """The largest non-trivial divisor of the world size (an int reshard_after_forward), if any."""
+    return next((d for d in range(world - 1, 1, -1) if world % d == 0), None)
+
+
+# -- the lesson run -------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
     p.add_argument("--replicate", type=positive_int, default=None,
@@ -77,139 +153,83 @@ def parse_args(argv=None):
     return args
 
 
-def reshard_divisor(world: int) -> int | None:
-    """The largest non-trivial divisor of the world size (an int reshard_after_forward), if any."""
-    return next((d for d in range(world - 1, 1, -1) if world % d == 0), None)
+CATEGORIES = ("parameters", "gradients", "optimizer")
+NOTES = (
+    "resident_bytes: parameters, gradients and optimizer state a rank keeps between steps; "
+    "theory_resident_bytes: sharding.bytes_per_param (lessons/06_sharding_strategies/sharding.py).",
+    "comm_bytes_per_step (sent_per_step_bytes): bytes one rank sends per step by ring collectives, "
+    "from theory (sharding.comm_bytes_per_step), not measured.",
+)
+CPU_NOTE = ("CPU run: memory from torch.distributed._tools trackers; gloo overlaps nothing, so step "
+            "times are only indicative.")
+HYBRID_TRAP = ("fsdp1-hybrid-shard on a shard group of 1 rank: FSDP1 falls back to NO_SHARD over that "
+               "1-rank group and never averages gradients across the replicas, so the ranks drift "
+               "apart (its losses differ); FSDP2's 2-D mesh does reduce across replicas.")
 
 
-def wrap(L, name: str, mesh_2d, reshard_to: int | None):
-    """Build the model and wrap it the way variant ``name`` says."""
-    from torch.distributed.fsdp import ShardingStrategy
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def against_theory(L: Lesson, name: str, stats: TrainStats, replicate: int,
+                   reshard_to: int | None) -> dict:
+    """What variant ``name`` kept between steps and at its peak, beside the formulas of sharding.py."""
     api, strategy = VARIANTS[name]
-    model = L.build_model()
-    block = L.spec.block_class()
-    if api == "ddp":
-        return DDP(model)
-    if api == "fsdp1":
-        fsdp1 = {"no_shard": ShardingStrategy.NO_SHARD, "full_shard": ShardingStrategy.FULL_SHARD,
-                 "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
-                 "hybrid_shard": ShardingStrategy.HYBRID_SHARD}[strategy]
-        mesh = mesh_2d if strategy == "hybrid_shard" else None
-        return shard_model(model, api="fsdp1", block_class=block, device=L.device, mesh=mesh,
-                           sharding_strategy=fsdp1)
-    if strategy == "hybrid_shard":
-        return shard_model(model, api="fsdp2", block_class=block, mesh=mesh_2d)
-    reshard = {"full_shard": True, "shard_grad_op": False, "reshard_to": reshard_to}[strategy]
-    return shard_model(model, api="fsdp2", block_class=block, reshard_after_forward=reshard)
+    world, n = L.dist.world_size, L.spec.num_parameters
+    peak = stats.peak_memory_bytes
+    resident = peak["detail"]["resident_after_step"]
+    theory = S.bytes_per_param(strategy, world, replicate=replicate, reshard_to=reshard_to)
+    expected = {k: getattr(theory, k) * n for k in CATEGORIES}
+    comm = S.comm_bytes_per_step(strategy, world, n, replicate=replicate, reshard_to=reshard_to)
+    L.print(f"    kept params/grads/optim {' / '.join(fmt_bytes(resident[k]) for k in CATEGORIES)} "
+            f"(theory {' / '.join(fmt_bytes(expected[k]) for k in CATEGORIES)}); sends "
+            f"{fmt_bytes(sum(comm.values()))} per step")
+    return dict(api=api, strategy=strategy, resident_bytes=resident,
+                resident_bytes_per_rank=sum(resident[k] for k in CATEGORIES),
+                theory_resident_bytes=expected,
+                peak_unsharded_parameter_bytes=unsharded_parameter_bytes(peak) or 0,
+                all_gather_bytes=peak["detail"].get("all_gather"),
+                comm_bytes_per_step=sum(comm.values()), sent_per_step_bytes=sum(comm.values()),
+                comm_breakdown=comm, mesh=[replicate, world // replicate] if strategy == "hybrid_shard"
+                else [world])
 
 
-def main(args) -> None:
-    with Lesson("06", args,
-                needs_ranks="bytes per rank falling with the number of ranks") as L:
-        world = L.dist.world_size
+def capacity(L: Lesson, args: argparse.Namespace, replicate: int) -> None:
+    """The largest model per strategy on --gpus GPUs, from the bytes per parameter measured here."""
+    n = L.spec.num_parameters
+    measured = {v["name"]: S.PerParam(*(v["resident_bytes"][k] / n for k in CATEGORIES),
+                                      v["peak_unsharded_parameter_bytes"] / n)
+                for v in L.results.data["variants"]}
+    cap = L.results.data["capacity"] = S.capacity(measured, L.dist.world_size, replicate, args.gpus,
+                                                  args.gpu_mem_gb * 1e9, args.activation_gb * 1e9)
+    L.print(f"\nlargest model on {args.gpus} GPUs x {args.gpu_mem_gb:g} GB "
+            f"({args.activation_gb:g} GB kept for activations), from measured bytes/param:")
+    for row in cap["at_gpus"]:
+        L.print(f"  {row['strategy']:14s} {row['bytes_per_param']:6.2f} B/param -> "
+                f"{row['largest_model'] / 1e9:6.2f} B parameters")
+
+
+def main(args: argparse.Namespace) -> None:
+    with Lesson("06", args, needs_ranks="bytes per rank falling with the number of ranks",
+                notes=NOTES, cpu_note=CPU_NOTE) as L:
+        L.results.columns("strategy", "resident_bytes_per_rank", "peak_unsharded_parameter_bytes",
+                          "sent_per_step_bytes")
+        world, block = L.dist.world_size, L.spec.block_class()
         replicate = args.replicate or (2 if world % 2 == 0 else 1)
-        L.check(world % replicate == 0, "--replicate", replicate,
-                f"divisors of the world size {world}")
-        shard = world // replicate
-        d = reshard_divisor(world)
-        n = L.spec.num_parameters
-        mesh_2d = D.mesh(L.device.type, (replicate, shard), ("replicate", "shard"))
-        L.print(f"HSDP mesh: {replicate} replica(s) x {shard} shard(s); int reshard_after_forward: "
-                f"{d if d else 'none valid on ' + str(world) + ' ranks'}")
-        measured: dict[str, S.PerParam] = {}
+        L.check(world % replicate == 0, "--replicate", replicate, f"divisors of the world size {world}")
+        mesh_2d, d = hsdp_mesh(L.device.type, replicate, world // replicate), reshard_divisor(world)
+        L.print(f"HSDP mesh: {replicate} replica(s) x {world // replicate} shard(s); int "
+                f"reshard_after_forward: {d or f'none valid on {world} ranks'}")
+        names = [v for v in args.variants if d or v != "fsdp2-reshard-int"]
+        if len(names) < len(args.variants):
+            L.results.note("fsdp2-reshard-int skipped: an int reshard_after_forward must be a non-trivial "
+                           f"divisor of the shard world size ({world} has none); on 8 GPUs per node x N "
+                           "nodes, 8 keeps the backward all-gather inside a node.")
+            L.print(f"  fsdp2-reshard-int: skipped (no non-trivial divisor of {world})")
 
-        for name in args.variants:
-            with L.variant(name):  # everything the variant made is freed before the next one
-                api, strategy = VARIANTS[name]
-                if strategy == "reshard_to" and d is None:
-                    L.results.note(f"{name} skipped: an int reshard_after_forward must be a non-trivial "
-                                   f"divisor of the shard world size ({world} has none); on 8 GPUs per "
-                                   "node x N nodes, 8 keeps the backward all-gather inside a node.")
-                    L.print(f"  {name}: skipped (no non-trivial divisor of {world})")
-                    continue
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)  # FSDP1 / NO_SHARD deprecations
-                    model = wrap(L, name, mesh_2d, d)
-                    stats = L.train(model, name)
-                peak = stats.peak_memory_bytes
-                resident = peak["detail"]["resident_after_step"]
-                unsharded = unsharded_parameter_bytes(peak) or 0
-                theory = S.bytes_per_param(strategy, world, replicate=replicate, reshard_to=d)
-                measured[name] = S.PerParam(resident["parameters"] / n, resident["gradients"] / n,
-                                            resident["optimizer"] / n, unsharded / n)
-                comm = S.comm_bytes_per_step(strategy, world, n, replicate=replicate, reshard_to=d)
-                L.results.add(
-                    name, stats, api=api, strategy=strategy,
-                    resident_bytes=resident,
-                    theory_resident_bytes={"parameters": theory.parameters * n,
-                                           "gradients": theory.gradients * n,
-                                           "optimizer": theory.optimizer * n},
-                    peak_unsharded_parameter_bytes=unsharded,
-                    all_gather_bytes=peak["detail"].get("all_gather"),
-                    comm_bytes_per_step=sum(comm.values()), comm_breakdown=comm,
-                    mesh=[replicate, shard] if strategy == "hybrid_shard" else [world])
-                L.print(f"    resident params/grads/optim {fmt_bytes(resident['parameters'])} / "
-                        f"{fmt_bytes(resident['gradients'])} / {fmt_bytes(resident['optimizer'])} "
-                        f"(theory {fmt_bytes(theory.parameters * n)} / "
-                        f"{fmt_bytes(theory.gradients * n)} / {fmt_bytes(theory.optimizer * n)}); "
-                        f"sends {fmt_bytes(sum(comm.values()))} per step")
-                del model
-
-        L.results.data["capacity"] = capacity(args, measured, world, replicate)
-        cap = L.results.data["capacity"]
-        L.print(f"\nlargest model on {args.gpus} GPUs x {args.gpu_mem_gb:g} GB "
-                f"({args.activation_gb:g} GB kept for activations), from measured bytes/param:")
-        for row in cap["at_gpus"]:
-            L.print(f"  {row['strategy']:14s} {row['bytes_per_param']:6.2f} B/param -> "
-                    f"{row['largest_model'] / 1e9:6.2f} B parameters")
-        if shard == 1 and "fsdp1-hybrid-shard" in args.variants:
-            L.results.note("fsdp1-hybrid-shard on a shard group of 1 rank: FSDP1 falls back to "
-                           "NO_SHARD over that 1-rank group and never averages gradients across "
-                           "the replicas, so the ranks drift apart (its losses differ); FSDP2's "
-                           "2-D mesh does reduce across replicas.")
-        L.results.note("resident_bytes: parameters, gradients and optimizer state a rank keeps "
-                       "between steps; theory_resident_bytes: utilities.sharding.bytes_per_param.")
-        L.results.note("comm_bytes_per_step: bytes one rank sends per step by ring collectives, "
-                       "from theory (utilities.sharding.comm_bytes_per_step), not measured.")
-        if L.device.type == "cpu":
-            L.results.note("CPU run: memory from torch.distributed._tools trackers; gloo overlaps "
-                           "nothing, so step times are only indicative.")
-
-
-def capacity(args, measured: dict[str, S.PerParam], world: int, replicate: int) -> dict:
-    """Largest trainable model per strategy, from measured bytes/param scaled to other GPU counts."""
-    gpu_mem = args.gpu_mem_gb * 1e9
-    act = args.activation_gb * 1e9
-    node = min(args.gpus, 8)  # HSDP: shard inside a node of up to 8 GPUs, replicate across nodes
-    gpu_counts = sorted({1, 2, 4, 8, 16, 32, 64, args.gpus})
-    curves: dict[str, list[int]] = {}
-    at_gpus = []
-    for strategy, sources in CAPACITY_FROM.items():
-        src = next((s for s in sources if s in measured), None)
-        curve = []
-        for g in gpu_counts:
-            rep = max(1, g // node) if g % node == 0 else 1
-            pp = S.bytes_per_param(strategy, g, replicate=rep)
-            if src is not None:
-                m = measured[src]
-                scaled = S.scale_measured(m, world, strategy, g, replicate=rep,
-                                          measured_replicate=replicate)
-                # the unsharded copy (SHARD_GRAD_OP) from theory: the tiny model's peak also holds
-                # the one or two units being gathered, which a large model's does not
-                pp = S.PerParam(scaled.parameters, scaled.gradients, scaled.optimizer,
-                                pp.unsharded_parameters)
-            n_max = S.largest_model(strategy, g, gpu_mem, act, per_param=pp)
-            curve.append(n_max)
-            if g == args.gpus:
-                at_gpus.append({"strategy": strategy, "measured_from": src,
-                                "bytes_per_param": pp.total, "largest_model": n_max})
-        curves[strategy] = curve
-    return {"gpus": args.gpus, "gpu_mem_bytes": gpu_mem, "activation_bytes": act,
-            "gpus_per_node_for_hsdp": node, "gpu_counts": gpu_counts, "largest_model": curves,
-            "at_gpus": at_gpus,
-            "classic_a10_8gpu": {"ddp": 750e6, "shard_grad_op": 2e9, "full_shard": 2.5e9}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # FSDP1 and NO_SHARD are deprecated
+            L.run_variants(names, lambda name: wrap(name, L.build_model(), block, L.device, mesh_2d, d),
+                           describe=lambda name, model, stats: against_theory(L, name, stats, replicate, d))
+        capacity(L, args, replicate)
+        if replicate == world and "fsdp1-hybrid-shard" in names:
+            L.results.note(HYBRID_TRAP)
 
 
 if __name__ == "__main__":

@@ -16,55 +16,92 @@ Every variant trains the same model on the same data. For each one the script re
 FSDP hands to reduce-scatter (with the fraction of entries that are exactly zero or inf/NaN there),
 plus the step time, the peak memory and the loss curve.
 
-    FSDP2: fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...))
-    FSDP1: FullyShardedDataParallel(model, mixed_precision=MixedPrecision(param_dtype=..., ...))
-
-The policies are importable: utilities.precision.fsdp2_policy(name) / fsdp1_policy(name), and
-default_policy() picks bf16 where utilities.bf16_ready() says native bf16 works, else fp32.
+The same policies by name, for your own code: utilities.precision.fsdp2_policy(name) /
+fsdp1_policy(name), the classic bfSixteen / fpSixteen / fp32_policy, and default_policy(), which
+picks bf16 where utilities.bf16_ready() says native bf16 works, else fp32.
 
 Run: fsdp-course run 07 [--quick]   or   torchrun --nproc-per-node 2 mixed_precision.py --device cpu
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
 from utilities.course.lesson import Lesson, lesson_parser
-from utilities.precision import (
-    POLICIES,
-    attach_scaler,
-    default_policy,
-    fsdp1_policy,
-    fsdp2_policy,
-    make_scaler,
-    observe_dtypes,
-)
+from utilities.precision import attach_scaler, default_policy, observe_dtypes
 from utilities.training import default_step
-from utilities.wrapping import APIS, shard_model
+
+# -- the code this lesson teaches -----------------------------------------------------------------
+# FSDP2: fully_shard(module, mp_policy=...). param_dtype: what the fp32 shards are all-gathered (and
+# computed) in; reduce_dtype: what the gradients are reduce-scattered (averaged) in.
+FSDP2_POLICIES: dict[str, MixedPrecisionPolicy] = {
+    "fp32": MixedPrecisionPolicy(),  # every dtype None: nothing is cast
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+    "bf16-fp32-reduce": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "fp16": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16),
+    "fp16-no-scaler": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16),
+}
+# FSDP1: FullyShardedDataParallel(model, mixed_precision=...); None is no mixed precision. It also
+# casts buffers (buffer_dtype), which FSDP2 leaves in their own dtype.
+FSDP1_POLICIES: dict[str, MixedPrecision | None] = {
+    "fp32": None,
+    "bf16": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                           buffer_dtype=torch.bfloat16),
+    "bf16-fp32-reduce": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                       buffer_dtype=torch.bfloat16),
+    "fp16": MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16,
+                           buffer_dtype=torch.float16),
+    "fp16-no-scaler": MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16,
+                                     buffer_dtype=torch.float16),
+}
+NEEDS_SCALER = {"fp16"}  # fp16-no-scaler shows what goes wrong without one
+APIS = ("fsdp2", "fsdp1")
 
 
-def parse_args(argv=None):
-    p = lesson_parser(__doc__)
-    p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"comma-separated subset of: {', '.join(POLICIES)}")
-    p.add_argument("--api", default="fsdp2", choices=APIS,
-                   help="fsdp2 (fully_shard + MixedPrecisionPolicy, default) or fsdp1 "
-                        "(FullyShardedDataParallel + MixedPrecision)")
-    args = p.parse(argv)
-    chosen = [v.strip() for v in args.policies.split(",") if v.strip()]
-    bad = [v for v in chosen if v not in POLICIES]
-    if bad or not chosen:
-        p.exit(2, f"error: --policies {bad[0] if bad else args.policies!r} is not allowed; "
-                  f"allowed: {', '.join(POLICIES)}\n")
-    args.policies = chosen
-    return args
+def shard_fsdp2(model: nn.Module, block_class: type[nn.Module], mp_policy: MixedPrecisionPolicy) -> nn.Module:
+    """The same policy on every ``fully_shard`` call. It may differ per call (a block kept in fp32,
+    say); a unit's forward casts its floating-point inputs to its ``param_dtype``."""
+    blocks = [m for m in model.modules() if isinstance(m, block_class)]
+    for block in blocks:
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    return model
 
 
-def scaled_step(scaler):
-    """Forward, then backward on the *scaled* loss (the optimizer step unscales; see attach_scaler)."""
+def shard_fsdp1(model: nn.Module, block_class: type[nn.Module], mixed_precision: MixedPrecision | None,
+                device: torch.device) -> nn.Module:
+    """One ``MixedPrecision`` for every unit the auto-wrap policy makes. ``device_id``: this rank's
+    GPU, or the CPU (without it FSDP1 looks for an accelerator)."""
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_class})
+    on_meta = any(p.is_meta for p in model.parameters())  # too big for one host: built on meta
+    return FSDP(model, auto_wrap_policy=policy, mixed_precision=mixed_precision, device_id=device,
+                param_init_fn=functools.partial(init_unit, model, device) if on_meta else None)
+
+
+def fp16_scaler(device: torch.device) -> ShardedGradScaler:
+    """fp16's loss scaler: it multiplies the loss (by 65536 at first) so that small gradients stay
+    above fp16's smallest number, divides them back before the optimizer step, and skips a step
+    (halving the scale) when any rank saw inf/NaN. bf16 has fp32's range and needs none."""
+    return ShardedGradScaler(device=device.type, init_scale=2.0**16)
+
+
+def scaled_step(scaler: ShardedGradScaler) -> Callable[[nn.Module, dict], torch.Tensor]:
+    """Forward, then backward on the *scaled* loss; ``attach_scaler`` makes ``optimizer.step()``
+    do ``scaler.step(optimizer); scaler.update()``."""
     _quiet_implicit_replication(scaler)
 
     def step(model, batch):
@@ -74,7 +111,15 @@ def scaled_step(scaler):
     return step
 
 
-def _quiet_implicit_replication(scaler) -> None:
+# -- the lesson run -------------------------------------------------------------------------------
+def init_unit(root: nn.Module, device: torch.device, module: nn.Module) -> None:
+    """FSDP1's ``param_init_fn`` for a meta-built model: each unit is allocated and initialized
+    (with the model's own init) just before it is sharded."""
+    module.to_empty(device=device, recurse=False)
+    root._init_weights(module)
+
+
+def _quiet_implicit_replication(scaler: ShardedGradScaler) -> None:
     """Hide one warning, only where it is expected and harmless.
 
     ``ShardedGradScaler.unscale_`` checks FSDP2's DTensor gradients for inf/NaN with its own
@@ -83,8 +128,6 @@ def _quiet_implicit_replication(scaler) -> None:
     "Found a non-scalar tensor with numel=1 and ndim!=0" each time (six lines per run). We ignore
     that message, as a UserWarning from DTensor's dispatcher, during ``unscale_`` only.
     """
-    import warnings
-
     unscale = scaler.unscale_
 
     def quiet_unscale(optimizer):
@@ -96,52 +139,77 @@ def _quiet_implicit_replication(scaler) -> None:
     scaler.unscale_ = quiet_unscale  # GradScaler.step calls self.unscale_(optimizer)
 
 
-def main(args) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = lesson_parser(__doc__)
+    p.add_argument("--policies", default=",".join(FSDP2_POLICIES),
+                   help=f"comma-separated subset of: {', '.join(FSDP2_POLICIES)}")
+    p.add_argument("--api", default="fsdp2", choices=APIS,
+                   help="fsdp2 (fully_shard + MixedPrecisionPolicy, default) or fsdp1 "
+                        "(FullyShardedDataParallel + MixedPrecision)")
+    args = p.parse(argv)
+    chosen = [v.strip() for v in args.policies.split(",") if v.strip()]
+    bad = [v for v in chosen if v not in FSDP2_POLICIES]
+    if bad or not chosen:
+        p.exit(2, f"error: --policies {bad[0] if bad else args.policies!r} is not allowed; "
+                  f"allowed: {', '.join(FSDP2_POLICIES)}\n")
+    args.policies = chosen
+    return args
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """A policy's dtype as results.json writes it; None (not cast) is fp32 here."""
+    return str(dtype or torch.float32).removeprefix("torch.")
+
+
+def train_policy(L: Lesson, api: str, policy: str) -> None:
+    """Shard with ``policy``, train with a scaler where it needs one, and record the dtypes seen."""
+    block = L.spec.block_class()
+    if api == "fsdp2":
+        model = shard_fsdp2(L.build_model(), block, FSDP2_POLICIES[policy])
+    else:
+        model = shard_fsdp1(L.build_model(), block, FSDP1_POLICIES[policy], L.device)
+    model = L.materialize(model)
+    optimizer = L.optimizer(model)
+    step_fn, extra = default_step, {}
+    if policy in NEEDS_SCALER:
+        scaler = fp16_scaler(L.device)
+        step_fn, extra["loss_scales"] = scaled_step(scaler), attach_scaler(optimizer, scaler)
+    with observe_dtypes(model) as seen:
+        stats = L.train(model, f"{api}-{policy}", optimizer=optimizer, step_fn=step_fn)
+    mp = FSDP2_POLICIES[policy]
+    fields = dict(api=api, policy=policy, param_dtype=dtype_name(mp.param_dtype),
+                  reduce_dtype=dtype_name(mp.reduce_dtype), **seen.as_dict())
+    L.results.add(f"{api}-{policy}", stats, **fields, **extra)
+    L.print(f"    forward weights {seen.forward_param_dtypes}, reduce-scatter {seen.reduce_dtypes}, zero "
+            f"grads {fields['grad_zero_fraction']:.3%}, below fp16 "
+            f"{fields['grad_fp16_underflow_fraction']:.3%}, reductions with inf/NaN "
+            f"{seen.nonfinite_reductions}/{seen.reductions}")
+
+
+NOTES = (
+    "forward_param_dtypes / reduce_dtypes are observed (a forward pre-hook on every Linear; a wrapper "
+    "around reduce_scatter_single), not read from config.",
+    "grad_zero_fraction: gradient entries that reached the reduce-scatter as exact zeros (some are "
+    "zero in any dtype: unused embeddings, FSDP padding); grad_fp16_underflow_fraction: non-zero "
+    "entries below 2**-25, which fp16 rounds to zero. Both over the reductions whose gradients were "
+    "all finite.",
+)
+CPU_NOTE = ("CPU run: 16-bit matmuls on CPU are emulated or slow; step times and speed-ups are only "
+            "meaningful on GPUs with bf16/fp16 tensor cores.")
+
+
+def main(args: argparse.Namespace) -> None:
     # GPU batch 8: at batch 4 T5-large is bound by kernel launches and bf16 shows no gain (H100,
     # 2026-11-22: 0.336 s bf16 vs 0.323 s fp32); at batch 8 a plain step is 1.9x faster in bf16.
-    with Lesson("07", args, settings={"api": args.api}) as L:
-        block = L.spec.block_class()
-        chosen, why = default_policy()
+    with Lesson("07", args, settings={"api": args.api}, notes=NOTES, cpu_note=CPU_NOTE) as L:
+        L.results.columns("param_dtype", "reduce_dtype", "grad_zero_fraction",
+                          "grad_fp16_underflow_fraction", "nonfinite_reductions")
+        chosen, why = default_policy()  # the bf16 checker: bf16 where bf16_ready(), else fp32
         L.print(f"default_policy() here: {chosen} ({why})")
-
-        for name in args.policies:
-            with L.variant(name):  # everything the variant made is freed before the next one
-                if args.api == "fsdp2":
-                    options = {"mp_policy": fsdp2_policy(name)}
-                else:
-                    options = {"mixed_precision": fsdp1_policy(name)}
-                model = shard_model(L.build_model(), api=args.api, block_class=block, device=L.device,
-                                    **options)
-                model = L.materialize(model)
-                optimizer = L.optimizer(model)
-                scaler = make_scaler(name, L.device)
-                step_fn, scales = default_step, None
-                if scaler is not None:
-                    step_fn, scales = scaled_step(scaler), attach_scaler(optimizer, scaler)
-                with observe_dtypes(model) as seen:
-                    stats = L.train(model, f"{args.api}-{name}", optimizer=optimizer, step_fn=step_fn)
-                p = POLICIES[name]
-                extra = dict(api=args.api, policy=name, param_dtype=str(p.param)[6:],
-                             reduce_dtype=str(p.reduce)[6:], **seen.as_dict())
-                if scales is not None:
-                    extra["loss_scales"] = scales
-                L.results.add(f"{args.api}-{name}", stats, **extra)
-                L.print(f"    forward weights {seen.forward_param_dtypes}, reduce-scatter "
-                        f"{seen.reduce_dtypes}, zero grads {extra['grad_zero_fraction']:.3%}, "
-                        f"below fp16 {extra['grad_fp16_underflow_fraction']:.3%}, reductions with "
-                        f"inf/NaN {seen.nonfinite_reductions}/{seen.reductions}")
-                del model, optimizer
-
+        for policy in args.policies:
+            with L.variant(policy):  # everything the variant made is freed before the next one
+                train_policy(L, args.api, policy)
         L.results.data["default_policy"] = {"name": chosen, "reason": why}
-        L.results.note("forward_param_dtypes / reduce_dtypes are observed (a forward pre-hook on "
-                       "every Linear; a wrapper around reduce_scatter_single), not read from config.")
-        L.results.note("grad_zero_fraction: gradient entries that reached the reduce-scatter as "
-                       "exact zeros (some are zero in any dtype: unused embeddings, FSDP padding); "
-                       "grad_fp16_underflow_fraction: non-zero entries below 2**-25, which fp16 "
-                       "rounds to zero. Both over the reductions whose gradients were all finite.")
-        if L.device.type == "cpu":
-            L.results.note("CPU run: 16-bit matmuls on CPU are emulated or slow; step times and "
-                           "speed-ups are only meaningful on GPUs with bf16/fp16 tensor cores.")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,14 @@ decision, backend, refusal and flags) in the normal suite. Skipped without CUDA 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
-from conftest import run_lesson, variant
+from conftest import REPO, run_lesson, variant
 from test_shared_gpu_cpu import SHARED_GPU_RUNS, lesson_of
 
-from utilities import sharding as S
+sys.path.insert(0, str(REPO / "lessons" / "06_sharding_strategies"))  # lesson 06's formulas
 
 pytestmark = pytest.mark.gpu
 
@@ -38,6 +40,8 @@ def _run(key: str, tmp_path) -> dict:
 def test_lesson_06_full_shard_bytes_per_rank_equal_theory(key, tmp_path):
     """Parameters, gradients and optimizer state each rank keeps: 1/N of the model's, within 2%
     (N = 2: half; N = 4: a quarter)."""
+    import sharding as S
+
     r = _run(key, tmp_path)
     world = r["world_size"]
     n = r["model"]["parameters"]
