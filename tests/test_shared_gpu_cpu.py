@@ -188,7 +188,7 @@ def test_lesson_on_a_shared_gpu_says_so_first_and_records_it(one_gpu, init_calls
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     args = lesson_parser(None).parse_args(["--device", "cuda", "--quick"])
-    L = Lesson("06", "sharding strategies", args)
+    L = Lesson("06", args)
     L._setup()
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("2 ranks, 2 per GPU, over cpu:gloo,cuda:gloo")

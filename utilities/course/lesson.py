@@ -102,8 +102,8 @@ class LessonParser(argparse.ArgumentParser):
         try:
             if args.model is not None:
                 get_model_spec(args.model)
-            if args.device == "cuda":
-                D.resolve_device("cuda")
+            if args.device == "cuda" and os.environ.get(CHECK_FLAGS_ENV) != "1":
+                D.resolve_device("cuda")  # (the launcher checks the device itself, for all ranks)
         except UsageError as e:
             self.exit(2, f"error: {e}\n")
         return args
