@@ -1,16 +1,14 @@
 """What every lesson script shares: its flags, its set-up and tear-down, its data and its report.
 
-A lesson script reads like the lesson::
+A lesson script opens with the FSDP code it teaches, in plain functions; its ``main`` is then::
 
-    args = lesson_parser(__doc__).parse_args()
-    with Lesson("01", "transformer auto-wrap", args, gpu_model="t5-large") as L:
-        model = shard_model(L.build_model(), ...)
-        stats = L.train(model, name="per-block")
-        L.results.add("per-block", stats)
+    args = lesson_parser(__doc__).parse(argv)
+    with Lesson("01", args, cpu_note="...") as L:
+        L.run_variants(args.variants, lambda name: wrap[name](L.build_model()))
 
 ``Lesson`` joins the process group (NCCL on GPUs, gloo on CPU), resolves the model for the hardware
-(a tiny one on CPU, a real size on GPU), seeds every rank alike, and on exit writes results.json
-and prints the comparison on rank 0. A bad flag value ends the run with one line and exit code 2.
+(the catalog's ``Run``: a tiny one on CPU, a real size on GPU), seeds every rank alike, frees each
+variant before the next, and on exit writes results.json and prints the comparison on rank 0. A bad flag value ends the run with one line and exit code 2.
 """
 
 from __future__ import annotations
