@@ -8,7 +8,8 @@ A lesson script opens with the FSDP code it teaches, in plain functions; its ``m
 
 ``Lesson`` joins the process group (NCCL on GPUs, gloo on CPU), resolves the model for the hardware
 (the catalog's ``Run``: a tiny one on CPU, a real size on GPU), seeds every rank alike, frees each
-variant before the next, and on exit writes results.json and prints the comparison on rank 0. A bad flag value ends the run with one line and exit code 2.
+variant before the next, and on exit writes results.json and prints the comparison on rank 0. A bad
+flag value ends the run with one line and exit code 2.
 """
 
 from __future__ import annotations
