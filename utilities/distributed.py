@@ -168,6 +168,8 @@ TORCH_INTERNAL_WARNINGS = (
     "Please use DTensor instead", "`_get_pg_default_device`", "Multiple backends are registered",
     # torch.distributed._tools' module tracker, around FSDP1's hook-less backward wrappers.
     "Module is None",
+    # ... and its memory tracker, which reads .grad of every tensor it sees, non-leaves included.
+    "The .grad attribute of a Tensor that is not a leaf Tensor",
 )
 
 
