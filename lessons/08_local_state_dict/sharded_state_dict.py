@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -147,7 +148,11 @@ def save_fsdp1_local(directory: str | os.PathLike, model: FSDP) -> tuple[Path, i
 
 
 def save_fsdp1_sharded(path: str | os.PathLike, model: FSDP) -> None:
-    """``SHARDED_STATE_DICT`` + ``dcp.save`` (model only): reshardable, like ``save``'s."""
+    """``SHARDED_STATE_DICT`` + ``dcp.save`` (model only): reshardable, like ``save``'s. A rerun
+    replaces the folder (dcp.save would write over the old files, with a warning)."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
     dcp.save({"model": fsdp1_state_dict(model, StateDictType.SHARDED_STATE_DICT)},
              checkpoint_id=str(path))
 
@@ -257,6 +262,7 @@ def convert(L: Lesson) -> None:
     """One torch.save file and back, with PyTorch's format_utils (rank 0 only: no process group)."""
     if L.dist.is_main:
         single, to_s = timed(to_torch_save, L.out / "checkpoint", L.out / "converted.pt")
+        shutil.rmtree(L.out / "converted_dcp", ignore_errors=True)  # a rerun replaces it
         back, from_s = timed(from_torch_save, single, L.out / "converted_dcp")
         L.results.add("convert", None, dcp_to_torch_save_s=round(to_s, 4),
                       torch_save_to_dcp_s=round(from_s, 4), torch_save_bytes=single.stat().st_size,
