@@ -215,22 +215,6 @@ def print0(*args, all_ranks: bool = False, **kwargs) -> None:
         print(*args, flush=True, **kwargs)
 
 
-def mesh(device_type: str, shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
-    """A device mesh over all ranks: 1-D (``("dp",)``) by default, or the given shape and names."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = shape or (world_size(),)
-    names = names or (("dp",) if len(shape) == 1 else tuple(f"dim{i}" for i in range(len(shape))))
-    if len(names) != len(shape):
-        raise UsageError(f"mesh names {names} do not match mesh shape {shape}")
-    total = 1
-    for s in shape:
-        total *= s
-    if total != world_size():
-        raise UsageError(f"mesh shape {shape} needs {total} ranks, but the world size is {world_size()}")
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
-
-
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
