@@ -123,3 +123,21 @@ def test_memory_maximizer_classic_stop_and_attributes_with_a_fake_gpu(fake_alloc
     assert "cudaMalloc retries: 3" in out and "every update (GB): [1.0, 2.0]" in out
     assert memmax.m_num_retries == 3 and memmax.m_reserved_memory_list == [1.0, 2.0]
     assert memmax.m_total_gpu_memory == 80.0 and memmax.m_max_reserved == 2.0
+
+
+def test_every_public_name_imports_and_the_command_starts_without_torch():
+    """``from utilities import *`` gives every name in ``__all__`` (they load on first use), and
+    ``python -m utilities`` plans a CPU launch without importing torch (seconds per command)."""
+    import subprocess
+    import sys
+
+    namespace: dict = {}
+    exec("from utilities import *", namespace)
+    assert set(utilities.__all__) <= set(namespace) and set(utilities.__all__) == set(utilities._EXPORTS)
+    with pytest.raises(AttributeError, match="no attribute 'Memory_Maximiser'"):
+        utilities.Memory_Maximiser  # noqa: B018
+    code = ("import sys; from utilities.course import cli; cli._parser(); "
+            "cli.decide_launch(None, cli.resolve_device('cpu')); cli.get_model_spec('t5-tiny'); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -18,22 +18,24 @@ from __future__ import annotations
 
 import datetime
 import gc
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from utilities.devices import (  # noqa: F401  (re-exported: the names users and lessons import)
+    BACKENDS,
+    CUDA_BACKEND,
+    DEVICES,
+    SHARED_GPU_BACKEND,
+    SHARED_GPU_NOTE,
+    ranks_per_gpu,
+    resolve_backend,
+    resolve_device,
+    shared_gpu_sentence,
+)
 from utilities.errors import UsageError, bad_value
-
-DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "gloo", "nccl")
-# What ``--backend auto`` asks for on CUDA: NCCL for GPU tensors, gloo for the CPU-side collectives.
-CUDA_BACKEND = "cpu:gloo,cuda:nccl"
-# ... and with ranks sharing a GPU, where NCCL refuses to run: gloo for both.
-SHARED_GPU_BACKEND = "cpu:gloo,cuda:gloo"
-SHARED_GPU_NOTE = "step times host-staged: not comparable"
 
 
 @dataclass(frozen=True)
@@ -61,54 +63,6 @@ class DistInfo:
         if not self.shares_gpu:
             return None
         return shared_gpu_sentence(self.world_size, self.ranks_per_gpu, self.backend)
-
-
-def shared_gpu_sentence(ranks: int, per_gpu: int, backend: str, gpus: int | None = None) -> str:
-    """What the launcher and every rank say first when ranks share GPUs: one sentence for both."""
-    where = f" on {gpus} GPU{'s' if gpus > 1 else ''}" if gpus else ""
-    return (f"{ranks} ranks{where}, {per_gpu} per GPU, over {backend} (NCCL refuses two ranks on "
-            f"one device): memory per rank is the allocator's own; {SHARED_GPU_NOTE}")
-
-
-def resolve_device(device: str = "auto") -> str:
-    """Turn ``auto`` into ``cuda`` or ``cpu``; refuse ``cuda`` where there is no GPU."""
-    if device not in DEVICES:
-        raise bad_value("--device", device, DEVICES)
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device 'cuda' is not allowed: no CUDA GPU is visible here; allowed: cpu, auto")
-    return device
-
-
-def ranks_per_gpu(local_ranks: int, gpus: int) -> int:
-    """How many of a node's ``local_ranks`` ranks the busiest of its ``gpus`` GPUs carries
-    (rank i runs on GPU ``i % gpus``); 1 when every rank has a GPU of its own."""
-    if gpus < 1:
-        raise UsageError("no CUDA GPU is visible here; allowed: --device cpu")
-    return max(1, math.ceil(local_ranks / gpus))
-
-
-def resolve_backend(device: str, backend: str = "auto", shared_gpu: bool = False) -> str:
-    """The backend string for ``init_process_group``.
-
-    ``auto``: ``gloo`` on CPU; on CUDA ``cpu:gloo,cuda:nccl`` (a CPU backend beside NCCL, for
-    ``dcp.async_save`` and CPU-tensor all-reduces), or ``cpu:gloo,cuda:gloo`` when ranks share a
-    GPU. A forced ``gloo`` or ``nccl`` is used as given; ``nccl`` is refused on CPU and on a shared
-    GPU, where NCCL cannot run.
-    """
-    if backend not in BACKENDS:
-        raise bad_value("--backend", backend, BACKENDS)
-    if device == "cuda" and shared_gpu:
-        if backend == "nccl":
-            raise UsageError("--backend 'nccl' is not allowed with several ranks sharing a GPU "
-                             "(NCCL refuses two ranks on one device); allowed: gloo, auto")
-        return SHARED_GPU_BACKEND if backend == "auto" else backend
-    if backend == "auto":
-        return CUDA_BACKEND if device == "cuda" else "gloo"
-    if backend == "nccl" and device != "cuda":
-        raise UsageError("--backend 'nccl' is not allowed with --device cpu; allowed: gloo")
-    return backend
 
 
 def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:

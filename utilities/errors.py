@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Iterable
+from typing import NoReturn
 
 
 class UsageError(ValueError):
@@ -19,7 +21,14 @@ def bad_value(what: str, value: object, allowed: Iterable[object] | str) -> Usag
     return UsageError(f"{what} {value!r} is not allowed; allowed: {allowed_text}")
 
 
-def exit_on_usage_error(exc: UsageError, code: int = 2) -> NoReturn:  # noqa: F821
+def exit_on_usage_error(exc: UsageError, code: int = 2) -> NoReturn:
     """Print the error as one line on stderr and exit with ``code`` (2, like argparse)."""
     print(f"error: {exc}", file=sys.stderr)
     raise SystemExit(code)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that answers a bad flag with one line and exit 2, not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see --help)\n")

@@ -3,6 +3,9 @@
 Nothing is downloaded: every model is built from its config, so lessons run offline and the sizes
 are exact. Each entry knows its transformer block class (what auto-wrap wraps) and its parameter
 count (computed on the meta device, so asking costs no memory).
+
+torch and transformers are imported when a model is built, not with this module: the launcher
+checks ``--model`` names without loading them.
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from utilities.data import ByteTokenizer
 from utilities.errors import bad_value
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 VOCAB = 384  # byte tokenizer (259 ids) padded to a multiple of 128 for fast matmuls
 
@@ -50,15 +54,18 @@ class ModelSpec:
     def num_parameters(self) -> int:
         return _count_parameters(self.name)
 
-    def build(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-        """Build with random weights on ``device`` (``"meta"`` for a model too large for one host).
+    def build(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+        """Build with random weights on ``device`` (``"meta"`` for a model too large for one host),
+        in fp32 unless ``dtype`` says otherwise.
 
         Every rank must call this after the same ``torch.manual_seed`` so unsharded copies agree.
         """
+        import torch
+
         cfg = self.config()
         with torch.device(device):
             model = _model_class(self.family)(cfg)
-        return model.to(dtype) if dtype != torch.float32 else model
+        return model.to(dtype) if dtype not in (None, torch.float32) else model
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N + 12 * layers * heads * head_dim * seq (nanoGPT / torchtitan)."""
@@ -76,6 +83,8 @@ def _t5(d_model: int, d_ff: int, layers: int, heads: int, d_kv: int, vocab: int 
     def make():
         from transformers import T5Config
 
+        from utilities.data import ByteTokenizer
+
         tok = ByteTokenizer()
         return T5Config(
             vocab_size=vocab, d_model=d_model, d_ff=d_ff, num_layers=layers, num_decoder_layers=layers,
@@ -90,6 +99,8 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, voca
            tie: bool = False, max_pos: int = 8192):
     def make():
         from transformers import LlamaConfig
+
+        from utilities.data import ByteTokenizer
 
         tok = ByteTokenizer()
         return LlamaConfig(

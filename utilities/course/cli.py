@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utilities.course.catalog import CHECK_FLAGS_ENV, LESSONS, LessonInfo, get_lesson, run_defaults
-from utilities.distributed import (
+from utilities.devices import (
     BACKENDS,
     DEVICES,
     ranks_per_gpu,
@@ -28,18 +28,13 @@ from utilities.distributed import (
     resolve_device,
     shared_gpu_sentence,
 )
-from utilities.errors import UsageError, bad_value
+from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.models import MODELS, get_model_spec
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fsdp-course", description="The FSDP course: lessons, runs and checks.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = OneLineParser(prog="fsdp-course", description="The FSDP course: lessons, runs and checks.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     ls = sub.add_parser(
         "list", help="every lesson with its number, title and status",
@@ -72,17 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                     "memory (through NVML where present); whether native bf16 is ready and, if "
                     "not, why; and which lessons can run here (and on what: GPUs or CPU ranks).")
 
-    from utilities.measure.planner import add_plan_arguments
-
-    add_plan_arguments(sub.add_parser(
-        "plan", help="predict per-GPU peak memory by category for any model, strategy and size, "
-                     "without the hardware",
-        description="Predict the peak memory per GPU, by category (parameters, gradients, "
-                    "optimizer state, activations), of one training step of a named model on N "
-                    "GPUs, on this machine and without them: the model is built under "
-                    "FakeTensorMode with a fake process group and the real FSDP2 step runs under "
-                    "PyTorch's memory tracker. Says whether it fits (90% of --gpu-memory) and, "
-                    "with --max-batch, the largest batch that does (lesson 14)."))
+    # The planner parses its own flags (its module loads torch, which no other command here needs).
+    sub.add_parser("plan", add_help=False, help="predict per-GPU peak memory by category for any "
+                   "model, strategy and size, without the hardware (fsdp-course plan --help)")
 
     rec = sub.add_parser(
         "record", help="record a real run of a lesson as an asciinema .cast (the course's demos)",
@@ -100,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:  # everything after "--" belongs to the lesson script
         cut = argv.index("--")
         argv, lesson_flags = argv[:cut], argv[cut + 1:]
+    if argv[:1] == ["plan"]:
+        from utilities.measure.planner import main as plan_main
+
+        return plan_main(argv[1:])
     args = _parser().parse_args(argv)
     args.lesson_args = lesson_flags
     try:
@@ -114,10 +105,6 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "record":
             return _record(args)
-        if args.command == "plan":
-            from utilities.measure.planner import run_plan
-
-            return run_plan(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

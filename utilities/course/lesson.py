@@ -32,7 +32,7 @@ from utilities.course.catalog import CHECK_FLAGS_ENV, LESSONS
 from utilities.course.release import VariantScope, live_parameters
 from utilities.course.results import WIDTH, Results, table
 from utilities.data import ReverseTask, batches, make_loader
-from utilities.errors import UsageError, bad_value
+from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
 from utilities.training import TrainStats, train
 
@@ -76,11 +76,8 @@ positive_int = bounded(int, 1)
 positive_float = bounded(float, 0, low_open=True)
 
 
-class LessonParser(argparse.ArgumentParser):
+class LessonParser(OneLineParser):
     """argparse that answers a bad value with one line (no usage dump) and checks common values."""
-
-    def error(self, message: str) -> NoReturn:  # noqa: F821
-        self.exit(2, f"error: {message} (see --help)\n")
 
     def add_variants(self, names) -> None:
         """``--variants a,b``: the subset of the lesson's variants to run (default: all of them).

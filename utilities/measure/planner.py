@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from utilities.errors import UsageError, bad_value
+from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.measure import categorize, fmt_bytes
 from utilities.models import get_model_spec
 
@@ -375,6 +375,14 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
 
 # -- command line ----------------------------------------------------------------------------------
 
+PLAN_DESCRIPTION = (
+    "Predict the peak memory per GPU, by category (parameters, gradients, optimizer state, "
+    "activations), of one training step of a named model on N GPUs, on this machine and without "
+    "them: the model is built under FakeTensorMode with a fake process group and the real FSDP2 "
+    "step runs under PyTorch's memory tracker. Says whether it fits (90% of --gpu-memory) and, "
+    "with --max-batch, the largest batch that does (lesson 14).")
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of ``fsdp-course plan``."""
     parser.add_argument("--model", default="llama-8b", help="named model (see `fsdp-course list "
@@ -487,8 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m utilities.measure.planner ...`` (what ``fsdp-course plan`` calls)."""
     import sys
 
-    parser = add_plan_arguments(argparse.ArgumentParser(prog="fsdp-course plan",
-                                                        description=__doc__.split("\n\n")[0]))
+    parser = add_plan_arguments(OneLineParser(prog="fsdp-course plan", description=PLAN_DESCRIPTION))
     try:
         return run_plan(parser.parse_args(argv))
     except UsageError as e:

@@ -1,0 +1,70 @@
+"""Where a run goes, decided before torch is loaded: the device, the process-group backend and
+how many ranks share a GPU. ``fsdp-course run`` plans a launch with these alone (importing torch
+costs seconds per command); ``utilities.distributed`` uses the same functions in every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+from utilities.errors import UsageError, bad_value
+
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+# What ``--backend auto`` asks for on CUDA: NCCL for GPU tensors, gloo for the CPU-side collectives.
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+# ... and with ranks sharing a GPU, where NCCL refuses to run: gloo for both.
+SHARED_GPU_BACKEND = "cpu:gloo,cuda:gloo"
+SHARED_GPU_NOTE = "step times host-staged: not comparable"
+
+
+def shared_gpu_sentence(ranks: int, per_gpu: int, backend: str, gpus: int | None = None) -> str:
+    """What the launcher and every rank say first when ranks share GPUs: one sentence for both."""
+    where = f" on {gpus} GPU{'s' if gpus > 1 else ''}" if gpus else ""
+    return (f"{ranks} ranks{where}, {per_gpu} per GPU, over {backend} (NCCL refuses two ranks on "
+            f"one device): memory per rank is the allocator's own; {SHARED_GPU_NOTE}")
+
+
+def resolve_device(device: str = "auto") -> str:
+    """Turn ``auto`` into ``cuda`` or ``cpu``; refuse ``cuda`` where there is no GPU."""
+    if device not in DEVICES:
+        raise bad_value("--device", device, DEVICES)
+    if device == "cpu":
+        return device
+    import torch  # only here: the launcher decides everything else without loading torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise UsageError("--device 'cuda' is not allowed: no CUDA GPU is visible here; allowed: cpu, auto")
+    return device
+
+
+def ranks_per_gpu(local_ranks: int, gpus: int) -> int:
+    """How many of a node's ``local_ranks`` ranks the busiest of its ``gpus`` GPUs carries
+    (rank i runs on GPU ``i % gpus``); 1 when every rank has a GPU of its own."""
+    if gpus < 1:
+        raise UsageError("no CUDA GPU is visible here; allowed: --device cpu")
+    return max(1, math.ceil(local_ranks / gpus))
+
+
+def resolve_backend(device: str, backend: str = "auto", shared_gpu: bool = False) -> str:
+    """The backend string for ``init_process_group``.
+
+    ``auto``: ``gloo`` on CPU; on CUDA ``cpu:gloo,cuda:nccl`` (a CPU backend beside NCCL, for
+    ``dcp.async_save`` and CPU-tensor all-reduces), or ``cpu:gloo,cuda:gloo`` when ranks share a
+    GPU. A forced ``gloo`` or ``nccl`` is used as given; ``nccl`` is refused on CPU and on a shared
+    GPU, where NCCL cannot run.
+    """
+    if backend not in BACKENDS:
+        raise bad_value("--backend", backend, BACKENDS)
+    if device == "cuda" and shared_gpu:
+        if backend == "nccl":
+            raise UsageError("--backend 'nccl' is not allowed with several ranks sharing a GPU "
+                             "(NCCL refuses two ranks on one device); allowed: gloo, auto")
+        return SHARED_GPU_BACKEND if backend == "auto" else backend
+    if backend == "auto":
+        return CUDA_BACKEND if device == "cuda" else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise UsageError("--backend 'nccl' is not allowed with --device cpu; allowed: gloo")
+    return backend
