@@ -3,6 +3,9 @@ results.json; skip GPU tests without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -55,14 +58,65 @@ def assert_documented_keys(results: dict, number: str) -> None:
     assert results["lesson"] == number and results["device"] == "cpu" and results["world_size"] == 2
 
 
-def assert_help_lists(number: str, flags: tuple[str, ...]) -> None:
-    """``fsdp-course run NN -- --help`` explains each flag (and the lesson has its README)."""
+_LESSON_MODULES: dict[str, object] = {}
+
+
+def lesson_module(number: str):
+    """The lesson's script imported as a module, its folder on ``sys.path`` for its own helpers
+    (how its notebook imports it)."""
     from utilities.course.catalog import get_lesson
 
-    proc = cli("run", number, "--", "--help")
-    assert proc.returncode == 0
+    if number not in _LESSON_MODULES:
+        info = get_lesson(number)
+        if str(info.path) not in sys.path:
+            sys.path.insert(0, str(info.path))
+        spec = importlib.util.spec_from_file_location(f"lesson_{number}", info.script_path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _LESSON_MODULES[number] = module
+    return _LESSON_MODULES[number]
+
+
+def parse_lesson_flags(number: str, *flags: str) -> tuple[int, str, str]:
+    """Parse ``flags`` with the lesson's own parser, in this process, as ``fsdp-course run NN
+    --quick -- FLAGS`` does before it starts torchrun (tests/test_cli.py checks once that the
+    command passes the answer on); returns (exit code, stdout, stderr)."""
+    from utilities.course.catalog import CHECK_FLAGS_ENV
+
+    out, err = io.StringIO(), io.StringIO()
+    old = os.environ.get(CHECK_FLAGS_ENV)
+    os.environ[CHECK_FLAGS_ENV] = "1"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            lesson_module(number).parse_args(["--device", "cpu", "--quick", *flags])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        if old is None:
+            os.environ.pop(CHECK_FLAGS_ENV)
+        else:
+            os.environ[CHECK_FLAGS_ENV] = old
+    return code, out.getvalue(), err.getvalue()
+
+
+def flag_error(number: str, *flags: str) -> str:
+    """The one line a bad lesson flag gets (exit 2, ``error: ...``, no traceback)."""
+    code, _, err = parse_lesson_flags(number, *flags)
+    line = err.strip()
+    assert code == 2 and "\n" not in line and line.startswith("error:"), (code, err)
+    return line
+
+
+def assert_help_lists(number: str, flags: tuple[str, ...]) -> None:
+    """The lesson's ``--help`` (what ``fsdp-course run NN -- --help`` prints) explains each flag,
+    and the lesson has its README."""
+    from utilities.course.catalog import get_lesson
+
+    code, out, _ = parse_lesson_flags(number, "--help")
+    assert code == 0
     for flag in flags:
-        assert flag in proc.stdout, flag
+        assert flag in out, flag
     assert (get_lesson(number).path / "README.md").is_file()
 
 

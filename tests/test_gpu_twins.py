@@ -8,21 +8,9 @@ test names are all in that run."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-from conftest import notebook_results
+from conftest import lesson_module, notebook_results
 from gpu_cases import CASES
-
-from utilities.course.catalog import get_lesson
-
-
-def lesson_module(number: str):
-    info = get_lesson(number)
-    spec = importlib.util.spec_from_file_location(f"lesson_{number}_twin", info.script_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
