@@ -1,15 +1,19 @@
-"""The code in the lesson READMEs runs: every ```python block of a README, in order, in one fresh
-process, from the lesson's folder, with a one-rank gloo process group already up (what a reader
+"""The code in the lesson READMEs runs: every ```python block of a README, in order, in one
+namespace, from the lesson's folder, with a one-rank gloo process group already up (what a reader
 who pastes the blocks into a python session after `torch.distributed.init_process_group` gets).
 
+All READMEs run in one fresh process (each in its own namespace and folder), started once per
+test session: importing torch and transformers once instead of once per README.
+
 A block that cannot run on a CPU (GPU-only, multi-node) is fenced ```text / ```bash, or starts
-with the line ``# not run: <why>``. Run one README by hand:
+with the line ``# not run: <why>``. Run READMEs by hand:
 
     python tests/test_readme_snippets.py lessons/01_auto_wrap/README.md
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -23,18 +27,6 @@ READMES = sorted((ROOT / "lessons").glob("*/README.md"))
 SKIP_MARK = "# not run:"
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
-_PRELUDE = """
-import os, sys
-sys.path[:0] = [{root!r}, {folder!r}]
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-import socket
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-import torch.distributed as dist
-dist.init_process_group("gloo", rank=0, world_size=1)
-"""
-
 
 def snippets(readme: Path) -> list[str]:
     """The README's runnable python blocks, in order."""
@@ -42,19 +34,58 @@ def snippets(readme: Path) -> list[str]:
     return [b for b in blocks if not b.lstrip().startswith(SKIP_MARK)]
 
 
-def script(readme: Path) -> str:
-    """One program: the prelude, then each block (announced, so a failure names its block)."""
-    parts = [_PRELUDE.format(root=str(ROOT), folder=str(readme.parent))]
-    for i, block in enumerate(snippets(readme), 1):
-        parts.append(f"print('--- block {i}', flush=True)\n{block}")
-    parts.append("dist.destroy_process_group()\n")
-    return "\n".join(parts)
+def _run_here(readmes: list[Path]) -> dict[str, dict]:
+    """Run each README's blocks in this process (the child's side of ``run``): one namespace per
+    README, its folder as the working directory and first on ``sys.path``. Returns, per README,
+    ``{"ok": bool, "blocks": n, "failed_block": i, "error": traceback}``."""
+    import socket
+    import traceback
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    sys.path.insert(0, str(ROOT))
+    results = {}
+    for readme in readmes:
+        blocks = snippets(readme)
+        os.chdir(readme.parent)
+        sys.path.insert(0, str(readme.parent))
+        namespace = {"__name__": "__main__"}
+        outcome = {"ok": True, "blocks": len(blocks)}
+        for i, block in enumerate(blocks, 1):
+            try:
+                exec(compile(block, f"{readme.relative_to(readme.parents[2])} (python block {i})",
+                             "exec"), namespace)
+            except BaseException:  # noqa: BLE001 - SystemExit included: a block must not exit
+                outcome = {"ok": False, "blocks": len(blocks), "failed_block": i,
+                           "error": traceback.format_exc()[-4000:]}
+                break
+        results[str(readme)] = outcome
+        sys.path.remove(str(readme.parent))
+        print(f"{readme}: {'ok' if outcome['ok'] else 'FAILED'} ({len(blocks)} blocks)", flush=True)
+    dist.destroy_process_group()
+    return results
 
 
-def run(readme: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", script(readme)], cwd=readme.parent, text=True,
-                          capture_output=True, timeout=timeout,
+def run(readmes: list[Path], timeout: float = 900) -> dict[str, dict]:
+    """Run the READMEs' blocks in one fresh python process; their outcomes by path."""
+    proc = subprocess.run([sys.executable, __file__, "--json", *map(str, readmes)], cwd=ROOT,
+                          text=True, capture_output=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    marker = "READMES-JSON "
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(marker)]
+    assert lines, (f"the README runner died (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                   f"{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len(marker):])
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, dict]:
+    return run([r for r in READMES if snippets(r)])
 
 
 def test_lesson_readmes_have_runnable_code():
@@ -65,27 +96,29 @@ def test_lesson_readmes_have_runnable_code():
 
 
 @pytest.mark.parametrize("readme", READMES, ids=[r.parent.name[:2] for r in READMES])
-def test_readme_python_blocks_run(readme: Path):
+def test_readme_python_blocks_run(readme: Path, outcomes):
     if not snippets(readme):
         pytest.skip("no python blocks")
-    proc = run(readme)
-    assert proc.returncode == 0, (
-        f"{readme.relative_to(ROOT)}: a python block failed "
-        f"(the last '--- block N' line names it):\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
+    outcome = outcomes[str(readme)]
+    assert outcome["ok"], (f"{readme.relative_to(ROOT)}: python block {outcome['failed_block']} "
+                           f"failed:\n{outcome['error']}")
 
 
 def test_a_failing_block_fails_the_check(tmp_path):
-    readme = tmp_path / "README.md"
+    folder = tmp_path / "lessons" / "99_x"
+    folder.mkdir(parents=True)
+    readme = folder / "README.md"
     readme.write_text("```python\nx = 1\n```\n\n```python\n# not run: GPU only\nraise SystemExit(3)\n"
                       "```\n\n```python\nassert x == 2, 'wrong'\n```\n")
     assert len(snippets(readme)) == 2
-    proc = run(readme)
-    assert proc.returncode != 0 and "--- block 2" in proc.stdout and "wrong" in proc.stderr
+    outcome = run([readme])[str(readme)]
+    assert not outcome["ok"] and outcome["failed_block"] == 2 and "wrong" in outcome["error"]
 
 
 if __name__ == "__main__":
-    for path in sys.argv[1:]:
-        done = run(Path(path).resolve())
-        print(done.stdout[-3000:], done.stderr[-4000:], sep="\n")
-        print(f"{path}: {'ok' if done.returncode == 0 else 'FAILED'} "
-              f"({len(snippets(Path(path)))} blocks)")
+    if sys.argv[1:2] == ["--json"]:
+        print("READMES-JSON " + json.dumps(_run_here([Path(p).resolve() for p in sys.argv[2:]])))
+    else:
+        for path, outcome in _run_here([Path(p).resolve() for p in sys.argv[1:]]).items():
+            if not outcome["ok"]:
+                print(f"{path}: python block {outcome['failed_block']} failed:\n{outcome['error']}")
