@@ -16,7 +16,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from utilities.course.catalog import CHECK_FLAGS_ENV, LESSONS, LessonInfo, get_lesson, run_defaults
@@ -301,30 +303,51 @@ def lesson_command(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
             f"--nproc-per-node={nproc}", str(info.script_path), *script_args, *flags]
 
 
-def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
-           model: str | None, flags: list[str]) -> int:
-    """Start the lesson through torchrun, after every check that can fail in one line: the output
-    folder, the lesson's flags and, for ranks sharing a GPU, whether they fit."""
+@dataclass(frozen=True)
+class Launch:
+    """A lesson run ready to start: the torchrun command, its environment, and the lines the
+    launcher prints before it (the shared-GPU sentence and plan, then the command as typed)."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    header: list[str]
+
+
+def prepare_launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
+                   model: str | None, flags: list[str],
+                   check_flags: Callable[[list[str]], None] | None = None) -> Launch:
+    """Every check that can fail in one line, before anything starts: the output folder, the
+    lesson's flags (``check_flags``, by default the script itself in a child process, which stops
+    once they parse) and, for ranks sharing a GPU, whether they fit."""
     cmd = lesson_command(info, device, nproc, out, quick, model, flags)
-    if "-h" in flags or "--help" in flags:
-        return subprocess.call([sys.executable, str(info.script_path), *flags])
     check_output_dir(out)
     if flags:  # the flags the launcher adds itself (--device, --out, --quick, --model) are checked
-        _validate_lesson_flags(info, cmd[cmd.index(str(info.script_path)) + 1:])
+        (check_flags or partial(_validate_lesson_flags, info))(cmd[cmd.index(str(info.script_path)) + 1:])
     backend = _lesson_settings(flags).backend
     plan = decide_launch(info, device, nproc, backend=backend if backend in BACKENDS else "auto")
+    header = []
     if plan.shared:
         fit = check_fit(info, plan, quick, model, flags)
-        print(plan.first_line(), flush=True)
-        print(fit, flush=True)
+        header += [plan.first_line(), fit]
     env = dict(os.environ)
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
     env.setdefault("PYTHONUNBUFFERED", "1")
     script = str(info.script_path)
     shown = " ".join([os.path.relpath(script)] + cmd[cmd.index(script) + 1:])
-    print(f"$ torchrun --standalone --nproc-per-node={nproc} {shown}", flush=True)
-    return subprocess.call(cmd, env=env)
+    header.append(f"$ torchrun --standalone --nproc-per-node={nproc} {shown}")
+    return Launch(cmd, env, header)
+
+
+def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
+           model: str | None, flags: list[str]) -> int:
+    """Start the lesson through torchrun (after ``prepare_launch``'s checks); its exit code."""
+    if "-h" in flags or "--help" in flags:
+        return subprocess.call([sys.executable, str(info.script_path), *flags])
+    run = prepare_launch(info, device, nproc, out, quick, model, flags)
+    for line in run.header:
+        print(line, flush=True)
+    return subprocess.call(run.cmd, env=run.env)
 
 
 def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:

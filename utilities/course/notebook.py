@@ -15,7 +15,9 @@ over a full run's ``runs/NN_topic/results.json``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
+import io
 import os
 import subprocess
 import sys
@@ -37,21 +39,48 @@ class LessonNotebook:
 
     def run(self, *flags: str, nproc: int | None = None, quick: bool | None = None,
             tail: int = 40) -> dict[str, Any]:
-        """Run the lesson on several ranks (``fsdp-course run NN``) with the lesson ``flags``, show
-        the end of its output, and return its results.json. Raises if the run fails."""
+        """Run the lesson on several ranks with the lesson ``flags``, as ``fsdp-course run NN``
+        does (the same checks, the same torchrun command), show the end of its output, and return
+        its results.json. The flags are parsed here first by the lesson's own parser, the module
+        this notebook imported: a bad one fails at once, in one line. Raises if the run fails."""
+        from utilities.course.cli import decide_launch, prepare_launch
         from utilities.course.results import load
+        from utilities.devices import resolve_device
 
         quick = self.quick if quick is None else quick
-        cmd = [sys.executable, "-m", "utilities", "run", self.info.number, "--out", str(self.out)]
-        cmd += (["--quick"] if quick else []) + (["--nproc", str(nproc)] if nproc else [])
-        cmd += ["--", *flags] if flags else []
-        env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}  # world1() may set them
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-        print("\n".join(proc.stdout.splitlines()[-tail:]))
+        device = resolve_device("auto")
+        nproc = decide_launch(self.info, device, nproc).nproc
+        launch = prepare_launch(self.info, device, nproc, self.out, quick, None, list(flags),
+                                check_flags=self._check_flags)
+        env = {k: v for k, v in launch.env.items() if k not in _RENDEZVOUS}  # world1() may set them
+        proc = subprocess.run(launch.cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        print("\n".join([*launch.header, *proc.stdout.splitlines()][-tail:]))
         if proc.returncode != 0:
             print(proc.stderr[-4000:], file=sys.stderr)
             raise RuntimeError(f"lesson {self.info.number} failed with exit code {proc.returncode}")
         return load(self.out)
+
+    def _check_flags(self, argv: list[str]) -> None:
+        """The lesson script's ``parse_args`` on ``argv``, in this kernel (what the launcher runs
+        in a child process); a bad flag raises ``UsageError`` with the parser's one line."""
+        from utilities.course.catalog import CHECK_FLAGS_ENV
+        from utilities.errors import UsageError
+
+        module = importlib.import_module(self.info.script_path.stem)
+        err = io.StringIO()
+        old = os.environ.get(CHECK_FLAGS_ENV)
+        os.environ[CHECK_FLAGS_ENV] = "1"  # the device is the launcher's to check, not the parser's
+        try:
+            with contextlib.redirect_stderr(err):
+                module.parse_args(argv)
+        except SystemExit as e:
+            if e.code:
+                raise UsageError(err.getvalue().strip().removeprefix("error: ")) from None
+        finally:
+            if old is None:
+                os.environ.pop(CHECK_FLAGS_ENV, None)
+            else:
+                os.environ[CHECK_FLAGS_ENV] = old
 
 
 def notebook(number: str) -> LessonNotebook:
