@@ -70,6 +70,16 @@ def fsdp1_unit_numel(unit: nn.Module) -> int:
     return int(size.numel())
 
 
+def flat_param_types() -> tuple[type, ...]:
+    """The exact classes of FSDP1's flat parameters (``FlatParameter``, or ``nn.Parameter`` where
+    FSDP1 made a plain one): a cheap first filter over every object the garbage collector holds."""
+    try:
+        from torch.distributed.fsdp._flat_param import FlatParameter
+    except ImportError:  # no FSDP1 here: no flat parameters to find
+        return (nn.Parameter,)
+    return (nn.Parameter, FlatParameter)
+
+
 def is_flat_param(t: Any) -> bool:
     """Whether ``t`` is an FSDP1 FlatParameter (the flat tensor a unit's parameters are views of)."""
     return bool(getattr(t, "_is_flat_param", False))
