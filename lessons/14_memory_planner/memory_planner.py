@@ -93,7 +93,7 @@ def parse_args(argv=None):
 def plan_jobs(args) -> list[tuple[str, dict]]:
     """Every plan the lesson makes, as (key, keywords): the lesson's configurations at the run's
     model, ranks, batch and sequence (the catalog's defaults unless flags say otherwise), then a few
-    real-size ones (llama-8b on 8 x 80 GB; more without --quick)."""
+    real-size ones without --quick (llama-8b and llama-1b on 8 x 80 GB, the largest llama-8b batch)."""
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     run = LESSONS["14"].run
     name = args.model or run.model(on_gpu, args.quick)
@@ -103,29 +103,28 @@ def plan_jobs(args) -> list[tuple[str, dict]]:
     jobs = [(v, dict(model=name, gpus=world, strategy=s, precision=p, ac=ac, batch=batch, seq=seq,
                      device_type="cuda" if on_gpu else "cpu"))
             for v, (s, p, ac) in VARIANTS.items() if v in args.variants]
-    jobs.append(("llama-8b-8x80GB-batch2", dict(BIG, model="llama-8b", batch=2)))
-    if not args.quick:
+    if not args.quick:  # a planned llama-8b step takes half a minute of CPU
+        jobs.append(("llama-8b-8x80GB-batch2", dict(BIG, model="llama-8b", batch=2)))
         jobs.append(("llama-1b-8x80GB-batch8", dict(BIG, model="llama-1b", batch=8)))
         jobs.append(("llama-8b-8x80GB-largest-batch", dict(BIG, model="llama-8b", batch=None)))
     return jobs
 
 
 def my_plans(args) -> dict[str, dict]:
-    """This rank's share of the plans: rank 0 the small ones it will also train, the last rank the
-    big ones (a planned llama-8b step takes half a minute of CPU)."""
+    """This rank's share of the plans, dealt round the ranks (a planned llama-8b step takes half a
+    minute of CPU; the ranks gather them all before training)."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     plans = {}
-    for i, (key, kw) in enumerate(j for j in plan_jobs(args) if j[0] not in VARIANTS):
-        if i % world != world - 1 - rank:
+    for i, (key, kw) in enumerate(plan_jobs(args)):
+        if i % world != rank:
             continue
-        if kw["batch"] is None:  # the largest batch that fits, and its plan
-            kw = {k: v for k, v in kw.items() if k != "batch"}
-            best, p = largest_batch(**kw)
+        if key in VARIANTS:
+            plans[key] = predict(**kw)
+        elif kw["batch"] is None:  # the largest batch that fits, and its plan
+            best, p = largest_batch(**{k: v for k, v in kw.items() if k != "batch"})
             plans[key] = dict(p.as_dict(), largest_batch=best)
         else:
             plans[key] = plan(**kw).as_dict()
-    if rank == 0:
-        plans.update((key, predict(**kw)) for key, kw in plan_jobs(args) if key in VARIANTS)
     return plans
 
 
