@@ -3,9 +3,7 @@ results.json; skip GPU tests without a GPU."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import os
 import subprocess
@@ -81,23 +79,9 @@ def parse_lesson_flags(number: str, *flags: str) -> tuple[int, str, str]:
     """Parse ``flags`` with the lesson's own parser, in this process, as ``fsdp-course run NN
     --quick -- FLAGS`` does before it starts torchrun (tests/test_cli.py checks once that the
     command passes the answer on); returns (exit code, stdout, stderr)."""
-    from utilities.course.catalog import CHECK_FLAGS_ENV
+    from utilities.course.lesson import parse_flags_here
 
-    out, err = io.StringIO(), io.StringIO()
-    old = os.environ.get(CHECK_FLAGS_ENV)
-    os.environ[CHECK_FLAGS_ENV] = "1"
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            lesson_module(number).parse_args(["--device", "cpu", "--quick", *flags])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    finally:
-        if old is None:
-            os.environ.pop(CHECK_FLAGS_ENV)
-        else:
-            os.environ[CHECK_FLAGS_ENV] = old
-    return code, out.getvalue(), err.getvalue()
+    return parse_flags_here(lesson_module(number).parse_args, ["--device", "cpu", "--quick", *flags])
 
 
 def flag_error(number: str, *flags: str) -> str:

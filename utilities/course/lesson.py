@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import random
 import sys
@@ -44,6 +45,27 @@ def exit_if_only_checking_flags() -> None:
     before torchrun starts the ranks: the script stops here, its flags parsed and accepted."""
     if os.environ.get(CHECK_FLAGS_ENV) == "1":
         raise SystemExit(0)
+
+
+def parse_flags_here(parse_args: Callable[[list[str]], Any], argv: list[str]) -> tuple[int, str, str]:
+    """Run a lesson's ``parse_args`` on ``argv`` in this process, as the launcher's flag check does
+    in a child process (the device is left to the launcher); returns the exit code (0 when the
+    flags parse), what it printed and what it printed as an error."""
+    out, err = io.StringIO(), io.StringIO()
+    old = os.environ.get(CHECK_FLAGS_ENV)
+    os.environ[CHECK_FLAGS_ENV] = "1"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            parse_args(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    finally:
+        if old is None:
+            os.environ.pop(CHECK_FLAGS_ENV, None)
+        else:
+            os.environ[CHECK_FLAGS_ENV] = old
+    return code, out.getvalue(), err.getvalue()
 
 
 def bounded(kind: type = int, low: float | None = None, high: float | None = None,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import io
 import os
 import subprocess
 import sys
@@ -47,6 +46,12 @@ class LessonNotebook:
         from utilities.course.results import load
         from utilities.devices import resolve_device
 
+        if "-h" in flags or "--help" in flags:  # as the command does: the help, and no run
+            from utilities.course.lesson import parse_flags_here
+
+            module = importlib.import_module(self.info.script_path.stem)
+            print(parse_flags_here(module.parse_args, list(flags))[1])
+            return {}
         quick = self.quick if quick is None else quick
         device = resolve_device("auto")
         nproc = decide_launch(self.info, device, nproc).nproc
@@ -63,24 +68,13 @@ class LessonNotebook:
     def _check_flags(self, argv: list[str]) -> None:
         """The lesson script's ``parse_args`` on ``argv``, in this kernel (what the launcher runs
         in a child process); a bad flag raises ``UsageError`` with the parser's one line."""
-        from utilities.course.catalog import CHECK_FLAGS_ENV
+        from utilities.course.lesson import parse_flags_here
         from utilities.errors import UsageError
 
         module = importlib.import_module(self.info.script_path.stem)
-        err = io.StringIO()
-        old = os.environ.get(CHECK_FLAGS_ENV)
-        os.environ[CHECK_FLAGS_ENV] = "1"  # the device is the launcher's to check, not the parser's
-        try:
-            with contextlib.redirect_stderr(err):
-                module.parse_args(argv)
-        except SystemExit as e:
-            if e.code:
-                raise UsageError(err.getvalue().strip().removeprefix("error: ")) from None
-        finally:
-            if old is None:
-                os.environ.pop(CHECK_FLAGS_ENV, None)
-            else:
-                os.environ[CHECK_FLAGS_ENV] = old
+        code, _, err = parse_flags_here(module.parse_args, argv)
+        if code:
+            raise UsageError(err.strip().removeprefix("error: "))
 
 
 def notebook(number: str) -> LessonNotebook:
