@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from utilities.course.release import TrackerHooks
+from utilities.torch_internals import global_peak_only
 
 CATEGORIES = ("total", "parameters", "gradients", "optimizer", "activations")
 
@@ -149,8 +150,8 @@ def _make_tracker(model: nn.Module, optimizer):
     if _is_fsdp2(model):
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        return FSDPMemTracker(model, optimizer)
-    tracker = _mem_tracker()
+        return global_peak_only(FSDPMemTracker(model, optimizer))
+    tracker = global_peak_only(_mem_tracker())
     tracker.track_external(*(x for x in (model, optimizer) if x is not None))
     return tracker
 

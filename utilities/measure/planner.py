@@ -35,6 +35,7 @@ import torch
 from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.measure import categorize, fmt_bytes
 from utilities.models import get_model_spec
+from utilities.torch_internals import global_peak_only
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 NODE_GPUS = 8  # hybrid_shard's default shard group: one node
@@ -192,7 +193,7 @@ def _train_step_tracked(model, batch, device: torch.device) -> dict[str, int]:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    tracker = FSDPMemTracker(model, optimizer)
+    tracker = global_peak_only(FSDPMemTracker(model, optimizer))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None")
         warnings.filterwarnings("ignore", message=T5_POSITION_BIAS_VIEW)
