@@ -99,25 +99,17 @@ def test_sharding_formulas_refuse_bad_values():
     assert hsdp["all_reduce_replicas"] == pytest.approx(2 * 4000 / 8 * 0.5)
 
 
-def test_hsdp_with_shard_group_of_two(results, tmp_path):
-    """A (1, 2) mesh shards across both ranks: HSDP holds half, and FSDP1's hybrid syncs again."""
-    res = run_lesson("06", tmp_path / "r1", "--replicate", "1",
-                     "--variants", "fsdp1-hybrid-shard,fsdp2-hsdp")
-    assert res["settings"] == results["settings"]  # same steps, batch and data as the quick run
-    reference = variant(results, "ddp")["losses"]
-    for name in ("fsdp1-hybrid-shard", "fsdp2-hsdp"):
-        v = variant(res, name)
-        assert v["mesh"] == [1, 2]
-        assert v["resident_bytes"]["parameters"] == pytest.approx(4 * P / 2, rel=0.05)
-        assert v["losses"] == pytest.approx(reference, abs=5e-3), name
+def test_on_4_ranks_int_reshard_and_a_true_hybrid_mesh(tmp_path):
+    """The two things a 2-rank run cannot show, in one 4-rank run.
 
+    reshard_after_forward=2 (the only lesson-06 variant a 2-rank run skips): after forward each
+    block is resharded over 2 ranks, not 4, so backward all-gathers over 2 only. Its peak and its
+    traffic sit between True and False, and it trains the same model.
 
-def test_int_reshard_sits_between_true_and_false_on_4_ranks(tmp_path):
-    """reshard_after_forward=2 on 4 ranks (the only lesson-06 variant a 2-rank run skips): after
-    forward each block is resharded over 2 ranks, not 4, so backward all-gathers over 2 only. Its
-    peak and its traffic sit between True and False, and it trains the same model."""
+    HSDP on a (2, 2) mesh (the default on 4 ranks), where it both replicates and shards: each rank
+    holds half the parameters, and FSDP1's hybrid and FSDP2's HSDP train as full sharding does."""
     r = run_lesson("06", tmp_path, "--variants", "fsdp2-reshard-true,fsdp2-reshard-int,"
-                   "fsdp2-reshard-false", nproc=4)
+                   "fsdp2-reshard-false,fsdp1-hybrid-shard,fsdp2-hsdp", nproc=4)
     true, two, false = (variant(r, f"fsdp2-reshard-{k}") for k in ("true", "int", "false"))
 
     def peak(v):
@@ -126,6 +118,11 @@ def test_int_reshard_sits_between_true_and_false_on_4_ranks(tmp_path):
     assert peak(true) < peak(two) < peak(false)
     assert false["comm_bytes_per_step"] < two["comm_bytes_per_step"] < true["comm_bytes_per_step"]
     assert two["losses"] == pytest.approx(true["losses"], abs=1e-5)
+    for name in ("fsdp1-hybrid-shard", "fsdp2-hsdp"):
+        v = variant(r, name)
+        assert v["mesh"] == [2, 2]
+        assert v["resident_bytes"]["parameters"] == pytest.approx(4 * P / 2, rel=0.05)
+        assert v["losses"] == pytest.approx(true["losses"], abs=5e-3), name
 
 
 def test_bad_variant_is_one_line_exit_2():
