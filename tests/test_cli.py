@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import cli
@@ -104,6 +106,30 @@ def test_nproc_larger_than_gpus_shares_them(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == 0 and "--nproc-per-node=4" in calls[0]
     assert out.startswith("4 ranks on 2 GPUs, 2 per GPU, over cpu:gloo,cuda:gloo")
+
+
+def test_a_run_with_lesson_flags_checks_them_in_the_process_that_starts_the_ranks(tmp_path):
+    """With lesson flags, the script itself is started: it parses them (a bad one stops it in one
+    line), prints the torchrun line and becomes torchrun; the ranks get neither variable. Without
+    flags, plain torchrun; ranks sharing a GPU keep the separate check (before their plan)."""
+    import json
+
+    from utilities.course import cli as cli_module
+    from utilities.course.catalog import CHECK_FLAGS_ENV, LAUNCH_ENV
+
+    info = cli_module.get_lesson("01")
+    run = cli_module.prepare_launch(info, "cpu", 2, tmp_path, True, None, ["--steps", "2"],
+                                    check_then_launch=True)
+    assert run.cmd[1:] == [str(info.script_path), "--device", "cpu", "--out", str(tmp_path),
+                           "--quick", "--steps", "2"]
+    assert run.header == [] and run.env[CHECK_FLAGS_ENV] == "launch"
+    launch = json.loads(run.env[LAUNCH_ENV])
+    assert launch["torchrun"] == ["--standalone", "--nproc-per-node=2"]
+    assert launch["header"] == [f"$ torchrun --standalone --nproc-per-node=2 "
+                                f"{os.path.relpath(info.script_path)} --device cpu --out {tmp_path} "
+                                "--quick --steps 2"]
+    plain = cli_module.prepare_launch(info, "cpu", 2, tmp_path, True, None, [], check_then_launch=True)
+    assert plain.cmd[1:3] == ["-m", "torch.distributed.run"] and CHECK_FLAGS_ENV not in plain.env
 
 
 def test_unwritable_out_is_refused_before_launch(monkeypatch, capsys, tmp_path):

@@ -162,11 +162,13 @@ def is_main() -> bool:
 
 
 def print0(*args, all_ranks: bool = False, **kwargs) -> None:
-    """Print on rank 0 only (or on every rank, prefixed, when ``all_ranks``)."""
+    """Print on rank 0 only (or on every rank, prefixed, when ``all_ranks``), flushed unless told
+    otherwise (several ranks share one terminal)."""
+    kwargs.setdefault("flush", True)
     if all_ranks:
-        print(f"[rank {rank()}]", *args, flush=True, **kwargs)
+        print(f"[rank {rank()}]", *args, **kwargs)
     elif is_main():
-        print(*args, flush=True, **kwargs)
+        print(*args, **kwargs)
 
 
 REDUCE_OPS = ("sum", "mean", "max", "min")

@@ -183,7 +183,7 @@ class TrainingLog:
     def close(self, message: str) -> None:
         """End the bar and say why (a crash on purpose, before os._exit)."""
         self._bar.close()
-        D.print0(message, flush=True)
+        D.print0(message)
 
     # -- results.json --------------------------------------------------------------------------------
     def finish(self, resumed_from: Path | None) -> None:

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from utilities.course.catalog import CHECK_FLAGS_ENV, LESSONS, LessonInfo, get_lesson, run_defaults
+from utilities.course.catalog import (
+    CHECK_FLAGS_ENV,
+    LAUNCH_ENV,
+    LESSONS,
+    LessonInfo,
+    get_lesson,
+    run_defaults,
+)
 from utilities.devices import (
     BACKENDS,
     DEVICES,
@@ -299,14 +306,18 @@ def lesson_command(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
         script_args.append("--quick")
     if model:
         script_args += ["--model", model]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", str(info.script_path), *script_args, *flags]
+    return [sys.executable, "-m", "torch.distributed.run", *_torchrun_args(nproc),
+            str(info.script_path), *script_args, *flags]
+
+
+def _torchrun_args(nproc: int) -> list[str]:
+    return ["--standalone", f"--nproc-per-node={nproc}"]
 
 
 @dataclass(frozen=True)
 class Launch:
-    """A lesson run ready to start: the torchrun command, its environment, and the lines the
-    launcher prints before it (the shared-GPU sentence and plan, then the command as typed)."""
+    """A lesson run ready to start: the command, its environment, and the lines the launcher
+    prints before it (the shared-GPU sentence and plan, then the torchrun command as typed)."""
 
     cmd: list[str]
     env: dict[str, str]
@@ -315,16 +326,26 @@ class Launch:
 
 def prepare_launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
                    model: str | None, flags: list[str],
-                   check_flags: Callable[[list[str]], None] | None = None) -> Launch:
+                   check_flags: Callable[[list[str]], None] | None = None,
+                   check_then_launch: bool = False) -> Launch:
     """Every check that can fail in one line, before anything starts: the output folder, the
     lesson's flags (``check_flags``, by default the script itself in a child process, which stops
-    once they parse) and, for ranks sharing a GPU, whether they fit."""
+    once they parse) and, for ranks sharing a GPU, whether they fit.
+
+    ``check_then_launch``: the flags are checked by the process that starts the ranks. The command
+    is then the script itself, which parses its flags (a bad one: one line, exit 2, no rank
+    started), prints the header and becomes torchrun (``lesson.exit_if_only_checking_flags``): one
+    process importing torch instead of two. Ranks sharing a GPU keep the separate check, which
+    must come before their fit is planned."""
     cmd = lesson_command(info, device, nproc, out, quick, model, flags)
+    script = str(info.script_path)
+    lesson_argv = cmd[cmd.index(script) + 1:]
     check_output_dir(out)
-    if flags:  # the flags the launcher adds itself (--device, --out, --quick, --model) are checked
-        (check_flags or partial(_validate_lesson_flags, info))(cmd[cmd.index(str(info.script_path)) + 1:])
     backend = _lesson_settings(flags).backend
     plan = decide_launch(info, device, nproc, backend=backend if backend in BACKENDS else "auto")
+    deferred = bool(flags) and check_then_launch and not plan.shared
+    if flags and not deferred:  # the flags the launcher adds itself (--device, ...) are checked
+        (check_flags or partial(_validate_lesson_flags, info))(lesson_argv)
     header = []
     if plan.shared:
         fit = check_fit(info, plan, quick, model, flags)
@@ -333,9 +354,12 @@ def prepare_launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    script = str(info.script_path)
-    shown = " ".join([os.path.relpath(script)] + cmd[cmd.index(script) + 1:])
-    header.append(f"$ torchrun --standalone --nproc-per-node={nproc} {shown}")
+    shown = " ".join([os.path.relpath(script), *lesson_argv])
+    header.append(f"$ torchrun {' '.join(_torchrun_args(nproc))} {shown}")
+    if deferred:
+        env[CHECK_FLAGS_ENV] = "launch"
+        env[LAUNCH_ENV] = json.dumps({"torchrun": _torchrun_args(nproc), "header": header})
+        return Launch([sys.executable, script, *lesson_argv], env, [])
     return Launch(cmd, env, header)
 
 
@@ -344,7 +368,7 @@ def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
     """Start the lesson through torchrun (after ``prepare_launch``'s checks); its exit code."""
     if "-h" in flags or "--help" in flags:
         return subprocess.call([sys.executable, str(info.script_path), *flags])
-    run = prepare_launch(info, device, nproc, out, quick, model, flags)
+    run = prepare_launch(info, device, nproc, out, quick, model, flags, check_then_launch=True)
     for line in run.header:
         print(line, flush=True)
     return subprocess.call(run.cmd, env=run.env)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import random
 import sys
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from utilities import distributed as D
-from utilities.course.catalog import CHECK_FLAGS_ENV, LESSONS
+from utilities.course.catalog import CHECK_FLAGS_ENV, LAUNCH_ENV, LESSONS
 from utilities.course.release import VariantScope, live_parameters
 from utilities.course.results import WIDTH, Results, table
 from utilities.data import ReverseTask, batches, make_loader
@@ -42,9 +43,34 @@ CPU_MODEL = "t5-tiny"
 
 def exit_if_only_checking_flags() -> None:
     """``fsdp-course run`` starts a lesson script once with this variable set, to check its flags
-    before torchrun starts the ranks: the script stops here, its flags parsed and accepted."""
-    if os.environ.get(CHECK_FLAGS_ENV) == "1":
+    before any rank starts: the script gets here only with its flags parsed and accepted. With
+    "1" it stops; with "launch" this process becomes torchrun (``_become_torchrun``)."""
+    mode = os.environ.get(CHECK_FLAGS_ENV)
+    if mode == "1":
         raise SystemExit(0)
+    if mode == "launch":
+        _become_torchrun()
+
+
+def _become_torchrun() -> None:
+    """Start the ranks from this process, as ``python -m torch.distributed.run`` would, then exit.
+
+    The launcher's flag check and torchrun were two processes, each importing torch first (about
+    2.5 s on a laptop core); this process has torch already. The ranks run the script with neither
+    variable set, so they train."""
+    launch = json.loads(os.environ.pop(LAUNCH_ENV))
+    os.environ.pop(CHECK_FLAGS_ENV)
+    for line in launch["header"]:
+        print(line, flush=True)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun([*launch["torchrun"], sys.argv[0], *sys.argv[1:]])
+    except ChildFailedError as e:  # torchrun's table of the failed ranks, without our frames
+        print(e, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    raise SystemExit(0)
 
 
 def parse_flags_here(parse_args: Callable[[list[str]], Any], argv: list[str]) -> tuple[int, str, str]:
@@ -121,7 +147,7 @@ class LessonParser(OneLineParser):
         try:
             if args.model is not None:
                 get_model_spec(args.model)
-            if args.device == "cuda" and os.environ.get(CHECK_FLAGS_ENV) != "1":
+            if args.device == "cuda" and not os.environ.get(CHECK_FLAGS_ENV):
                 D.resolve_device("cuda")  # (the launcher checks the device itself, for all ranks)
         except UsageError as e:
             self.exit(2, f"error: {e}\n")
