@@ -141,7 +141,7 @@ def search_largest_batch(L: Lesson, args: argparse.Namespace, none_peak: int | N
     search). On GPU a trial fails on cudaMalloc retries or OOM; on CPU, where nothing retries, on
     going over a memory budget (the tracked peak)."""
     on_gpu = L.device.type == "cuda"
-    limit = args.search_limit or (256 if on_gpu else 64)
+    limit = args.search_limit or (256 if on_gpu else 48)  # CPU: 6x the quick batch is room enough
     budget = int(args.budget_mib * 2**20) if args.budget_mib else None
     if budget is None and not on_gpu:
         if none_peak is None:  # fsdp2-none was not among the variants: measure it here
@@ -177,7 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after the variants, find the largest batch per rank that fits with FSDP2 "
                         "and no / all blocks checkpointed (default on)")
     p.add_argument("--search-limit", type=positive_int, default=None,
-                   help="largest batch the search tries (default 256 on GPU, 64 on CPU)")
+                   help="largest batch the search tries (default 256 on GPU, 48 on CPU)")
     p.add_argument("--budget-mib", type=positive_float, default=None,
                    help="memory per rank a batch must fit in, in MiB (default: on GPU none, the "
                         "search stops at cudaMalloc retries or OOM; on CPU 1.25 x the peak of "
