@@ -39,6 +39,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def benchmark_argv(name: str, args: argparse.Namespace, slug: str) -> list[str]:
+    """The flags run_all gives benchmark ``name`` (the tests call its main() with the same)."""
+    results = Path(args.results_dir)
+    argv = ["--device", args.device, "--out", str(results / f"{name}-{slug}.json")]
+    if args.tiny:
+        argv.append("--tiny")
+    if name in WORK_DIR_USERS:
+        argv += ["--work-dir", str(Path(args.work_dir) / name)]
+    if name == "planner_check":
+        argv += ["--results-dir", str(results)]
+    return argv
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     slug = device_slug(pick_device(args.device))
@@ -47,14 +60,7 @@ def main(argv=None) -> int:
     for name in BENCHMARKS:
         if args.only and name not in args.only:
             continue
-        cmd = [sys.executable, str(HERE / f"{name}.py"), "--device", args.device,
-               "--out", str(results / f"{name}-{slug}.json")]
-        if args.tiny:
-            cmd.append("--tiny")
-        if name in WORK_DIR_USERS:
-            cmd += ["--work-dir", str(Path(args.work_dir) / name)]
-        if name == "planner_check":
-            cmd += ["--results-dir", str(results)]
+        cmd = [sys.executable, str(HERE / f"{name}.py"), *benchmark_argv(name, args, slug)]
         print(f"\n== {name}: {' '.join(cmd[1:])}", flush=True)
         if subprocess.call(cmd, cwd=REPO) != 0:
             failed.append(name)

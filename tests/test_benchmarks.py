@@ -1,6 +1,8 @@
 """The benchmark scripts at their --tiny CPU size: they run, and their JSON holds what the report
-needs. One run_all.py --tiny (3 torchrun launches: 2 lesson-10 configurations, 1 lesson-05 search;
-plus one process for the plain reference loops) feeds every test; no test asserts a timing, only
+needs. One --tiny pass feeds every test: each benchmark's main() in this process, in run_all.py's
+order with run_all.py's flags (run_all.py adds only a process per benchmark, to free a GPU's memory
+between them); 3 torchrun launches (2 lesson-10 configurations, 1 lesson-05 search) and one process
+for the plain reference loops; no test asserts a timing, only
 that the numbers are there and agree with each other (a ratio is its two tokens/s divided).
 GPU-shaped result files are made up here (synthetic) to check what only a GPU run would produce."""
 
@@ -8,8 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,14 +29,15 @@ def _module(name: str):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    """run_all.py --tiny into a temporary directory; returns the results directory."""
+    """Every benchmark at --tiny into a temporary directory, as run_all.py --tiny runs them;
+    returns the results directory."""
     root = tmp_path_factory.mktemp("bench")
-    results = root / "results"
-    proc = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--tiny", "--device", "cpu",
-                           "--results-dir", str(results), "--work-dir", str(root / "work"), "--no-report"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"run_all failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return results
+    run_all = _module("run_all")
+    args = run_all.parse_args(["--tiny", "--device", "cpu", "--results-dir", str(root / "results"),
+                               "--work-dir", str(root / "work"), "--no-report"])
+    for name in run_all.BENCHMARKS:
+        assert _module(name).main(run_all.benchmark_argv(name, args, "cpu")) == 0, name
+    return root / "results"
 
 
 def _load(results: Path, name: str) -> dict:
