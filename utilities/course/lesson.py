@@ -75,12 +75,14 @@ def _become_torchrun() -> None:
 
 
 def _freeze_what_lives_until_exit() -> None:
-    """Move every object alive now (torch, transformers, the process group: ~350K objects) out of
-    the garbage collector's sight. Each variant's release collects and scans what the collector
-    sees (``VariantScope``): ~0.45 s per variant and rank over all of them, a few ms over what the
-    variant made. Collected first, so no garbage is kept."""
-    gc.collect()
-    gc.freeze()
+    """In a rank that torchrun started, move every object alive now (torch, transformers, the
+    process group: ~350K objects) out of the garbage collector's sight. Each variant's release
+    collects and scans what the collector sees (``VariantScope``): ~0.45 s per variant and rank
+    over all of them, a few ms over what the variant made. Collected first, so no garbage is kept.
+    A notebook kernel or a test process (no ``TORCHELASTIC_RUN_ID``) is left as it is."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        gc.collect()
+        gc.freeze()
 
 
 def parse_flags_here(parse_args: Callable[[list[str]], Any], argv: list[str]) -> tuple[int, str, str]:
