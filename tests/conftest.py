@@ -3,7 +3,9 @@ results.json; skip GPU tests without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -30,6 +32,21 @@ def cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "utilities", *args], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def cli_here(*args: str) -> subprocess.CompletedProcess:
+    """``python -m utilities ARGS`` run in this process, where torch is already imported: the same
+    ``main()``, exit code and output, for commands that fail or finish before starting a lesson
+    (``cli`` keeps the real process for the rest, and for the lesson-flag relay)."""
+    from utilities.course.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(["fsdp-course", *args], code, out.getvalue(), err.getvalue())
 
 
 def run_lesson(number: str, out: Path, *lesson_flags: str, nproc: int = 2, quick: bool = True,

@@ -5,7 +5,7 @@ batch search returns a batch that fits while the next one does not; bad values a
 from __future__ import annotations
 
 import pytest
-from conftest import cli, notebook_results, variant
+from conftest import cli_here, notebook_results, variant
 
 from utilities.errors import UsageError
 from utilities.measure.planner import largest_batch, parse_memory, plan
@@ -79,7 +79,7 @@ def test_memory_sizes_parse():
 
 
 def test_bad_memory_value_is_one_line():
-    proc = cli("plan", "--gpu-memory", "80XB", timeout=120)
+    proc = cli_here("plan", "--gpu-memory", "80XB")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error:")
     assert "'80XB'" in proc.stderr
@@ -90,9 +90,9 @@ def test_the_issue_command_plans_llama_8b_on_a_laptop():
     plan `fsdp-course run 14` records without --quick; the quick run plans no big model)."""
     import json
 
-    proc = cli("plan", "--model", "llama-8b", "--gpus", "8", "--gpu-memory", "80GB", "--strategy",
-               "full_shard", "--precision", "bf16", "--ac", "full", "--batch", "2", "--seq", "8192",
-               "--json", timeout=300)
+    proc = cli_here("plan", "--model", "llama-8b", "--gpus", "8", "--gpu-memory", "80GB", "--strategy",
+                    "full_shard", "--precision", "bf16", "--ac", "full", "--batch", "2", "--seq", "8192",
+                    "--json")
     assert proc.returncode == 0, proc.stderr
     p = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert p["fits"] is True and p["gpus"] == 8 and p["batch"] == 2 and p["seq"] == 8192
