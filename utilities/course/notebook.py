@@ -49,8 +49,7 @@ class LessonNotebook:
         if "-h" in flags or "--help" in flags:  # as the command does: the help, and no run
             from utilities.course.lesson import parse_flags_here
 
-            module = importlib.import_module(self.info.script_path.stem)
-            print(parse_flags_here(module.parse_args, list(flags))[1])
+            print(parse_flags_here(self._lesson_module().parse_args, list(flags))[1])
             return {}
         quick = self.quick if quick is None else quick
         device = resolve_device("auto")
@@ -65,14 +64,17 @@ class LessonNotebook:
             raise RuntimeError(f"lesson {self.info.number} failed with exit code {proc.returncode}")
         return load(self.out)
 
+    def _lesson_module(self):
+        """The lesson script as this notebook imported it (its folder is on ``sys.path``)."""
+        return importlib.import_module(self.info.script_path.stem)
+
     def _check_flags(self, argv: list[str]) -> None:
         """The lesson script's ``parse_args`` on ``argv``, in this kernel (what the launcher runs
         in a child process); a bad flag raises ``UsageError`` with the parser's one line."""
         from utilities.course.lesson import parse_flags_here
         from utilities.errors import UsageError
 
-        module = importlib.import_module(self.info.script_path.stem)
-        code, _, err = parse_flags_here(module.parse_args, argv)
+        code, _, err = parse_flags_here(self._lesson_module().parse_args, argv)
         if code:
             raise UsageError(err.strip().removeprefix("error: "))
 
