@@ -42,6 +42,24 @@ def test_no_bisect_stops_at_first_failure():
     assert tried == [1, 2, 4, 8, 16, 32] and result.best == 16
 
 
+def test_predicting_from_two_peaks_needs_fewer_and_smaller_trials():
+    """``predict``: a line through two measured peaks names the batch that meets the budget; the
+    search tries it and the one above it (lesson 02's CPU search). The answer is the classic one."""
+    try_batch, tried = linear_memory()
+    result = find_max_batch(try_batch, start=1, limit=1024, budget_bytes=100 * MIB, predict=True)
+    assert result.best == 30 and tried == [1, 2, 30, 31]
+    assert [t.phase for t in result.trials] == ["grow", "grow", "predict", "predict"]
+    assert result.trial(31).over_budget
+
+    def curved(batch: int) -> Trial:  # far from a line: the guesses miss, the answer still holds
+        return Trial(batch, peak_bytes=int((10 + 0.05 * batch**2) * MIB))
+
+    for budget in (20, 100, 700):
+        classic = find_max_batch(curved, start=1, limit=1024, budget_bytes=budget * MIB)
+        guessed = find_max_batch(curved, start=1, limit=1024, budget_bytes=budget * MIB, predict=True)
+        assert guessed.best == classic.best and not guessed.trial(guessed.best + 1).clean, budget
+
+
 def test_limit_and_smallest_batch_failing():
     try_batch, _ = linear_memory()
     result = find_max_batch(try_batch, start=3, limit=20, budget_bytes=10**12)

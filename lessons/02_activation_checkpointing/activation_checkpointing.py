@@ -139,7 +139,8 @@ def main(args: argparse.Namespace) -> None:
 def search_largest_batch(L: Lesson, args: argparse.Namespace, none_peak: int | None) -> None:
     """The largest clean batch per rank with FSDP2 and no / every block checkpointed (lesson 05's
     search). On GPU a trial fails on cudaMalloc retries or OOM; on CPU, where nothing retries, on
-    going over a memory budget (the tracked peak)."""
+    going over a memory budget (the tracked peak). Against a budget the peak grows linearly with the
+    batch, so after two trials the search tries the batch the line predicts, and the one above it."""
     on_gpu = L.device.type == "cuda"
     limit = args.search_limit or (256 if on_gpu else 48)  # CPU: 6x the quick batch is room enough
     budget = int(args.budget_mib * 2**20) if args.budget_mib else None
@@ -156,7 +157,7 @@ def search_largest_batch(L: Lesson, args: argparse.Namespace, none_peak: int | N
                                   L.dist.world_size)[0]
 
         result = find_max_batch(try_batch, start=L.batch_size, limit=limit, budget_bytes=budget,
-                                agree=all_ranks_agree)
+                                predict=True, agree=all_ranks_agree)
         found[which] = {"best": result.best, "reason": result.reason,
                         "trials": [t.as_dict() for t in result.trials]}
         L.print(f"  largest batch per rank, {which} checkpointed: {result.best} ({result.reason})")
