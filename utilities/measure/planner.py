@@ -188,10 +188,13 @@ def _train_step_tracked(model, batch, device: torch.device) -> dict[str, int]:
     from utilities.course.release import TrackerHooks
     from utilities.distributed import T5_POSITION_BIAS_VIEW
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=device.type == "cuda")
+    foreach = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    optimizer.step()
+    optimizer.step()  # foreach: the same state tensors in a fraction of the ops (untracked step)
+    for group in optimizer.param_groups:
+        group["foreach"] = foreach
     optimizer.zero_grad(set_to_none=True)
     tracker = global_peak_only(FSDPMemTracker(model, optimizer))
     with warnings.catch_warnings():
