@@ -27,6 +27,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_unconfigure(config):
+    """The suite is over: this process's exit need not walk every object torch made (~2 s)."""
+    from utilities.course.lesson import skip_final_collections
+
+    skip_final_collections()
+
+
 def cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m utilities ARGS`` from the repo root and capture its output."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))

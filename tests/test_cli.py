@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 
 import pytest
@@ -201,3 +203,22 @@ def test_results_are_printed_when_no_copy_can_be_written(tmp_path, monkeypatch, 
     captured = capsys.readouterr()
     assert json.loads(captured.out)["variants"][0]["losses"] == [2.0, 1.0]
     assert captured.err.strip().startswith("error: could not write")
+
+
+def test_only_a_launching_process_skips_its_final_collections(monkeypatch):
+    """A process ``fsdp-course run`` started to check flags and launch ("launch") freezes its
+    objects when it ends (a bad flag, --help): its exit then skips Python's final collections.
+    The same parser in this process (a notebook's, a test's flag check) leaves the collector alone."""
+    import gc
+
+    from utilities.course.catalog import CHECK_FLAGS_ENV
+    from utilities.course.lesson import lesson_parser
+
+    before = gc.get_freeze_count()
+    for mode, frozen in (("1", False), ("launch", True)):
+        monkeypatch.setenv(CHECK_FLAGS_ENV, mode)
+        with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(io.StringIO()):
+            lesson_parser(None).parse_args(["--steps", "0"])
+        assert e.value.code == 2
+        assert (gc.get_freeze_count() > before) == frozen, mode
+        gc.unfreeze()  # give this test process its collector back

@@ -366,8 +366,9 @@ def prepare_launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
 def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
            model: str | None, flags: list[str]) -> int:
     """Start the lesson through torchrun (after ``prepare_launch``'s checks); its exit code."""
-    if "-h" in flags or "--help" in flags:
-        return subprocess.call([sys.executable, str(info.script_path), *flags])
+    if "-h" in flags or "--help" in flags:  # the script prints its help and ends ("launch")
+        return subprocess.call([sys.executable, str(info.script_path), *flags],
+                               env={**os.environ, CHECK_FLAGS_ENV: "launch"})
     run = prepare_launch(info, device, nproc, out, quick, model, flags, check_then_launch=True)
     for line in run.header:
         print(line, flush=True)
