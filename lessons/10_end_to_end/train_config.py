@@ -18,7 +18,13 @@ from pathlib import Path
 
 from utilities import distributed as D
 from utilities.course.catalog import LESSONS
-from utilities.course.lesson import LessonParser, bounded, positive_float, positive_int
+from utilities.course.lesson import (
+    LessonParser,
+    bounded,
+    freeze_what_lives_until_exit,
+    positive_float,
+    positive_int,
+)
 from utilities.errors import UsageError
 from utilities.models import get_model_spec
 from utilities.precision import default_policy
@@ -139,6 +145,7 @@ def setup(cfg: Config) -> D.DistInfo:
     ends every rank with one line and exit code 2."""
     D.quiet_torch_internal_warnings()
     info = D.setup(cfg.device, cfg.backend)
+    freeze_what_lives_until_exit()  # the rank's exit then skips torch's objects (lesson.py says why)
     try:
         finalize(cfg, on_gpu=info.device.type == "cuda")
     except UsageError as e:  # every rank finds the same error: one line, exit 2, no tear-down

@@ -83,12 +83,13 @@ def skip_final_collections() -> None:
     gc.freeze()
 
 
-def _freeze_what_lives_until_exit() -> None:
+def freeze_what_lives_until_exit() -> None:
     """In a rank that torchrun started, move every object alive now (torch, transformers, the
     process group: ~350K objects) out of the garbage collector's sight. Each variant's release
     collects and scans what the collector sees (``VariantScope``): ~0.45 s per variant and rank
-    over all of them, a few ms over what the variant made. Collected first, so no garbage is kept.
-    A notebook kernel or a test process (no ``TORCHELASTIC_RUN_ID``) is left as it is."""
+    over all of them, a few ms over what the variant made; and the rank's exit skips them
+    (``skip_final_collections``). Collected first, so no garbage is kept. A notebook kernel or a
+    test process (no ``TORCHELASTIC_RUN_ID``) is left as it is."""
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         gc.collect()
         gc.freeze()
@@ -261,7 +262,7 @@ class Lesson:
                    f"{self.batch_size} x seq {self.seq_len}")
         if self._needs_ranks and self.dist.world_size == 1:
             self._one_rank_caveat()
-        _freeze_what_lives_until_exit()
+        freeze_what_lives_until_exit()
 
     def _one_rank_caveat(self) -> None:
         """On one rank FSDP shards nothing and communicates nothing (FSDP1 switches to NO_SHARD,
