@@ -4,6 +4,7 @@ results.json; skip GPU tests without a GPU."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import io
 import json
@@ -25,6 +26,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Every module the suite needs is imported now (torch, transformers, the tests): freeze them,
+    so that each gc.collect() a test makes (a process group's teardown, a variant's release) walks
+    only what the tests made since: ~0.6 s per collect late in the suite otherwise."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_unconfigure(config):

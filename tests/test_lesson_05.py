@@ -12,6 +12,15 @@ from utilities.measure.batch_search import Trial, find_max_batch, is_oom
 MIB = 2**20
 
 
+@pytest.fixture(autouse=True)
+def no_collection_between_fake_trials(monkeypatch):
+    """The fake trials below allocate nothing, and a full gc.collect() in this process (which holds
+    torch, transformers and the notebooks' results) took ~0.5 s per trial late in the suite."""
+    import utilities.measure.batch_search as B
+
+    monkeypatch.setattr(B, "free_memory", lambda: None)
+
+
 def linear_memory(base_mib: float = 10, per_sample_mib: float = 3):
     """A fake trial: peak memory grows linearly with the batch; records what was tried."""
     tried = []
