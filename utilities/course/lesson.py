@@ -47,7 +47,8 @@ def exit_if_only_checking_flags() -> None:
     before any rank starts: the script gets here only with its flags parsed and accepted. With
     "1" it stops; with "launch" this process becomes torchrun (``_become_torchrun``)."""
     mode = os.environ.get(CHECK_FLAGS_ENV)
-    if mode == "1":
+    if mode == "1":  # (parse_flags_here's "1" never gets here: it only parses)
+        skip_final_collections()
         raise SystemExit(0)
     if mode == "launch":
         _become_torchrun()
