@@ -132,7 +132,7 @@ def test_a_run_with_lesson_flags_checks_them_in_the_process_that_starts_the_rank
                                 f"{os.path.relpath(info.script_path)} --device cpu --out {tmp_path} "
                                 "--quick --steps 2"]
     plain = cli_module.prepare_launch(info, "cpu", 2, tmp_path, True, None, [], check_then_launch=True)
-    assert plain.cmd[1:3] == ["-m", "torch.distributed.run"] and CHECK_FLAGS_ENV not in plain.env
+    assert plain.cmd[1:3] == ["-m", "utilities.course.torchrun"] and CHECK_FLAGS_ENV not in plain.env
 
 
 def test_unwritable_out_is_refused_before_launch(monkeypatch, capsys, tmp_path):

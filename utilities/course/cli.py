@@ -306,7 +306,7 @@ def lesson_command(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
         script_args.append("--quick")
     if model:
         script_args += ["--model", model]
-    return [sys.executable, "-m", "torch.distributed.run", *_torchrun_args(nproc),
+    return [sys.executable, "-m", "utilities.course.torchrun", *_torchrun_args(nproc),
             str(info.script_path), *script_args, *flags]
 
 
