@@ -198,15 +198,21 @@ def notebook_run_dir(number: str, tmp_path_factory) -> Path:
     return _NOTEBOOK_DIRS[number]
 
 
+def no_rendezvous_env(monkeypatch) -> None:
+    """Unset torchrun's variables for this test, so that ``setup()`` makes a one-rank world on a
+    free port (as in a notebook); whatever it sets is undone after the test."""
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")  # recorded first, so that whatever setup() sets is undone
+        monkeypatch.delenv(k)
+
+
 @pytest.fixture
 def world1(monkeypatch):
     """A one-process gloo world, the way a notebook or plain python uses the utilities; the
     torchrun variables it sets are restored afterwards."""
     from utilities.distributed import setup, teardown
 
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(k, "")  # recorded first, so that whatever setup() sets is undone
-        monkeypatch.delenv(k)
+    no_rendezvous_env(monkeypatch)
     info = setup("cpu")
     yield info
     teardown()

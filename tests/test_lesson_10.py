@@ -21,7 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_documented_keys, cli, flag_error, notebook_results, notebook_run_dir
+from conftest import (
+    REPO,
+    assert_documented_keys,
+    cli,
+    flag_error,
+    no_rendezvous_env,
+    notebook_results,
+    notebook_run_dir,
+)
 
 QUICK_STEPS, CKPT_EVERY = 30, 10
 
@@ -126,9 +134,7 @@ def test_killed_then_resumed_matches_the_uninterrupted_run(results, tmp_path_fac
 
     # and resuming a run that is already complete has nothing to do, and says so: the same main()
     # and flags in this process, on one rank (the checkpoint of 2 ranks loads on 1)
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(k, "")  # recorded, so that what setup() sets is undone
-        monkeypatch.delenv(k)
+    no_rendezvous_env(monkeypatch)
     capsys.readouterr()
     train = _lesson10("train.py")
     train.main(train.parse_args(["--device", "cpu", "--quick", "--out", str(out), "--resume"]))

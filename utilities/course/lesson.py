@@ -64,16 +64,9 @@ def _become_torchrun() -> None:
     os.environ.pop(CHECK_FLAGS_ENV)
     for line in launch["header"]:
         print(line, flush=True)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
+    from utilities.course.torchrun import run
 
-    skip_final_collections()
-    try:
-        torchrun([*launch["torchrun"], sys.argv[0], *sys.argv[1:]])
-    except ChildFailedError as e:  # torchrun's table of the failed ranks, without our frames
-        print(e, file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    raise SystemExit(0)
+    run([*launch["torchrun"], sys.argv[0], *sys.argv[1:]])
 
 
 def skip_final_collections() -> None:

@@ -177,9 +177,7 @@ def find_max_batch(
         guessed = sum(t.phase == "predict" for t in trials)  # a curve far from a line: go back
         if not (predict and budget_bytes is not None and len(measured) >= 2 and guessed < 4):
             return None
-        a, b = measured[-2:]
-        if a.batch == b.batch or b.peak_bytes == a.peak_bytes:
-            return None
+        a, b = measured[-2:]  # two different batches: the search never tries one twice
         per_sample = (b.peak_bytes - a.peak_bytes) / (b.batch - a.batch)
         if per_sample <= 0:
             return None
