@@ -9,6 +9,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,43 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject's addopts): two workers on a CPU machine, so that one test's launch
+    fills the cores while another waits on imports, kernels or gloo (a serial run left them 39%
+    idle on 2 cores); none on a GPU machine, where the tests measure one GPU and must not share it.
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` or ``-n N`` decide otherwise."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return 0 if torch.cuda.is_available() else 2
+
+
+def work_unit(nodeid: str) -> str:
+    """The tests one worker runs together: a lesson's (its test file, its notebook's tests, its
+    GPU twin: they read one notebook run), or else a file's (its module fixtures run once).
+    Lesson 14 checks its planner against lesson 06's run, so the two are one unit."""
+    path, _, name = nodeid.partition("::")
+    lesson = re.search(r"test_lesson_(\d\d)\.py$", path)
+    if lesson is None and path.endswith(("test_gpu_twins.py", "test_notebooks.py")):
+        lesson = re.search(r"\[(\d\d)\b", name)
+    if lesson is None:
+        return path
+    return "lessons 06+14" if lesson.group(1) in ("06", "14") else f"lesson {lesson.group(1)}"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Workers get whole work units (``work_unit``), largest first, as ``--dist loadscope`` does
+    with files."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -185,11 +223,27 @@ def notebook_results(number: str, tmp_path_factory) -> dict:
     from utilities.course.catalog import get_lesson
 
     if number not in _NOTEBOOK_RUNS:
-        runs = tmp_path_factory.mktemp(f"notebook{number}")
-        execute_notebook(number, runs)
-        _NOTEBOOK_DIRS[number] = runs / get_lesson(number).folder
+        _NOTEBOOK_DIRS[number] = _shared_notebook_run(number, tmp_path_factory) / get_lesson(number).folder
         _NOTEBOOK_RUNS[number] = json.loads((_NOTEBOOK_DIRS[number] / "results.json").read_text())
     return _NOTEBOOK_RUNS[number]
+
+
+def _shared_notebook_run(number: str, tmp_path_factory) -> Path:
+    """The notebook's runs directory, executed once per session: under pytest-xdist the workers
+    share the session's temporary directory, and a worker that needs a notebook another one is
+    executing waits for it (a lock per notebook) instead of running it again."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's, above each worker's own
+    runs, done = base / f"notebook{number}", base / f"notebook{number}.done"
+    with FileLock(base / f"notebook{number}.lock"):
+        if not done.exists():
+            runs.mkdir(exist_ok=True)
+            execute_notebook(number, runs)
+            done.touch()
+    return runs
 
 
 def notebook_run_dir(number: str, tmp_path_factory) -> Path:
