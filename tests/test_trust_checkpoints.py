@@ -79,6 +79,55 @@ def test_crafted_metadata_is_refused_before_dcp_reads_it(tiny, tmp_path):
     assert not marker.exists()
 
 
+class _EnumsByName(pickle.Pickler):
+    """Pickles enum members as ``getattr(cls, "NAME")``, as Python 3.11.2 does (3.11.7: by value)."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _repickle_enums_by_name(ckpt: Path) -> None:
+    import io
+
+    metadata = D.read_metadata(ckpt)
+    buf = io.BytesIO()
+    _EnumsByName(buf).dump(metadata)
+    (ckpt / ".metadata").write_bytes(buf.getvalue())
+
+
+def test_metadata_with_enums_pickled_by_name_loads_and_other_getattrs_are_refused(tiny, tmp_path):
+    """A checkpoint written under Python 3.11.2 (DCP's memory-format enum pickled through
+    ``builtins.getattr``) loads; ``getattr`` on anything but a DCP enum's member is refused."""
+    model, opt = tiny
+    before = _weights(model)
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=2)
+    _repickle_enums_by_name(ckpt)
+    assert b"getattr" in (ckpt / ".metadata").read_bytes()
+    _step(model, opt)
+    assert D.load_checkpoint(ckpt, model, opt).step == 2 and _same(_weights(model), before)
+
+    marker = tmp_path / "ran"
+    (ckpt / ".metadata").write_bytes(
+        b"\x80\x04cbuiltins\ngetattr\ncposix\nsystem\nX\x04\x00\x00\x00namer.")  # getattr(posix.system, ...)
+    with pytest.raises(UsageError, match="asks to run code.*posix.system"):
+        D.check_checkpoint(ckpt)
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    class _Rogue:
+        def __reduce__(self):
+            return getattr, (Metadata, "__init__")
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Rogue()))
+    with pytest.raises(UsageError, match=r"asks to run code.*getattr\(Metadata, '__init__'\)"):
+        D.check_checkpoint(ckpt)
+    assert not marker.exists()
+
+
 def test_crafted_non_tensor_entry_is_refused(tiny, tmp_path):
     """DCP stores non-tensor values as torch.save bytes and reads them back with
     ``weights_only=False``; a checkpoint holding one that runs code must be refused, not loaded."""

@@ -29,6 +29,7 @@ What this module adds around ``dcp.save`` / ``dcp.load``:
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pickle
@@ -218,7 +219,18 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
     for cls in (set, frozenset, tuple, list, dict):
         allowed[("builtins", cls.__name__)] = cls
     allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    enums = {cls for cls in allowed.values() if isinstance(cls, type) and issubclass(cls, enum.Enum)}
+    allowed[("builtins", "getattr")] = lambda cls, name: _enum_member(enums, cls, name)
     return allowed
+
+
+def _enum_member(enums: set[type[enum.Enum]], cls: Any, name: Any) -> enum.Enum:
+    """What ``builtins.getattr`` may do in a ``.metadata``: name a member of one of DCP's own enums
+    (some Python versions, 3.11.2 among them, pickle an enum member as ``getattr(cls, "NAME")``);
+    any other attribute of anything is refused."""
+    if cls in enums and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise _RefusedGlobal(f"builtins.getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
