@@ -128,6 +128,23 @@ def test_metadata_with_enums_pickled_by_name_loads_and_other_getattrs_are_refuse
     assert not marker.exists()
 
 
+def test_sharded_tensor_metadata_with_enums_pickled_by_name_loads(tmp_path):
+    """The same for what an FSDP1 local state dict holds: ShardedTensor metadata, whose
+    ``TensorProperties`` pickles DCP's memory-format enum, saved by ``torch.save`` the way Python
+    3.11.2 pickles enums. Loaded with the local state dict's allowlist (``load_fsdp1_local``)."""
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    from utilities.state_dict import safe_torch_load
+
+    props = TensorProperties.create_from_tensor(torch.zeros(2, 3))
+    path = tmp_path / "rank0_of_2.pt"
+    pickler = types.ModuleType("enums_by_name")
+    pickler.Pickler, pickler.dump = _EnumsByName, pickle.dump
+    torch.save({"props": props}, path, pickle_module=pickler)
+    assert b"getattr" in path.read_bytes() and b"MEM_FORMAT_ENCODING" in path.read_bytes()
+    assert safe_torch_load(path, "local", allow=D._sharded_tensor_globals())["props"] == props
+
+
 def test_crafted_non_tensor_entry_is_refused(tiny, tmp_path):
     """DCP stores non-tensor values as torch.save bytes and reads them back with
     ``weights_only=False``; a checkpoint holding one that runs code must be refused, not loaded."""

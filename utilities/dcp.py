@@ -567,8 +567,9 @@ def load_fsdp1_local(model: nn.Module, path: str | os.PathLike) -> None:
 def _sharded_tensor_globals() -> list[Any]:
     """The classes an FSDP1 ``LOCAL_STATE_DICT`` (a ``ShardedTensor`` per flat parameter) pickles
     to: its metadata dataclasses and enum. Its pickle also calls ``getattr(ShardedTensor,
-    "ProcessGroupState")``; in place of ``builtins.getattr`` we admit a function that answers that
-    one lookup and refuses any other (a free ``getattr`` would reach anything)."""
+    "ProcessGroupState")``, and under some Pythons (3.11.2) ``getattr(MEM_FORMAT_ENCODING, NAME)``
+    for the enum's members; in place of ``builtins.getattr`` we admit a function that answers those
+    lookups and refuses any other (a free ``getattr`` would reach anything)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import (
@@ -580,15 +581,17 @@ def _sharded_tensor_globals() -> list[Any]:
     from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
     from torch.distributed.remote_device import _remote_device
 
-    def only_process_group_state(obj: Any, name: str) -> Any:
+    def only_known_attributes(obj: Any, name: str) -> Any:
         if obj is ShardedTensor and name == "ProcessGroupState":
             return ShardedTensor.ProcessGroupState
+        if obj is MEM_FORMAT_ENCODING and isinstance(name, str) and name in obj.__members__:
+            return obj[name]
         raise pickle.UnpicklingError(f"getattr({getattr(obj, '__name__', type(obj).__name__)}, "
                                      f"{name!r}) is not part of a local state dict")
 
     return [ShardedTensor, ShardedTensor.ProcessGroupState, Shard, ShardMetadata,
             ShardedTensorMetadata, TensorProperties, MEM_FORMAT_ENCODING, ChunkShardingSpec,
-            _remote_device, (only_process_group_state, "builtins.getattr")]
+            _remote_device, (only_known_attributes, "builtins.getattr")]
 
 
 def _rank() -> int:
