@@ -225,7 +225,7 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
 
 
 def _enum_member(enums: set[type[enum.Enum]], cls: Any, name: Any) -> enum.Enum:
-    """What ``builtins.getattr`` may do in a ``.metadata``: name a member of one of DCP's own enums
+    """What ``builtins.getattr`` may do in a checkpoint's pickle: name a member of one of ``enums``
     (some Python versions, 3.11.2 among them, pickle an enum member as ``getattr(cls, "NAME")``);
     any other attribute of anything is refused."""
     if cls in enums and isinstance(name, str) and name in cls.__members__:
@@ -584,10 +584,7 @@ def _sharded_tensor_globals() -> list[Any]:
     def only_known_attributes(obj: Any, name: str) -> Any:
         if obj is ShardedTensor and name == "ProcessGroupState":
             return ShardedTensor.ProcessGroupState
-        if obj is MEM_FORMAT_ENCODING and isinstance(name, str) and name in obj.__members__:
-            return obj[name]
-        raise pickle.UnpicklingError(f"getattr({getattr(obj, '__name__', type(obj).__name__)}, "
-                                     f"{name!r}) is not part of a local state dict")
+        return _enum_member({MEM_FORMAT_ENCODING}, obj, name)  # refuses any other getattr
 
     return [ShardedTensor, ShardedTensor.ProcessGroupState, Shard, ShardMetadata,
             ShardedTensorMetadata, TensorProperties, MEM_FORMAT_ENCODING, ChunkShardingSpec,
