@@ -73,7 +73,7 @@ def test_largest_batch_fits_and_the_next_does_not():
 def test_memory_sizes_parse():
     assert parse_memory("80GB") == 80 * 10**9
     assert parse_memory("80GiB") == 80 * 2**30
-    assert parse_memory("24e9") == 24 * 10**9
+    assert parse_memory("24e9B") == 24 * 10**9
     with pytest.raises(UsageError, match="80XB"):
         parse_memory("80XB")
 

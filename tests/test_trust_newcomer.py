@@ -119,7 +119,7 @@ def test_plan_names_temporaries_and_what_they_hold():
     assert "other" not in rows
     line = next(x for x in text.splitlines() if x.startswith("temporaries:"))
     assert "autograd temporaries (logits, loss) 15.00 GiB" in line and "all-gather" in line
-    assert "GPU memory used: 79.65 GiB per GPU (h100" in text
+    assert "GPU memory: 79.65 GiB per GPU (h100" in text
 
 
 def test_plan_cli_reports_the_size_it_used(monkeypatch):
@@ -133,7 +133,7 @@ def test_plan_cli_reports_the_size_it_used(monkeypatch):
     parser = P.add_plan_arguments(argparse.ArgumentParser())
     p, _ = P.plan_from_args(parser.parse_args(["--gpu-memory", "a100-80gb", "--model", "t5-tiny"]))
     assert seen["gpu_memory_bytes"] == 80 * 2**30
-    assert "GPU memory used: 80.00 GiB per GPU (a100-80gb" in P.format_plan(p)
+    assert "GPU memory: 80.00 GiB per GPU (a100-80gb" in P.format_plan(p)
     assert parser.parse_args([]).gpu_memory == "auto"
 
 

@@ -11,11 +11,14 @@ checks ``--model`` names without loading them.
 from __future__ import annotations
 
 import functools
+import json
+import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from utilities.errors import bad_value
+from utilities.errors import UsageError, bad_value
 
 if TYPE_CHECKING:
     import torch
@@ -29,30 +32,42 @@ class ModelSpec:
     """What a lesson needs to know about a model before building it."""
 
     name: str
-    family: str  # "t5" (encoder-decoder, seq2seq task) or "llama" (decoder-only, causal LM task)
+    family: str  # "t5", "llama", or the transformers ``model_type`` of a config file
     make_config: Callable[[], object]
     block_class_name: str
     default_seq_len: int
+    task: str = ""  # "seq2seq", "causal" or "masked"; "" means: from the family (t5: seq2seq)
+    # config -> model, built on the current default device; None: transformers' class for the task
+    make_model: Callable[[object], nn.Module] | None = None
+    block_type: type | None = None  # the block class itself, for a model built by make_model
 
     @property
     def is_seq2seq(self) -> bool:
-        return self.family == "t5"
+        return (self.task or ("seq2seq" if self.family == "t5" else "causal")) == "seq2seq"
 
     def config(self):
         return self.make_config()
 
     def block_class(self) -> type[nn.Module]:
-        if self.family == "t5":
-            from transformers.models.t5.modeling_t5 import T5Block
+        """The transformer block class (what auto-wrap wraps), found beside the model's class."""
+        import sys
 
-            return T5Block
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+        if self.block_type is not None:
+            return self.block_type
+        module = sys.modules[self.model_class().__module__]
+        return getattr(module, self.block_class_name)
 
-        return LlamaDecoderLayer
+    def model_class(self) -> type[nn.Module]:
+        """The transformers class that builds this model from its config."""
+        if self.make_model is not None:
+            raise TypeError(f"{self.name} is built by its own factory, not a transformers class")
+        if self.family in ("t5", "llama"):
+            return _model_class(self.family)
+        return _task_model_class(self.config(), self.task)
 
     @property
     def num_parameters(self) -> int:
-        return _count_parameters(self.name)
+        return _count_parameters(self)
 
     def build(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
         """Build with random weights on ``device`` (``"meta"`` for a model too large for one host),
@@ -64,19 +79,33 @@ class ModelSpec:
 
         cfg = self.config()
         with torch.device(device):
-            model = _model_class(self.family)(cfg)
+            model = (self.make_model or self.model_class())(cfg)
         return model.to(dtype) if dtype not in (None, torch.float32) else model
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N + 12 * layers * heads * head_dim * seq (nanoGPT / torchtitan)."""
-        cfg = self.config()
-        if self.family == "t5":
-            layers = cfg.num_layers + cfg.num_decoder_layers
-            heads, head_dim = cfg.num_heads, cfg.d_kv
-        else:
-            layers = cfg.num_hidden_layers
-            heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+        layers, heads, head_dim = _attention_shape(self.config())
         return 6.0 * self.num_parameters + 12.0 * layers * heads * head_dim * seq_len
+
+
+def _attention_shape(cfg) -> tuple[int, int, int]:
+    """(layers, heads, head_dim) of a transformers config, under the names families use."""
+    def first(*names, default=0):
+        for n in names:
+            value = getattr(cfg, n, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return default
+
+    if getattr(cfg, "is_encoder_decoder", False):
+        layers = first("num_layers", "encoder_layers") + first("num_decoder_layers", "decoder_layers",
+                                                                "num_layers")
+    else:
+        layers = first("num_hidden_layers", "n_layer", "num_layers")
+    heads = first("num_attention_heads", "num_heads", "n_head", "encoder_attention_heads", default=1)
+    hidden = first("hidden_size", "d_model", "n_embd")
+    head_dim = first("head_dim", "d_kv", default=hidden // heads)
+    return layers, heads, head_dim
 
 
 def _t5(d_model: int, d_ff: int, layers: int, heads: int, d_kv: int, vocab: int = VOCAB):
@@ -136,11 +165,156 @@ MODELS: dict[str, ModelSpec] = {
 META_INIT_THRESHOLD = 1_500_000_000
 
 
-def get_model_spec(name: str) -> ModelSpec:
-    """Look a model up by name; an unknown name is a one-line error listing the known ones."""
-    if name not in MODELS:
-        raise bad_value("model", name, MODELS)
-    return MODELS[name]
+CONFIG_FILE_ALLOWED = ("a course model name (" + ", ".join(MODELS) + "), a Hugging Face config.json "
+                       "or a folder holding one")
+
+
+def get_model_spec(name: str | ModelSpec) -> ModelSpec:
+    """A model by name, or from a Hugging Face ``config.json`` (or a folder holding one); an unknown
+    name or a config that cannot be built is a one-line error."""
+    if isinstance(name, ModelSpec):
+        return name
+    if name in MODELS:
+        return MODELS[name]
+    if looks_like_path(name):
+        path = os.path.abspath(os.path.expanduser(name))
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise bad_value("model", name, CONFIG_FILE_ALLOWED + " (no such file: " + path + ")")
+        return spec_from_config_file(path, os.stat(path).st_mtime_ns)
+    raise bad_value("model", name, CONFIG_FILE_ALLOWED)
+
+
+def looks_like_path(name: str) -> bool:
+    """A ``--model`` value that names a file or folder rather than a course model."""
+    return (os.sep in name or name.endswith(".json") or name.startswith((".", "~"))
+            or os.path.exists(name))
+
+
+TASKS = ("seq2seq", "causal", "masked")
+
+
+@functools.cache
+def spec_from_config_file(path: str, mtime_ns: int = 0) -> ModelSpec:
+    """A ``ModelSpec`` from a Hugging Face ``config.json``: nothing is downloaded and no code from
+    the file runs (``auto_map`` / remote code is ignored; only transformers' own classes build).
+
+    The task follows the config: encoder-decoder -> seq2seq LM; otherwise the class its
+    ``architectures`` names when transformers has it, else a causal LM when the family has one,
+    else a masked LM (BERT-style). The block class is the most frequent class among the model's
+    ``_no_split_modules`` (the units FSDP should wrap), else the element class of its largest
+    ``nn.ModuleList``. ``mtime_ns`` keys the cache, so an edited file is read again.
+    """
+    def refuse(why: str) -> UsageError:
+        return UsageError(f"model config {path!r} cannot be built: {why}")
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise refuse(f"not a readable JSON file ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise refuse("it has no \"model_type\" (a transformers config.json names its family there)")
+    try:
+        config = _config_from_dict(raw["model_type"], raw)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; each becomes one line
+        raise refuse(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    task = _task_of(config)
+    try:
+        model_class = _task_model_class(config, task)
+        import torch
+
+        with torch.device("meta"):
+            model = model_class(config)
+    except Exception as e:  # noqa: BLE001
+        raise refuse(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    block = _pick_block_class(model)
+    if block is None:
+        raise refuse("no repeated transformer block found to shard (no _no_split_modules, no ModuleList)")
+    if not hasattr(config, "vocab_size"):
+        raise refuse("the config has no vocab_size (the planner feeds token ids)")
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    seq = min(int(max_pos), 2048) if isinstance(max_pos, int) and max_pos > 0 else 512
+    frozen = config.to_dict()
+    return ModelSpec(name=path, family=raw["model_type"],
+                     make_config=functools.partial(_config_from_dict, raw["model_type"], frozen),
+                     block_class_name=block.__name__, default_seq_len=seq, task=task)
+
+
+def _config_from_dict(model_type: str, values: dict):
+    """The config for training: no KV cache (recomputed blocks under checkpointing would append
+    to it), no ``auto_map`` (remote code never runs)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in values.items() if k not in ("model_type", "auto_map")}
+    return AutoConfig.for_model(model_type, **dict(fields, use_cache=False))
+
+
+def _task_of(config) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq"
+    for arch in getattr(config, "architectures", None) or []:
+        if arch.endswith("ForMaskedLM"):
+            return "masked"
+        if arch.endswith(("ForCausalLM", "LMHeadModel")):
+            return "causal"
+    return "causal" if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "masked"
+
+
+def _task_model_class(config, task: str):
+    """transformers' class for ``task``: the one ``architectures`` names when it is transformers'
+    own and fits the task, else the Auto class's choice."""
+    import transformers
+
+    suffixes = {"seq2seq": ("ForConditionalGeneration", "Seq2SeqLM"),
+                "causal": ("ForCausalLM", "LMHeadModel"), "masked": ("ForMaskedLM",)}[task]
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
+        if isinstance(cls, type) and arch.endswith(suffixes):
+            return cls
+    from transformers.models.auto import modeling_auto
+
+    names = {"seq2seq": modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+             "causal": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+             "masked": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES}[task]
+    cls = getattr(transformers, names.get(config.model_type, ""), None)
+    if not isinstance(cls, type):
+        raise ValueError(f"transformers has no {task} language-model class for {config.model_type!r}")
+    return cls
+
+
+def _pick_block_class(model: nn.Module) -> type | None:
+    """The class to shard per instance: the most frequent of ``_no_split_modules``, else the
+    element class of the model's largest ModuleList."""
+    from torch import nn
+
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    counts = Counter(type(m) for m in model.modules() if type(m).__name__ in names)
+    if counts:
+        return counts.most_common(1)[0][0]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return None
+    return type(max(lists, key=len)[0])
+
+
+def custom_model_spec(name: str, factory: Callable[[], nn.Module], block_class: type[nn.Module],
+                      vocab_size: int, seq_len: int = 512, task: str = "causal") -> ModelSpec:
+    """A ``ModelSpec`` for your own ``nn.Module`` (for ``plan()``): ``factory()`` builds it on the
+    current default device (the planner builds it on ``meta``), ``block_class`` is the unit to
+    shard, and its ``forward(input_ids=, attention_mask=, labels=)`` returns an object with
+    ``.loss`` (as transformers' models do)."""
+    from types import SimpleNamespace
+
+    if task not in TASKS:
+        raise bad_value("task", task, TASKS)
+    return ModelSpec(name=name, family="custom",
+                     make_config=lambda: SimpleNamespace(vocab_size=vocab_size),
+                     block_class_name=block_class.__name__, default_seq_len=seq_len, task=task,
+                     make_model=lambda _config: factory(), block_type=block_class)
 
 
 def _model_class(family: str):
@@ -154,8 +328,8 @@ def _model_class(family: str):
 
 
 @functools.cache
-def _count_parameters(name: str) -> int:
-    model = MODELS[name].build(device="meta")
+def _count_parameters(spec: ModelSpec) -> int:
+    model = spec.build(device="meta")
     seen: set[int] = set()
     total = 0
     for p in model.parameters():  # parameters() already skips tied duplicates

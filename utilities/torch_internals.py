@@ -137,3 +137,17 @@ def fake_store() -> Any:
         raise _unsupported("fsdp-course plan",
                            "torch.testing._internal.distributed.fake_pg.FakeStore") from None
     return FakeStore()
+
+
+# -- DTensor ---------------------------------------------------------------------------------------
+
+def clear_dtensor_sharding_cache() -> bool:
+    """Empty DTensor's sharding-propagation cache (in this thread; it is thread-local from 2.8), so
+    the next op of each kind propagates afresh, as in a new process. False when torch has none."""
+    try:
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    except (ImportError, AttributeError):
+        return False
+    return True

@@ -50,7 +50,7 @@ TEMPORARY_PARTS = {"temporaries": "autograd temporaries (logits, loss)",
                    "all_gather": "all-gather buffers", "reduce_scatter": "reduce-scatter buffers",
                    "buffers": "module buffers", "inputs": "inputs"}
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -84,19 +84,20 @@ def resolve_gpu_memory(text: str) -> tuple[int, str]:
         return GPU_MEMORY_MIB[key] * 2**20, f"{key}: {GPU_MEMORY_MIB[key]:,} MiB, as nvidia-smi reports it"
     if re.fullmatch(r"[a-z][a-z0-9-]*", key):  # a name, not a size
         raise bad_value("--gpu-memory", text, "auto, a GPU name (" + ", ".join(GPU_MEMORY_MIB)
-                        + ") or a size such as 80GiB, 80GB (10^9 bytes), 24e9")
+                        + ") or a size with its unit, such as 80GiB, 80GB (10^9 bytes), 24e9B")
     nbytes = parse_memory(text)
     unit = "10^9" if key.endswith("gb") else "2^30" if key.endswith("gib") else None
     return nbytes, f"{text.strip()} as given" + (f" ({unit} bytes per G)" if unit else "")
 
 
 def parse_memory(text: str) -> int:
-    """Bytes from "80GB" (10**9), "80GiB" (2**30), "24e9" or "1024" ; one-line error otherwise."""
+    """Bytes from "80GB" (10**9), "80GiB" (2**30), "24e9B"; one-line error otherwise. A bare
+    number is refused: "80" would plan for 80 bytes, never what anyone means."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise bad_value("--gpu-memory", text, "a size such as 80GB, 80GiB, 24e9 (units: B, KB, MB, "
-                        "GB, TB, KiB, MiB, GiB, TiB)")
+    if not m or unit not in _UNITS or not unit:
+        raise bad_value("--gpu-memory", text, "a GPU name or a size with its unit, such as 80GB, "
+                        "80GiB, 24e9B (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     value = float(m.group(1)) * _UNITS[unit]
     if value < 1:
         raise bad_value("--gpu-memory", text, "sizes > 0")
@@ -126,6 +127,12 @@ class Plan:
     method: str  # how the peak was obtained
     notes: list[str] = field(default_factory=list)
     gpu_memory_source: str = ""  # where gpu_memory_bytes came from (a GPU name, this GPU, a size)
+    # parameters, gradients, optimizer state a rank holds between steps (counted after the step)
+    model_states: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def theory(self) -> dict[str, dict[str, int]]:
+        return model_state_formulas(self.parameters_total, self.strategy, self.gpus, self.shard_size)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,22 +186,31 @@ def _fake_batch(spec, batch: int, seq: int, device: torch.device) -> dict[str, t
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def _train_step_tracked(model, batch, device: torch.device) -> dict[str, int]:
+def adamw_foreach(device: torch.device) -> bool:
+    """AdamW's ``foreach`` choice on ``device`` (torch's default: on for CUDA, off for CPU)."""
+    return device.type == "cuda"
+
+
+def _train_step_tracked(model, batch, device: torch.device) -> tuple[dict[str, int], dict[str, int]]:
     """One training step under ``FSDPMemTracker`` with the optimizer state already in place (the
-    steady state ``train()`` measures on its second step). The state is created by one AdamW step
-    on zero gradients: the same tensors a first real step would create, at no forward's cost."""
+    steady state ``train()`` measures on its second step), and what the rank holds after it.
+
+    The state is created by one untracked AdamW step on zero gradients: the same tensors a first
+    real step would create, at no forward's cost. Both steps take the same ``foreach``: a tracked
+    step that dispatches ops the untracked one did not misses DTensor's sharding-propagation cache,
+    and propagation then runs those ops at their full (unsharded) size under the planner's own
+    FakeTensorMode, which the tracker books as optimizer state (3 full-size fp32 tensors of the
+    largest weight)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from utilities.course.release import TrackerHooks
     from utilities.distributed import T5_POSITION_BIAS_VIEW
+    from utilities.measure import census
 
-    foreach = device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=adamw_foreach(device))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    optimizer.step()  # foreach: the same state tensors in a fraction of the ops (untracked step)
-    for group in optimizer.param_groups:
-        group["foreach"] = foreach
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     tracker = global_peak_only(FSDPMemTracker(model, optimizer))
     with warnings.catch_warnings():
@@ -204,11 +220,13 @@ def _train_step_tracked(model, batch, device: torch.device) -> dict[str, int]:
             optimizer.zero_grad(set_to_none=True)
             model(**batch).loss.backward()
             optimizer.step()
+    held = census(model, optimizer)
+    states = {k: int(held[k]) for k in ("parameters", "gradients", "optimizer")}
     snaps = tracker.get_tracker_snapshot("peak")
     for dev, snap in snaps.items():
         if torch.device(dev).type == device.type:
-            return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
-    return {}
+            return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}, states
+    return {}, states
 
 
 def _fake_device(device_type: str) -> tuple[torch.device, list[str]]:
@@ -254,13 +272,14 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
             budget_bytes=budget, fits=False, overflowing=_overflowing(floor, budget),
             method="lower bound: fp32 parameter shards + AdamW state alone exceed the budget "
                    "(activations not simulated)", notes=notes)
-    snap = _simulate(spec, world, strategy, precision, ac, batch, seq, device, shard_size)
+    snap, states = _simulate(spec, world, strategy, precision, ac, batch, seq, device, shard_size)
     cats = categorize(snap)
     detail = cats.pop("detail")
     if strategy == "no_shard":
         buckets = 4 * spec.num_parameters  # DDP's fp32 gradient buckets, allocated once, kept
         cats["gradients"] += buckets
         cats["total"] += buckets
+        states["gradients"] += buckets
         detail["ddp_gradient_buckets"] = buckets
         gathered = detail.get("unsharded_parameters", 0)  # DDP computes with the parameters
         cats["parameters"] -= gathered
@@ -275,11 +294,13 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
         batch=batch, seq=seq, device_type=device.type, shard_size=shard_size,
         peak_bytes={k: int(v) for k, v in cats.items()}, detail=detail, budget_bytes=budget,
         fits=fits, overflowing=None if fits else _overflowing(cats, budget),
-        method="FSDPMemTracker on FakeTensorMode + fake process group", notes=notes)
+        method="FSDPMemTracker on FakeTensorMode + fake process group", notes=notes,
+        model_states=states)
 
 
 def _simulate(spec, world, strategy, precision, ac, batch, seq, device,
-              shard_size: int | None = None) -> dict[str, int]:
+              shard_size: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
+    """The tracker's peak snapshot of one fake step, and the model states held after it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -318,6 +339,32 @@ def _resident_floor(num_parameters: int, world: int) -> dict[str, int]:
             "temporaries": 0}
     cats["total"] = sum(cats.values())
     return cats
+
+
+def model_state_formulas(num_parameters: int, strategy: str, gpus: int,
+                         shard_size: int | None = None) -> dict[str, dict[str, int]]:
+    """Bytes per rank of parameters, gradients and AdamW state by formula, two ways.
+
+    ``fsdp2``: what FSDP2 keeps between steps under any precision policy: fp32 parameter shards
+    (4 bytes per parameter), fp32 gradient shards (4) and AdamW's two fp32 moments (8): 16 bytes
+    per parameter over the ranks that shard (all of them for full_shard and shard_grad_op, the
+    shard group for hybrid_shard, one for no_shard, where DDP's fp32 gradient buckets add 4 more).
+    ``zero``: the ZeRO paper's mixed-precision split (Rajbhandari et al. 2020, Figure 1): fp16
+    parameters (2) and gradients (2), fp32 master weights + moments (12); stage 3 shards all
+    three, stage 2 (shard_grad_op) keeps the fp16 parameters whole, stage 0 (no_shard) shards
+    nothing. Same 16 bytes in total for stage 3, split differently. What no formula holds: the
+    units unsharded at the peak, activations, logits and the collectives' buffers.
+    """
+    n = {"no_shard": 1, "hybrid_shard": shard_size or min(gpus, NODE_GPUS)}.get(strategy, gpus)
+    per = -(-num_parameters // n)
+    fsdp2 = {"parameters": 4 * per, "gradients": 4 * per + (4 * num_parameters if n == 1 and
+                                                             strategy == "no_shard" else 0),
+             "optimizer": 8 * per}
+    zero_params = 2 * num_parameters if strategy in ("shard_grad_op", "no_shard") else 2 * per
+    zero = {"parameters": zero_params, "gradients": 2 * per, "optimizer": 12 * per}
+    for d in (fsdp2, zero):
+        d["total"] = d["parameters"] + d["gradients"] + d["optimizer"]
+    return {"fsdp2": fsdp2, "zero": zero}
 
 
 def _overflowing(cats: dict[str, int], budget: int) -> str:
@@ -389,13 +436,15 @@ PLAN_DESCRIPTION = (
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of ``fsdp-course plan``."""
-    parser.add_argument("--model", default="llama-8b", help="named model (see `fsdp-course list "
-                        "--models`); default llama-8b")
+    parser.add_argument("--model", default="llama-8b",
+                        help="a course model (see `fsdp-course list --models`), or your own: a "
+                        "Hugging Face config.json or a folder holding one (built with random "
+                        "weights on meta; nothing downloaded); default llama-8b")
     parser.add_argument("--gpus", default="8", help="number of GPUs (ranks); default 8")
     parser.add_argument("--gpu-memory", default="auto",
                         help="memory per GPU: a GPU name (" + ", ".join(GPU_MEMORY_MIB) + "), its "
-                        "real size; or a size: 80GiB (2^30), 80GB (10^9 bytes: 74.5 GiB, less than "
-                        "an '80GB' card), 24e9; default auto: this machine's GPU, else an h100")
+                        "real size; or a size with its unit: 80GiB (2^30), 80GB (10^9 bytes: 74.5 GiB, "
+                        "less than an '80GB' card), 24e9B; default auto: this machine's GPU, else an h100")
     parser.add_argument("--strategy", default="full_shard",
                         help=f"one of {', '.join(STRATEGIES)}; default full_shard")
     parser.add_argument("--shard-size", default=None,
@@ -443,19 +492,25 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
 
 
 def format_plan(p: Plan, largest: int | None = None) -> str:
+    theory = p.theory
     lines = [f"{p.model} ({p.parameters_total:,} parameters) on {p.gpus} x "
              f"{fmt_bytes(p.gpu_memory_bytes)}: {p.strategy}"
              f"{f' (shard groups of {p.shard_size})' if p.shard_size else ''}, {p.precision}, "
              f"AC {p.ac}, batch {p.batch} x seq {p.seq} per rank",
-             f"{'category':<14}{'peak per rank' if p.detail else 'at least':>16}{'share':>8}"]
+             f"{'category':<13}{'peak per rank' if p.detail else 'at least':>14}{'share':>7}"
+             f"{'FSDP2 formula':>15}{'ZeRO paper':>12}"]
     total = max(p.peak_bytes["total"], 1)
     for c in CATEGORY_ORDER:
         mark = "  <- overflows" if c == p.overflowing else ""
-        lines.append(f"{c:<14}{fmt_bytes(p.peak_bytes[c]):>16}{p.peak_bytes[c] / total:>8.0%}{mark}")
-    lines.append(f"{'total':<14}{fmt_bytes(p.peak_bytes['total']):>16}{1:>8.0%}")
+        fsdp2, zero = (fmt_bytes(theory[k][c]) if c in theory[k] else "-" for k in ("fsdp2", "zero"))
+        lines.append(f"{c:<13}{fmt_bytes(p.peak_bytes[c]):>14}{p.peak_bytes[c] / total:>7.0%}"
+                     f"{fsdp2:>15}{zero:>12}{mark}")
+    lines.append(f"{'total':<13}{fmt_bytes(p.peak_bytes['total']):>14}{1:>7.0%}"
+                 f"{fmt_bytes(theory['fsdp2']['total']):>15}{fmt_bytes(theory['zero']['total']):>12}")
     lines.append(temporaries_line(p))
+    lines.append(model_states_line(p))
     if p.gpu_memory_source:
-        lines.append(f"GPU memory used: {p.gpu_memory_bytes / 2**30:.2f} GiB per GPU "
+        lines.append(f"GPU memory: {p.gpu_memory_bytes / 2**30:.2f} GiB per GPU "
                      f"({p.gpu_memory_source})")
     lines.append(f"budget: {fmt_bytes(p.budget_bytes)} ({1 - HEADROOM:.0%} of "
                  f"{fmt_bytes(p.gpu_memory_bytes)}; the rest is headroom for the CUDA context, "
@@ -472,6 +527,21 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
     lines += [f"note: {n}" for n in p.notes]
     lines.append(f"method: {p.method}")
     return "\n".join(lines)
+
+
+def model_states_line(p: Plan) -> str:
+    """Where the formulas stop: the model states counted between steps against FSDP2's 16 bytes
+    per parameter, and what the peak holds that no formula has."""
+    formula = p.theory["fsdp2"]["total"]
+    head = ("formulas: bytes a rank keeps between steps (FSDP2: 4+4+8, ZeRO: 2+2+12 per "
+            f"parameter, sharded as {p.strategy} shards them)")
+    if not p.model_states:
+        return head + "; this plan traced no step"
+    held = sum(p.model_states.values())
+    gathered = p.detail.get("unsharded_parameters", 0)
+    return (head + f"\n  traced between steps: {fmt_bytes(held)} ({held / max(formula, 1):.1%} of "
+            f"FSDP2's formula); only the trace sees the units unsharded at the peak "
+            f"({fmt_bytes(gathered)}), activations and temporaries")
 
 
 def temporaries_line(p: Plan) -> str:

@@ -1,0 +1,191 @@
+"""The planner's model states are exact at any scale (16 bytes per parameter over the ranks that
+shard them, on either device's AdamW path), it plans the user's own model from a Hugging Face
+config.json or an nn.Module factory, and it refuses what it cannot plan in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import cli_here
+from torch import nn
+
+from utilities.errors import UsageError
+from utilities.measure import planner as P
+from utilities.models import custom_model_spec, get_model_spec
+from utilities.torch_internals import clear_dtensor_sharding_cache
+
+# The 7.5B llama of the planner's overcount report: Psi = 7,501,778,944
+LLAMA_7_5B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+              "intermediate_size": 12992, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+              "tie_word_embeddings": False}
+
+FAMILIES = {  # small configs of five families, as a user would write them
+    "gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 3,
+             "n_head": 4, "vocab_size": 500, "n_positions": 256, "bos_token_id": 0, "eos_token_id": 0},
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 500, "max_position_embeddings": 256},
+    "mistral": {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 500, "max_position_embeddings": 256},
+    "bert": {"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+             "vocab_size": 500, "max_position_embeddings": 256},
+    "t5": {"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2,
+           "num_heads": 4, "d_kv": 16, "vocab_size": 500, "decoder_start_token_id": 0,
+           "pad_token_id": 0},
+}
+BLOCKS = {"gpt2": "GPT2Block", "qwen2": "Qwen2DecoderLayer", "mistral": "MistralDecoderLayer",
+          "bert": "BertLayer", "t5": "T5Block"}
+CLASSES = {"gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+           "bert": "BertForMaskedLM", "t5": "T5ForConditionalGeneration"}
+
+
+def write_config(folder, values: dict) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(values))
+    return str(folder)
+
+
+def states_total(p: P.Plan) -> int:
+    return sum(p.model_states[k] for k in ("parameters", "gradients", "optimizer"))
+
+
+def test_full_shard_holds_16_bytes_per_parameter_over_64_gpus(tmp_path):
+    """The 7.5B config given as a file: ZeRO-3's 16 Psi / N = 1.875 GB at N = 64, and the
+    optimizer at the peak 8 Psi / 64 (it was booked 7.3 GB when the warm-up step's ops missed
+    DTensor's sharding cache)."""
+    clear_dtensor_sharding_cache()
+    p = P.plan(write_config(tmp_path / "llama", LLAMA_7_5B), 64, 80 * 2**30, "full_shard", "bf16",
+               "none", 1, 128, "cuda")
+    psi = p.parameters_total
+    assert psi == 7_501_778_944
+    assert states_total(p) == pytest.approx(16 * psi / 64, rel=0.01)
+    assert p.peak_bytes["optimizer"] == pytest.approx(8 * psi / 64, rel=0.01)
+    assert p.theory["zero"]["total"] == pytest.approx(16 * psi / 64, rel=0.001)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["cpu-adamw", "gpu-adamw-foreach"])
+@pytest.mark.parametrize("gpus", [8, 1024])
+def test_model_states_are_exact_on_either_devices_adamw_path(tmp_path, monkeypatch, foreach, gpus):
+    """Both AdamW paths (CPU's per-tensor, CUDA's foreach) from a cold sharding cache: states
+    16 Psi / N and the optimizer at the peak 8 Psi / N, at 8 and 1,024 GPUs."""
+    monkeypatch.setattr(P, "adamw_foreach", lambda device: foreach)
+    clear_dtensor_sharding_cache()
+    two_layers = dict(LLAMA_7_5B, num_hidden_layers=2)
+    p = P.plan(write_config(tmp_path / "llama2", two_layers), gpus, 80 * 2**30, "full_shard", "bf16",
+               "none", 1, 64, "cuda")
+    psi = p.parameters_total
+    assert states_total(p) == pytest.approx(16 * psi / gpus, rel=0.01)
+    assert p.peak_bytes["optimizer"] == pytest.approx(8 * psi / gpus, rel=0.01)
+
+
+@pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard"])
+def test_other_strategies_match_their_formulas(strategy):
+    """shard_grad_op keeps 16 Psi / N between steps and holds every unit unsharded at its peak
+    (the bf16 copies FSDP adds: about 2 Psi); no_shard holds 16 Psi plus DDP's 4 Psi buckets."""
+    clear_dtensor_sharding_cache()
+    p = P.plan("llama-tiny", 8, 10**12, strategy, "bf16", "none", 2, 64, "cpu")
+    psi = p.parameters_total
+    formula = P.model_state_formulas(psi, strategy, 8)["fsdp2"]["total"]
+    assert states_total(p) == pytest.approx(formula, rel=0.01)
+    if strategy == "shard_grad_op":
+        assert formula == pytest.approx(16 * psi / 8, rel=0.01)
+        assert p.detail["unsharded_parameters"] == pytest.approx(2 * psi, rel=0.02)
+    else:
+        assert formula == 20 * psi
+
+
+def test_eight_to_128_gpus_drops_what_the_sharded_state_arithmetic_says(tmp_path):
+    """At a peak in the forward (gradients freed by zero_grad(set_to_none=True)), a rank holds its
+    parameter shard and AdamW state: 12 bytes per parameter over N. The drop from 8 to 128 GPUs
+    is that arithmetic, within 5%."""
+    cfg = write_config(tmp_path / "llama4", dict(LLAMA_7_5B, num_hidden_layers=4))
+    eight, many = (P.plan(cfg, n, 10**12, "full_shard", "bf16", "full", 2, 1024, "cuda")
+                   for n in (8, 128))
+    psi = eight.parameters_total
+    assert eight.peak_bytes["gradients"] == 0
+    drop = eight.peak_bytes["total"] - many.peak_bytes["total"]
+    assert drop == pytest.approx(12 * psi * (1 / 8 - 1 / 128), rel=0.05)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_config_json_of_each_family_plans(tmp_path, family):
+    """parameters_total is what transformers builds from the file; the block class comes from the
+    model's _no_split_modules; the plan's states are the formula's."""
+    import transformers
+
+    folder = write_config(tmp_path / family, FAMILIES[family])
+    spec = get_model_spec(folder)
+    assert spec.block_class().__name__ == BLOCKS[family]
+    config = transformers.AutoConfig.for_model(**FAMILIES[family])
+    with torch.device("meta"):
+        built = getattr(transformers, CLASSES[family])(config)
+    assert spec.num_parameters == sum(p.numel() for p in built.parameters())
+    p = P.plan(folder + "/config.json", 2, 10**12, "full_shard", "fp32", "none", 2, 32, "cpu")
+    assert p.parameters_total == spec.num_parameters
+    assert states_total(p) == pytest.approx(16 * spec.num_parameters / 2, rel=0.02)
+
+
+def test_an_nn_module_factory_plans():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ff = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return x + torch.relu(self.ff(x))
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 64)
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.head = nn.Linear(64, 100)
+
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            x = self.embed(input_ids)
+            for b in self.blocks:
+                x = b(x)
+            logits = self.head(x)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            return type("Out", (), {"loss": loss})()
+
+    spec = custom_model_spec("tiny", Tiny, Block, vocab_size=100, seq_len=16)
+    p = P.plan(spec, 2, 10**12, "full_shard", "fp32", "none", 2, 16, "cpu")
+    psi = sum(x.numel() for x in Tiny().parameters())
+    assert p.parameters_total == psi and p.model == "tiny"
+    assert states_total(p) == pytest.approx(16 * psi / 2, rel=0.02)
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "no such file"),
+    ("{not json", "not a readable JSON file"),
+    ('{"hidden_size": 64}', "no \"model_type\""),
+    ('{"model_type": "no-such-family"}', "cannot be built"),
+])
+def test_a_config_it_cannot_build_is_one_line(tmp_path, content, says):
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    proc = cli_here("plan", "--model", str(path), "--gpus", "2")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error:") and proc.stderr.strip().count("\n") == 0
+    assert says in proc.stderr and str(path) in proc.stderr
+
+
+def test_a_bare_gpu_memory_number_is_refused():
+    proc = cli_here("plan", "--gpu-memory", "80")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "'80'" in proc.stderr and "GiB" in proc.stderr
+    with pytest.raises(UsageError):
+        P.parse_memory("24e9")
+
+
+def test_the_table_prints_the_formulas_beside_the_trace():
+    text = P.format_plan(P.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 1, 32, "cpu"))
+    assert "FSDP2 formula" in text and "ZeRO paper" in text and "traced between steps" in text
+    assert "GPU memory used" not in text
