@@ -39,8 +39,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 from utilities.errors import bad_value
 
-__all__ = ["apply_activation_checkpointing", "block_units", "checkpointed_blocks",
-           "select_blocks", "CheckpointWrapper"]
+__all__ = ["apply_activation_checkpointing", "apply_op_selective_checkpointing", "block_units",
+           "checkpointed_blocks", "select_blocks", "CheckpointWrapper"]
 
 
 def _blocks(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
@@ -70,6 +70,50 @@ def apply_activation_checkpointing(model: nn.Module, block_class: type[nn.Module
         _replace_children(model, chosen, wrapper)
     else:
         raise bad_value("--api", api, ("fsdp2", "fsdp1"))
+    return checkpointed_blocks(model)
+
+
+def matmul_saving_policy():
+    """A fresh op-level policy for one block's forward: keep the outputs of the expensive ops
+    (matrix multiplications and attention) and recompute the cheap ones (norms, activations,
+    elementwise) in backward, but recompute every second matmul, so the saved activations are
+    about half the matmul outputs. This is what torchtitan's "selective" (op) checkpointing does;
+    the course's lesson 02 "selective" is block-level (every second block whole)."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    attention = {getattr(aten, name).default for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+        if hasattr(aten, name)}
+    seen = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in attention:
+            return CheckpointPolicy.MUST_SAVE
+        if op in matmuls:
+            phase = "recompute" if ctx.is_recompute else "forward"
+            seen[phase] += 1
+            return (CheckpointPolicy.MUST_SAVE if seen[phase] % 2 else CheckpointPolicy.PREFER_RECOMPUTE)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_op_selective_checkpointing(model: nn.Module, block_class: type[nn.Module]) -> int:
+    """Op-level selective checkpointing of every ``block_class`` (FSDP2: before ``fully_shard``):
+    each block saves what ``matmul_saving_policy`` keeps and recomputes the rest."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    def contexts():
+        return create_selective_checkpoint_contexts(matmul_saving_policy())
+
+    chosen = {id(m) for m in _blocks(model, block_class)}
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                context_fn=contexts)
+    _replace_children(model, chosen, wrapper)
     return checkpointed_blocks(model)
 
 

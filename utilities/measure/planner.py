@@ -40,7 +40,9 @@ from utilities.torch_internals import global_peak_only
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 NODE_GPUS = 8  # hybrid_shard's default shard group: one node
 PRECISIONS = ("fp32", "bf16")
-AC_MODES = ("none", "selective", "full")
+# activation checkpointing: "selective" is op-level, as in torchtitan (keep matmul and attention
+# outputs, recompute the rest); "every-2nd-block" is block-level (lesson 02's "selective")
+AC_MODES = ("none", "selective", "every-2nd-block", "full")
 HEADROOM = 0.10  # of the GPU's memory, kept for what the trackers cannot see
 CATEGORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 # temporaries: everything else alive at the peak (the tracker's "Temp": autograd's short-lived
@@ -160,12 +162,18 @@ def _prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devi
     """Build on meta, checkpoint, shard per block, then materialize as fake tensors on ``device``."""
     from torch.distributed.fsdp import fully_shard
 
-    from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
+    from utilities.activation_checkpointing import (
+        apply_activation_checkpointing,
+        apply_op_selective_checkpointing,
+        block_units,
+    )
     from utilities.precision import fsdp2_policy
 
     model = spec.build(device="meta")
     block = spec.block_class()
-    if ac != "none":
+    if ac == "selective":
+        apply_op_selective_checkpointing(model, block)
+    elif ac != "none":
         apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
     opts = dict(mesh=mesh, reshard_after_forward=strategy != "shard_grad_op",
                 mp_policy=fsdp2_policy(precision))
@@ -396,17 +404,34 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
                   shard_size: int | None = None) -> tuple[int, Plan | None]:
     """The largest per-rank batch that fits (0 when even batch 1 does not), and its plan.
 
-    Doubling until a batch does not fit, then bisection between the last fit and the first miss:
-    about 2 * log2(batch) plans.
+    Memory is a line in the batch for these models (parameters and optimizer state fixed,
+    activations and logits per sample): plans at batch 1 and 2 draw the line, the third plans the
+    batch where it meets the budget. When that plan lies on the line (within 0.1%) and fits, the
+    answer is exact in 3 traced steps; otherwise (a peak that moved, a curve) doubling and
+    bisection from what is known decide, about 2 * log2(batch) plans more.
     """
     def run(b: int) -> Plan:
         return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
                     shard_size)
 
     first = run(1)
-    if not first.fits:
-        return 0, first
-    good, good_plan, bad = 1, first, None
+    if not first.fits or limit == 1:
+        return (1 if first.fits else 0), first
+    second = run(2)
+    if not second.fits:
+        return 1, first
+    slope = second.peak_bytes["total"] - first.peak_bytes["total"]
+    if slope > 0:
+        on_line = min(limit, 1 + (first.budget_bytes - first.peak_bytes["total"]) // slope)
+        if on_line > 2:
+            guess = run(on_line)
+            expected = first.peak_bytes["total"] + slope * (on_line - 1)
+            if (guess.fits and abs(guess.peak_bytes["total"] - expected) <= 1e-3 * expected
+                    and (on_line == limit or expected + slope > first.budget_bytes)):
+                guess.notes.append(f"largest batch from the line through batches 1 and 2 "
+                                   f"({fmt_bytes(slope)} per sample), checked at batch {on_line}")
+                return on_line, guess
+    good, good_plan, bad = 2, second, None
     while bad is None and good < limit:
         b = min(good * 2, limit)
         p = run(b)
@@ -451,7 +476,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="hybrid_shard only: GPUs that shard among themselves, a divisor of "
                              f"--gpus (default {NODE_GPUS}, one node, or --gpus if fewer)")
     parser.add_argument("--precision", default="bf16", help=f"one of {', '.join(PRECISIONS)}")
-    parser.add_argument("--ac", default="none", help=f"activation checkpointing: {', '.join(AC_MODES)}")
+    parser.add_argument("--ac", default="none",
+                        help="activation checkpointing: none; selective (op-level, as torchtitan: "
+                        "keep matmul and attention outputs, recompute the rest); every-2nd-block "
+                        "(block-level, lesson 02's 'selective'); full (every block)")
     parser.add_argument("--batch", default="1", help="per-rank batch size; default 1")
     parser.add_argument("--seq", default=None, help="sequence length (default: the model's)")
     parser.add_argument("--max-batch", action="store_true",
