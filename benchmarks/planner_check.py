@@ -83,7 +83,9 @@ def measured_configs(directory: Path, device_type: str) -> list[dict]:
             configs.append({
                 "source": f"{name}:{run['config']}", "model": s["model"], "gpus": run["world_size"],
                 "precision": "fp32" if s["precision"] == "fp32" else "bf16",
-                "ac": run["ac"], "batch": s["batch_size"],
+                # lesson 10's "selective" is every second block; the planner's is op-level
+                "ac": {"selective": "every-2nd-block"}.get(run["ac"], run["ac"]),
+                "batch": s["batch_size"],
                 "seq": s["seq_len"], "measured_bytes": run["peak_memory_bytes"],
                 "measured_on": device_type,
                 "measured_method": measured_method(device_type, run.get("peak_memory_method")),

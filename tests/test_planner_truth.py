@@ -189,3 +189,52 @@ def test_the_table_prints_the_formulas_beside_the_trace():
     text = P.format_plan(P.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 1, 32, "cpu"))
     assert "FSDP2 formula" in text and "ZeRO paper" in text and "traced between steps" in text
     assert "GPU memory used" not in text
+
+
+def test_max_batch_takes_three_traced_steps_on_a_line(monkeypatch):
+    """Where memory is a line in the batch (a big model: 1 GiB fixed + 3 GiB per sample here),
+    batches 1 and 2 draw it and the third plan checks the batch it names: 3 traced steps."""
+    base = P.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 1, 64, "cpu")
+    traced = []
+
+    def linear_plan(model, gpus, memory, strategy, precision, ac, batch, *rest):
+        traced.append(batch)
+        total = 2**30 + 3 * 2**30 * batch
+        budget = int(memory * 0.9)
+        return P.Plan(**dict(base.as_dict(), batch=batch, budget_bytes=budget, fits=total <= budget,
+                             peak_bytes=dict(base.peak_bytes, total=total)))
+
+    monkeypatch.setattr(P, "plan", linear_plan)
+    best, best_plan = P.largest_batch("x", 8, int((2**30 + 3 * 2**30 * 37.5) / 0.9))
+    assert best == 37 and traced == [1, 2, 37] and "line through batches 1 and 2" in best_plan.notes[-1]
+
+
+def test_max_batch_off_the_line_still_finds_the_edge(monkeypatch):
+    """llama-tiny's peak is not quite a line in the batch: the search narrows by secant steps and
+    returns a batch that fits while the next one does not, in a few traced steps."""
+    traced = []
+    real = P.plan
+    monkeypatch.setattr(P, "plan", lambda *a, **k: traced.append(a[6]) or real(*a, **k))
+    one, two = (real("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", b, 64, "cpu") for b in (1, 2))
+    slope = two.peak_bytes["total"] - one.peak_bytes["total"]
+    memory = int((one.peak_bytes["total"] + 6.5 * slope) / 0.9)
+    best, best_plan = P.largest_batch("llama-tiny", 2, memory, "full_shard", "fp32", "none", 64, "cpu")
+    assert best_plan.fits and best_plan.batch == best and len(traced) <= 5
+    assert not real("llama-tiny", 2, memory, "full_shard", "fp32", "none", best + 1, 64, "cpu").fits
+
+
+def test_a_sweep_re_shards_by_arithmetic_exactly(monkeypatch):
+    """A sweep traces no_shard once and full_shard / shard_grad_op at both ends; the counts between
+    come from arithmetic, which matches a trace of the same count to the byte."""
+    traced = []
+    real = P.plan
+    monkeypatch.setattr(P, "plan", lambda *a, **k: traced.append(a[1]) or real(*a, **k))
+    plans = P.sweep("llama-tiny", gpu_counts=(2, 4, 8), gpu_memory_bytes=10**12, precision="fp32",
+                    batch=2, seq=64, device_type="cpu")
+    assert len(plans) == 9 and len(traced) == 5
+    middle = next(p for p in plans if p.strategy == "full_shard" and p.gpus == 4)
+    assert middle.method.startswith("re-sharded by arithmetic")
+    assert middle.peak_bytes == real("llama-tiny", 4, 10**12, "full_shard", "fp32", "none", 2, 64,
+                                     "cpu").peak_bytes
+    text = P.format_sweep(plans)
+    assert "full_shard" in text and max(len(line) for line in text.splitlines()[1:5]) <= 80

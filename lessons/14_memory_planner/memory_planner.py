@@ -28,7 +28,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
+from utilities.activation_checkpointing import (
+    apply_activation_checkpointing,
+    apply_op_selective_checkpointing,
+    block_units,
+)
 from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.measure import fmt_bytes
@@ -54,7 +58,9 @@ def shard(model: nn.Module, block_class: type[nn.Module], strategy: str, precisi
           ac: str) -> nn.Module:
     """The same configuration for real, as plan() builds it: activation checkpointing first, then
     fully_shard each block (its checkpoint wrapper, if any) and the root."""
-    if ac != "none":
+    if ac == "selective":  # op-level: matmul and attention outputs kept, the rest recomputed
+        apply_op_selective_checkpointing(model, block_class)
+    elif ac != "none":  # "full": every block; "every-2nd-block": half of them
         apply_activation_checkpointing(model, block_class, every=1 if ac == "full" else 2)
     opts = dict(reshard_after_forward=strategy == "full_shard", mp_policy=fsdp2_policy(precision))
     for unit in block_units(model, block_class):

@@ -404,11 +404,12 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
                   shard_size: int | None = None) -> tuple[int, Plan | None]:
     """The largest per-rank batch that fits (0 when even batch 1 does not), and its plan.
 
-    Memory is a line in the batch for these models (parameters and optimizer state fixed,
-    activations and logits per sample): plans at batch 1 and 2 draw the line, the third plans the
-    batch where it meets the budget. When that plan lies on the line (within 0.1%) and fits, the
-    answer is exact in 3 traced steps; otherwise (a peak that moved, a curve) doubling and
-    bisection from what is known decide, about 2 * log2(batch) plans more.
+    Memory grows about linearly with the batch (parameters and optimizer state are fixed,
+    activations and logits come per sample): plans at batch 1 and 2 draw a line, the next plan is
+    the batch where that line meets the budget. When that plan lies on the line (within 0.1%) and
+    the line puts the next batch over, the answer is exact in 3 traced steps. Otherwise each new
+    plan redraws the line through the last two and the search narrows between the largest batch
+    known to fit and the smallest known not to (secant steps inside a bracket).
     """
     def run(b: int) -> Plan:
         return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
@@ -417,36 +418,138 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
     first = run(1)
     if not first.fits or limit == 1:
         return (1 if first.fits else 0), first
-    second = run(2)
-    if not second.fits:
-        return 1, first
-    slope = second.peak_bytes["total"] - first.peak_bytes["total"]
-    if slope > 0:
-        on_line = min(limit, 1 + (first.budget_bytes - first.peak_bytes["total"]) // slope)
-        if on_line > 2:
-            guess = run(on_line)
-            expected = first.peak_bytes["total"] + slope * (on_line - 1)
-            if (guess.fits and abs(guess.peak_bytes["total"] - expected) <= 1e-3 * expected
-                    and (on_line == limit or expected + slope > first.budget_bytes)):
-                guess.notes.append(f"largest batch from the line through batches 1 and 2 "
-                                   f"({fmt_bytes(slope)} per sample), checked at batch {on_line}")
-                return on_line, guess
-    good, good_plan, bad = 2, second, None
-    while bad is None and good < limit:
-        b = min(good * 2, limit)
-        p = run(b)
+    budget = first.budget_bytes
+    points = [(1, first.peak_bytes["total"])]
+    good, good_plan, bad = 1, first, None
+    guess = 2
+    while True:
+        p = run(guess)
+        total = p.peak_bytes["total"]
+        predicted = _on_line(points[-2:], guess) if len(points) >= 2 else None
+        points.append((guess, total))
         if p.fits:
-            good, good_plan = b, p
+            good, good_plan = guess, p
         else:
-            bad = b
-    while bad is not None and bad - good > 1:
-        mid = (good + bad) // 2
-        p = run(mid)
-        if p.fits:
-            good, good_plan = mid, p
-        else:
-            bad = mid
-    return good, good_plan
+            bad = guess
+        if (bad is not None and bad - good <= 1) or good >= limit:
+            return good, good_plan
+        (b0, t0), (b1, t1) = points[-2:]
+        slope = (t1 - t0) / (b1 - b0)
+        if (p.fits and predicted is not None and abs(total - predicted) <= 1e-3 * predicted
+                and total + slope > budget):
+            p.notes.append(f"largest batch from the line through batches {points[-3][0]} and "
+                           f"{b0} ({fmt_bytes(slope)} per sample), checked at batch {guess}")
+            return guess, p
+        nxt = guess + int((budget - total) // slope) if slope > 0 else 2 * good
+        guess = max(good + 1, min(nxt, bad - 1 if bad is not None else limit))
+
+
+def _on_line(two: list[tuple[int, int]], batch: int) -> float:
+    """The total the line through two (batch, total) points gives at ``batch``."""
+    (b0, t0), (b1, t1) = two
+    return t1 + (t1 - t0) / (b1 - b0) * (batch - b1)
+
+
+# -- sweeps ---------------------------------------------------------------------------------------
+
+SWEEP_GPUS = (8, 16, 32, 64, 128, 256)
+SWEEP_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+
+
+def sharded_state_bytes(spec, world: int) -> int:
+    """Bytes of one rank's fp32 parameter shard under FSDP2 on ``world`` ranks, tensor by tensor:
+    each parameter is split on dim 0 into chunks of ceil(dim0 / world) rows, and rank 0 holds a
+    whole chunk (FSDP2 pads the others)."""
+    model = spec.build(device="meta")
+    total = 0
+    for p in model.parameters():
+        rows = p.shape[0] if p.dim() else 1
+        total += -(-rows // world) * (p.numel() // max(rows, 1)) * 4
+    return total
+
+
+def reshard(base: Plan, gpus: int, shard_bytes: dict[int, int]) -> Plan:
+    """``base`` moved to ``gpus`` GPUs by arithmetic: the fp32 parameter shard and AdamW's two
+    moments (and the sharded gradients held at the peak) scale with ``sharded_state_bytes``; the
+    units unsharded in flight, activations and temporaries stay, since the per-rank batch does.
+    Exact for the model states; it assumes the peak stays at the same moment of the step, which
+    ``sweep`` checks by tracing the far end."""
+    old, new = shard_bytes[base.gpus], shard_bytes[gpus]
+    cats = dict(base.peak_bytes)
+    detail = dict(base.detail)
+    grads = detail.get("sharded_gradients", 0)
+    new_grads = grads * new // old if old else 0
+    delta = {"parameters": new - old, "optimizer": 2 * (new - old), "gradients": new_grads - grads}
+    for c, d in delta.items():
+        cats[c] += d
+        cats["total"] += d
+    detail["sharded_parameters"] = detail.get("sharded_parameters", 0) + delta["parameters"]
+    detail["sharded_gradients"] = new_grads
+    budget = base.budget_bytes
+    states = {"parameters": new, "gradients": new, "optimizer": 2 * new}
+    return Plan(**dict(base.as_dict(), gpus=gpus, peak_bytes=cats, detail=detail,
+                       fits=cats["total"] <= budget,
+                       overflowing=None if cats["total"] <= budget else _overflowing(cats, budget),
+                       method=f"re-sharded by arithmetic from the plan traced at {base.gpus} GPUs",
+                       notes=list(base.notes), model_states=states))
+
+
+def sweep(model, gpu_counts=SWEEP_GPUS, strategies=SWEEP_STRATEGIES, gpu_memory_bytes: int = 80 * 2**30,
+          precision: str = "bf16", ac: str = "none", batch: int = 1, seq: int | None = None,
+          device_type: str = "cuda") -> list[Plan]:
+    """Plans over GPU counts x strategies, tracing as few steps as is exact: no_shard once (no
+    rank holds less with more GPUs); full_shard and shard_grad_op at the smallest and the largest
+    count, the counts between by ``reshard`` from the smallest, kept only when ``reshard`` of the
+    largest matches its trace within 0.5% (else every count is traced). Each plan's ``method``
+    says which it is."""
+    counts = sorted(set(gpu_counts))
+    spec = get_model_spec(model)
+    plans: list[Plan] = []
+    for strategy in strategies:
+        if strategy == "no_shard":
+            base = plan(spec, counts[0], gpu_memory_bytes, strategy, precision, ac, batch, seq, device_type)
+            plans += [Plan(**dict(base.as_dict(), gpus=n,
+                                  method=base.method + " (no_shard: the same on every GPU count)"))
+                      for n in counts]
+            continue
+        if strategy not in ("full_shard", "shard_grad_op"):
+            plans += [plan(spec, n, gpu_memory_bytes, strategy, precision, ac, batch, seq, device_type)
+                      for n in counts]
+            continue
+        first = plan(spec, counts[0], gpu_memory_bytes, strategy, precision, ac, batch, seq, device_type)
+        if len(counts) == 1:
+            plans.append(first)
+            continue
+        last = plan(spec, counts[-1], gpu_memory_bytes, strategy, precision, ac, batch, seq, device_type)
+        shard_bytes = {n: sharded_state_bytes(spec, n) for n in counts}
+        traceable = bool(first.detail) and bool(last.detail)
+        check = reshard(first, counts[-1], shard_bytes) if traceable else None
+        exact = check is not None and abs(check.peak_bytes["total"] - last.peak_bytes["total"]) <= (
+            0.005 * last.peak_bytes["total"])
+        middle = [reshard(first, n, shard_bytes) if exact else
+                  plan(spec, n, gpu_memory_bytes, strategy, precision, ac, batch, seq, device_type)
+                  for n in counts[1:-1]]
+        plans += [first, *middle, last]
+    return plans
+
+
+def format_sweep(plans: list[Plan]) -> str:
+    """One row per strategy, one column per GPU count: the planned peak per GPU, '*' when it does
+    not fit."""
+    counts = sorted({p.gpus for p in plans})
+    strategies = list(dict.fromkeys(p.strategy for p in plans))
+    first = plans[0]
+    lines = [f"{first.model}: peak per GPU (GiB), {first.precision}, AC {first.ac}, batch {first.batch} "
+             f"x seq {first.seq} per rank; budget {first.budget_bytes / 2**30:.1f} GiB; * = does not fit",
+             f"{'strategy':<14}" + "".join(f"{n:>9}" for n in counts)]
+    for strategy in strategies:
+        row = {p.gpus: p for p in plans if p.strategy == strategy}
+        cells = "".join(f"{row[n].peak_bytes['total'] / 2**30:>8.1f}{' ' if row[n].fits else '*'}"
+                        for n in counts)
+        lines.append(f"{strategy:<14}{cells}".rstrip())
+    methods = sorted({p.method for p in plans})
+    lines += [f"method: {m}" for m in methods]
+    return "\n".join(lines)
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -484,6 +587,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--seq", default=None, help="sequence length (default: the model's)")
     parser.add_argument("--max-batch", action="store_true",
                         help="find the largest per-rank batch that fits instead")
+    parser.add_argument("--sweep", action="store_true",
+                        help="plan every strategy of " + ", ".join(SWEEP_STRATEGIES) + " on "
+                        + ", ".join(map(str, SWEEP_GPUS)) + " GPUs (ignores --gpus and --strategy): "
+                        "a table of the peak per GPU and whether it fits")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -583,6 +690,8 @@ def temporaries_line(p: Plan) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``fsdp-course plan``: print the table and the verdict; bad values raise ``UsageError``."""
+    if getattr(args, "sweep", False):
+        return run_sweep(args)
     p, largest = plan_from_args(args)
     if getattr(args, "json", False):
         import json
@@ -590,6 +699,22 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(dict(p.as_dict(), largest_batch=largest), indent=2))
     else:
         print(format_plan(p, largest))
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    gpu_memory_bytes, _ = resolve_gpu_memory(args.gpu_memory)
+    batch, seq = _int_arg("--batch", args.batch), _int_arg("--seq", args.seq)
+    get_model_spec(args.model)
+    _check(8, gpu_memory_bytes, "full_shard", args.precision, args.ac, batch, seq)
+    plans = sweep(args.model, gpu_memory_bytes=gpu_memory_bytes, precision=args.precision, ac=args.ac,
+                  batch=batch, seq=seq)
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps([p.as_dict() for p in plans], indent=2))
+    else:
+        print(format_sweep(plans))
     return 0
 
 
