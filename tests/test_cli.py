@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import cli, cli_here
+from conftest import REPO, cli, cli_here
 
 
 def test_list_shows_every_lesson_with_status():
@@ -221,3 +221,20 @@ def test_only_a_launching_process_skips_its_final_collections(monkeypatch):
             lesson_parser(None).parse_args(["--steps", "0"])
         assert e.value.code == 2
         assert (len(gc.get_objects()) < before // 2) == frozen, mode
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_tables_fit_the_terminal_and_never_split_a_value(monkeypatch, columns):
+    """A committed lesson run's table at the terminal's width (COLUMNS, as the launcher passes it
+    to the ranks): no line is wider, and every value shown is whole (a column that does not fit is
+    dropped and named, never wrapped)."""
+    import json
+
+    from utilities.course.results import table
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    results = json.loads((REPO / "lessons" / "01_auto_wrap" / "results_cpu.json").read_text())
+    text = table(results)
+    assert max(len(line) for line in text.splitlines()) <= columns
+    for v in results["variants"]:
+        assert any(line.startswith(v["name"]) for line in text.splitlines()), v["name"]

@@ -122,8 +122,8 @@ def main(args: argparse.Namespace) -> None:
         def describe(name: str, model: nn.Module, stats: TrainStats) -> dict:
             units = unit_parameter_counts(model)
             unsharded = unsharded_parameter_bytes(stats.peak_memory_bytes)
-            L.print(f"    {len(units)} units, largest {max(units):,} params, unsharded params at "
-                    f"peak {fmt_bytes(unsharded)}")
+            L.print(f"    {len(units)} unit{'' if len(units) == 1 else 's'}, largest {max(units):,} "
+                    f"params, unsharded params at peak {fmt_bytes(unsharded)}")
             api, kind = name.split("-", 1)
             return dict(api=api, policy=POLICIES[kind], fsdp_units=len(fsdp_units(model)),
                         largest_unit_parameters=max(units), peak_unsharded_parameter_bytes=unsharded)

@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if sys.stdout.isatty() and "COLUMNS" not in os.environ:  # the ranks print to this terminal
+        import shutil
+
+        os.environ["COLUMNS"] = str(shutil.get_terminal_size().columns)
     lesson_flags: list[str] = []
     if "--" in argv:  # everything after "--" belongs to the lesson script
         cut = argv.index("--")

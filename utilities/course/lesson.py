@@ -33,7 +33,7 @@ from torch import nn
 from utilities import distributed as D
 from utilities.course.catalog import CHECK_FLAGS_ENV, LAUNCH_ENV, LESSONS
 from utilities.course.release import VariantScope, live_parameters
-from utilities.course.results import WIDTH, Results, table
+from utilities.course.results import Results, table, width
 from utilities.data import ReverseTask, batches, make_loader
 from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
@@ -298,8 +298,9 @@ class Lesson:
         """Print on rank 0 (every rank with --log-all-ranks), wrapped to the tables' width."""
         text = " ".join(str(x) for x in a)
         indent = " " * (len(text) - len(text.lstrip(" ")))
-        lines = textwrap.wrap(text, WIDTH, initial_indent="", subsequent_indent=indent + "  ",
-                              break_on_hyphens=False) if len(text) > WIDTH else [text]
+        columns = width()
+        lines = textwrap.wrap(text, columns, initial_indent="", subsequent_indent=indent + "  ",
+                              break_on_hyphens=False) if len(text) > columns else [text]
         D.print0("\n".join(lines), all_ranks=self.args.log_all_ranks)
 
     def seed(self, offset: int = 0) -> None:

@@ -118,11 +118,17 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(p.read_text())
 
 
-WIDTH = 120  # printed tables and notes fit a terminal; the full detail is in results.json
+def width() -> int:
+    """Columns a printed table or note may take: the terminal's (``COLUMNS`` first, as the
+    launcher passes its own terminal's width to the ranks), 120 where there is none (a pipe, a
+    notebook), never less than 60. The full detail is always in results.json."""
+    import shutil
+
+    return max(60, shutil.get_terminal_size((120, 24)).columns)
 
 
 def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
-    """The comparison as a plain-text table, one row per variant, at most ``WIDTH`` columns wide.
+    """The comparison as a plain-text table, one row per variant, at most ``width()`` columns wide.
 
     Every number is shown in a human unit (bytes as MiB/GiB, counts as 1.9M, seconds, ratios as
     1.52x); columns that are empty for every variant are left out, and extra columns that do not
@@ -154,9 +160,9 @@ def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
     columns += lesson + [(h, f) for h, f in breakdown if any(f(v) != "-" for v in variants)]
     rows = [[h for h, _ in columns]] + [[f(v) for _, f in columns] for v in variants]
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
-    shown, used = 0, -2
+    shown, used, limit = 0, -2, width()
     for w in widths:
-        if used + 2 + w > WIDTH:
+        if used + 2 + w > limit:
             break
         used, shown = used + 2 + w, shown + 1
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:shown], widths)).rstrip() for r in rows]
@@ -235,4 +241,5 @@ def _count(n: float | None) -> str:
 def _wrap(text: str) -> str:
     import textwrap
 
-    return "\n".join(textwrap.wrap(text, WIDTH, subsequent_indent="  ")) or text
+    return "\n".join(textwrap.wrap(text, width(), subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False)) or text
