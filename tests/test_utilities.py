@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,3 +227,22 @@ def test_memtracker_follows_fsdp1_with_use_orig_params(world1):
 
 def test_no_process_group_leaks(world1):
     assert dist.is_initialized() and dist.get_world_size() == 1
+
+
+def test_the_library_never_imports_the_course():
+    """Layers import downward only: ``utilities/*.py`` and ``utilities/measure/`` (the library)
+    import nothing from ``utilities/course`` (the CLI and harness); ``python -m utilities`` is the
+    one entry that starts the course's command."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "utilities"
+    offenders = []
+    for path in [*root.glob("*.py"), *(root / "measure").glob("*.py")]:
+        if path.name == "__main__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names
+                          if n == "utilities.course" or n.startswith("utilities.course.")]
+    assert offenders == []

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from utilities.course.release import TrackerHooks
 from utilities.torch_internals import global_peak_only
 
 CATEGORIES = ("total", "parameters", "gradients", "optimizer", "activations")
@@ -241,3 +240,40 @@ def fmt_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)
+
+
+class TrackerHooks:
+    """Remove the autograd hooks that PyTorch's memory trackers leave behind.
+
+    ``torch.distributed._tools``' ``ModTracker`` (inside ``MemTracker`` and ``FSDPMemTracker``)
+    registers ``register_multi_grad_hook`` on every module's inputs and drops the handles. Each
+    hook's closure holds the autograd nodes it is registered on, a loop through C++ that the garbage
+    collector cannot see: the whole graph of the measured step, and with it every parameter of the
+    model, would stay alive for the life of the process. Inside this context the handles are
+    recorded, and removed on exit. A torch without that function is left alone.
+    """
+
+    def __enter__(self) -> TrackerHooks:
+        self.handles: list[Any] = []
+        try:
+            from torch.distributed._tools import mod_tracker
+        except ImportError:
+            self._module = None
+            return self
+        self._module = mod_tracker
+        self._original = getattr(mod_tracker, "register_multi_grad_hook", None)
+        if self._original is not None:
+            def recording(*args: Any, **kwargs: Any):
+                handle = self._original(*args, **kwargs)
+                self.handles.append(handle)
+                return handle
+
+            mod_tracker.register_multi_grad_hook = recording
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._module is not None and self._original is not None:
+            self._module.register_multi_grad_hook = self._original
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

@@ -211,9 +211,8 @@ def _train_step_tracked(model, batch, device: torch.device) -> tuple[dict[str, i
     largest weight)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from utilities.course.release import TrackerHooks
     from utilities.distributed import T5_POSITION_BIAS_VIEW
-    from utilities.measure import census
+    from utilities.measure.memory import TrackerHooks, census
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=adamw_foreach(device))
     for p in model.parameters():
