@@ -41,7 +41,7 @@ def test_block_classes_and_bad_name():
 
     assert get_model_spec("t5-tiny").block_class() is T5Block
     assert get_model_spec("llama-tiny").block_class() is LlamaDecoderLayer
-    with pytest.raises(UsageError, match="'bert' is not allowed; allowed: t5-tiny"):
+    with pytest.raises(UsageError, match=r"'bert' is not allowed; allowed: a course model name \(t5-tiny"):
         get_model_spec("bert")
 
 
