@@ -80,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("plan", add_help=False, help="predict per-GPU peak memory by category for any "
                    "model, strategy and size, without the hardware (fsdp-course plan --help)")
 
+    from utilities.course import evidence
+
+    evidence.add_arguments(sub.add_parser(
+        "evidence", help="on a GPU machine: every GPU measurement of the course in one run (--plan "
+                         "lists the steps and their minutes)",
+        description=evidence.__doc__.split("\n\n")[0]))
+
     rec = sub.add_parser(
         "record", help="record a real run of a lesson as an asciinema .cast (the course's demos)",
         usage="fsdp-course record NN|all [--out DIR] [--full] [-- lesson flags]")
@@ -118,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "record":
             return _record(args)
+        if args.command == "evidence":
+            from utilities.course.evidence import main as evidence_main
+
+            return evidence_main(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
