@@ -73,8 +73,8 @@ def gpu_steps(python: str = sys.executable) -> list[Step]:
     """The GPU evidence, most valuable first. Lessons run ``--quick`` where the full GPU size would
     not fit the budget (02, 05: their batch searches; 10: a full training run), and say so."""
     course = (python, "-m", "utilities")
-    quick = {"02": "its batch search is too long", "05": "its batch search is too long",
-             "10": "a full training run is too long"}
+    quick = {"02": "its batch search is long", "05": "its batch search is long",
+             "10": "a full training run is long"}
     steps = [Step("gpu-tests", 6.0, (python, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "tests/gpu",
                                      "--junitxml", "{out}/gpu-tests.xml"),
                   "the GPU tests (each has a CPU twin in the suite)")]
