@@ -108,3 +108,23 @@ def test_global_peak_only_leaves_an_unknown_tracker_alone():
 
     other = Other()
     assert TI.global_peak_only(other) is other and "_update_peak_stats" not in vars(other)
+
+
+PRIVATE_IMPORT = re.compile(r"^\s*(?:from\s+(torch[\w.]*\._\w[\w.]*)\s+import"
+                            r"|import\s+(torch[\w.]*\._\w[\w.]*))", re.M)
+
+
+def test_every_private_module_the_course_imports_is_named_and_imports_here():
+    """Each private torch module the course imports is in torch_internals.PRIVATE_MODULES (one
+    place says what each is for), and each imports on this torch."""
+    import importlib
+
+    used = {}
+    for path in [*ROOT.glob("utilities/**/*.py"), *ROOT.glob("lessons/*/*.py"),
+                 *ROOT.glob("benchmarks/*.py")]:
+        for m in PRIVATE_IMPORT.finditer(path.read_text()):
+            used.setdefault(m.group(1) or m.group(2), str(path.relative_to(ROOT)))
+    unnamed = {module: where for module, where in used.items() if module not in TI.PRIVATE_MODULES}
+    assert not unnamed, unnamed
+    for module in TI.PRIVATE_MODULES:
+        importlib.import_module(module)

@@ -1,4 +1,5 @@
-"""Every private piece of torch the course reads, in one place, each behind a check.
+"""Every private piece of torch the course reads, in one place, each behind a check; and the list of
+private torch modules the course imports as tools (``PRIVATE_MODULES``).
 
 Public APIs cover what the lessons teach; a few things the course *measures* or *cleans up* have
 no public API: what FSDP2 registered to prefetch (lesson 04 shows it back to the learner), how
@@ -7,6 +8,11 @@ their back-references (freed between variants), and the fake process-group store
 ``fsdp-course plan``. They are read here only. On a torch without them, the course says so in one
 line (``UnsupportedTorch``, a ``UsageError``) instead of an AttributeError from deep inside.
 Checked against torch 2.6 to 2.14 (the versions ``requirements.txt`` accepts).
+
+Some of torch's tools live only under private module paths (the memory trackers, fake tensors,
+``checkpoint_wrapper``). The course imports them where it uses them, and ``PRIVATE_MODULES`` names
+each with what it is for: ``tests/test_torch_internals.py`` imports every one on the torch at hand
+and fails on any private import anywhere in the course that the list does not name.
 """
 
 from __future__ import annotations
@@ -21,6 +27,25 @@ from torch import nn
 from utilities.errors import UsageError
 
 SUPPORTED = "torch 2.6 to 2.14"
+
+PRIVATE_MODULES = {
+    "torch._subclasses.fake_tensor": "FakeTensorMode: the planner's and time model's tensors without storage",
+    "torch.distributed._tools": "the memory trackers' package (mod_tracker's hook registration)",
+    "torch.distributed._tools.mem_tracker": "MemTracker: memory by category for FSDP1 and plain models",
+    "torch.distributed._tools.fsdp2_mem_tracker": "FSDPMemTracker: memory by category for FSDP2",
+    "torch.distributed._tools.mod_tracker": "ModTracker: which module runs (the time model's units)",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper":
+        "checkpoint_wrapper, apply_activation_checkpointing: checkpointing as FSDP's docs teach it",
+    "torch.distributed._shard.metadata": "ShardMetadata: FSDP1 sharded checkpoints the safe loader admits",
+    "torch.distributed._shard.sharded_tensor.api": "ShardedTensor: FSDP1's sharded state dict",
+    "torch.distributed._shard.sharded_tensor.metadata": "ShardedTensor metadata the safe loader admits",
+    "torch.distributed._shard.sharded_tensor.shard": "Shard: FSDP1's sharded state dict",
+    "torch.distributed._shard.sharding_spec.chunk_sharding_spec": "ChunkShardingSpec: the same",
+    "torch.distributed.fsdp._flat_param": "FlatParameter: FSDP1's units, read and freed here",
+    "torch.testing._internal.distributed.fake_pg": "FakeStore: the planner's fake process group",
+    "torch.utils._foreach_utils": "which devices have fused AdamW kernels",
+    "torch.utils._python_dispatch": "TorchDispatchMode: the time model counts each op",
+}
 
 
 class UnsupportedTorch(UsageError):
