@@ -116,7 +116,7 @@ ROWS = [
 ]
 
 FIT_FIELDS = {"matmul": (0.40, 0.95), "memory": (0.30, 0.95), "compile_memory": (0.10, 1.0),
-              "fp8_matmul": (0.20, 0.90)}
+              "fp8_matmul": (0.20, 0.90), "kernel_floor_s": (1e-6, 20e-6)}
 
 
 def _model(name: str):
@@ -142,7 +142,7 @@ def fit(rows: list[dict], start: st.Efficiencies, rounds: int = 4) -> st.Efficie
             centre = getattr(eff, name)
             grid = [min(hi, max(lo, centre + span[name] * (i / 10 - 0.5))) for i in range(11)]
             best = min(grid, key=lambda v: _loss(rows, st.with_efficiencies(eff, **{name: v})))
-            eff = st.with_efficiencies(eff, **{name: round(best, 3)})
+            eff = st.with_efficiencies(eff, **{name: float(f"{best:.3g}")})
             span[name] /= 2
     return eff
 

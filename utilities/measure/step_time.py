@@ -116,7 +116,7 @@ class Efficiencies:
     memory: float  # memory-bound ops, fraction of the HBM bandwidth
     compile_memory: float  # torch.compile: memory-bound time left after fusion (fraction)
     fp8_matmul: float  # Float8 GEMMs, fraction of the FP8 dense peak
-    kernel_floor_s: float  # the shortest kernel (launch and tail)
+    kernel_floor_s: float  # the shortest kernel: launch and tail, the eager CPU's issue time
     link: float  # NCCL bus bandwidth / link bandwidth, inside a node
     network: float  # the same across nodes
     base_latency_s: float  # per collective
@@ -375,7 +375,6 @@ def trace_step(model, precision: str = "bf16", ac: str = "none", batch: int = 1,
 def _trace(spec, precision, ac, batch, seq, world) -> StepProfile:
     import warnings
 
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mod_tracker import ModTracker
     from torch.distributed.device_mesh import init_device_mesh
@@ -387,6 +386,7 @@ def _trace(spec, precision, ac, batch, seq, world) -> StepProfile:
     device, _ = _fake_device("cuda")
     with fake_world(world), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The module hierarchy tracking")
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
         mesh = init_device_mesh(device.type, (world,))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = _prepare(spec, "full_shard", precision, ac, mesh, fake_mode, device)
@@ -443,11 +443,10 @@ def segment_time(seg: Segment, gpu: GPU, eff: Efficiencies, precision: str, comp
         # dynamic tensorwise scaling: an amax pass and a cast of each operand (read 2 + 2,
         # write 1 byte per bf16 byte pair), memory-bound, fused like any elementwise op
         cast = float(seg.nbytes[conv].sum()) * 1.25 / bw
-        extra = cast * (eff.compile_memory if compile else 1.0)
+        extra = cast * (eff.compile_memory if compile and seg.unit != "root" else 1.0)
     t = np.maximum(np.maximum(flops_t, mem_t), eff.kernel_floor_s)
-    memory_bound = (seg.kind == MEMORY) | (seg.kind == FSDP_COPY)
-    if compile:
-        t = np.where(memory_bound, t * eff.compile_memory, t)
+    if compile and seg.unit != "root":  # compiled per block, as torchtitan and the course do
+        t = np.where(seg.kind == MEMORY, t * eff.compile_memory, t)
     if not fsdp_copies:
         t = np.where(seg.kind == FSDP_COPY, 0.0, t)
     return float(t.sum()) + extra
@@ -759,7 +758,8 @@ def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network
         f"bandwidth)), attention at {eff.attention:.0%} of the bf16 peak (FlashAttention, causal: "
         "half the FLOPs), at least "
         f"{eff.kernel_floor_s * 1e6:.0f} us per kernel",
-        f"matmuls in {'fp32 at the FP32 (non-tensor-core) peak: torch default matmul precision' if precision == 'fp32' else 'bf16 at the BF16 dense peak'}",
+        "matmuls in " + ("fp32 at the FP32 (non-tensor-core) peak: torch's default matmul "
+                         "precision" if precision == "fp32" else "bf16 at the BF16 dense peak"),
         f"topology: {nodes} node(s) x {min(gpus, gpus_per_node)} GPUs, {g.link} "
         f"{g.link_bytes_per_s / 1e9:.0f} GB/s per GPU each way at {eff.link:.0%} inside a node, "
         f"{network_gbps:g} Gb/s per GPU at {eff.network:.0%} across nodes; NCCL ring, "
@@ -791,8 +791,10 @@ def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network
                    + ("limit_all_gathers (at most 2 units gathered)" if limit else
                       "the CPU runs ahead, every all-gather issued at once"))
     if compile:
-        out.append(f"torch.compile: memory-bound kernels take {eff.compile_memory:.0%} of their "
-                   "eager time (elementwise ops fused); matmuls and attention unchanged")
+        out.append(f"torch.compile per block: the blocks' memory-bound kernels take "
+                   f"{eff.compile_memory:.0%} of their eager time (elementwise ops fused); "
+                   "matmuls, attention, FSDP's copies and the root (embedding, output layer, "
+                   "loss) unchanged")
     if fp8:
         out.append(f"fp8: torchao Float8Linear (tensorwise) for the blocks' Linears: GEMMs at "
                    f"{eff.fp8_matmul:.0%} of the FP8 dense peak, plus amax and cast passes "
