@@ -178,6 +178,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fit", action="store_true",
                    help="search the efficiencies on the 'fit' rows (from step_time.CALIBRATED) and "
                         "check with the result instead of CALIBRATED")
+    p.add_argument("--fit-rows", nargs="+", default=None, metavar="ID",
+                   help="with --fit: the rows to fit on (default: those whose role is 'fit'); the "
+                        "others are held out")
     p.add_argument("--out", default=str(OUT), help=f"result file (default {OUT.relative_to(REPO)})")
     return p.parse_args(argv)
 
@@ -187,6 +190,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     eff = st.CALIBRATED
     fitted = None
+    if args.fit_rows:
+        unknown = set(args.fit_rows) - {r["id"] for r in ROWS}
+        if unknown:
+            raise SystemExit(f"unknown rows: {sorted(unknown)}")
+        for r in ROWS:
+            r["role"] = "fit" if r["id"] in args.fit_rows else "held_out"
     if args.fit:
         eff = fitted = fit([r for r in ROWS if r["role"] == "fit"], st.CALIBRATED)
         print("fitted:", {k: getattr(eff, k) for k in FIT_FIELDS})
