@@ -30,6 +30,16 @@ timeline. Three parts, each stated in ``StepTime.assumptions``:
 The efficiencies are fitted by ``benchmarks/time_model_check.py --fit`` against a subset of the
 published rows in ``anchors.md`` and the course's own H100 measurements; the others are held out,
 and the script reports the error on both.
+
+The API (what ``fsdp-course plan`` builds on):
+
+* ``estimate_step_time(model, gpus, strategy, precision, ac, batch, seq, gpu="h100",
+  gpus_per_node=8, network_gbps=400, compile=False, fp8=False, prefetch=1, ...) -> StepTime``;
+* ``StepTime.as_dict()``: ``{step_s, compute_s, comm_s, exposed_comm_s, tokens_per_s_per_gpu,
+  mfu, assumptions}`` (``as_dict(timeline=True)`` adds the events);
+* ``format_step_time(t, units=0)``: the table for a terminal, at most 80 columns;
+* ``GPUS`` / ``get_gpu(name)``: the catalogue (``GPU.memory_bytes`` for a memory plan);
+* ``sweep(model, gpu_counts, strategies, **kw)``: many configurations from one trace.
 """
 
 from __future__ import annotations
@@ -44,6 +54,10 @@ from typing import Any
 import numpy as np
 
 from utilities.errors import bad_value
+
+__all__ = ["CALIBRATED", "GPUS", "GPU", "Efficiencies", "Event", "StepTime", "collective_time",
+           "estimate_step_time", "format_step_time", "get_gpu", "ring_bytes_per_gpu", "sweep",
+           "trace_step"]
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 PRECISIONS = ("fp32", "bf16")
@@ -158,7 +172,7 @@ CALIBRATED = Efficiencies(
 # -- the trace -------------------------------------------------------------------------------------
 
 MATMUL, ATTENTION, MEMORY, FSDP_COPY = 0, 1, 2, 3
-_PEAK_KEY = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
+_FP32, _FP8_OK = 1, 2  # a matmul's flag: computes in fp32; a block Linear's GEMM (Float8-able)
 
 
 @dataclass
@@ -328,7 +342,7 @@ class _OpRecorder:
             flops = _attention_flops(func, args, kwargs, self.causal)
         nbytes = _tensor_bytes(list(args)) + _tensor_bytes(list(kwargs.values())) + _tensor_bytes(out)
         fp8_ok = kind == MATMUL and func.__name__.split(".")[0] in ("mm", "addmm") and unit != "root"
-        self.rows.append((unit, phase, kind, flops, nbytes, fp32 or fp8_ok * 2))
+        self.rows.append((unit, phase, kind, flops, nbytes, _FP32 if fp32 else _FP8_OK if fp8_ok else 0))
 
 
 def _unit_label(fqn: str) -> str:
@@ -350,13 +364,9 @@ def _segments(rows) -> list[Segment]:
                 kind=np.array([r[2] for r in chunk], dtype=np.int8),
                 flops=np.array([r[3] for r in chunk], dtype=np.float64),
                 nbytes=np.array([r[4] for r in chunk], dtype=np.float64),
-                fp32=flags == 1, fp8_ok=flags == 2))
+                fp32=flags == _FP32, fp8_ok=flags == _FP8_OK))
             start = i
     return out
-
-
-def _model_key(model) -> str:
-    return model if isinstance(model, str) else model.name
 
 
 @functools.lru_cache(maxsize=16)
