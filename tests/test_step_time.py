@@ -145,3 +145,21 @@ def test_llama_8b_on_torchtitans_hosts_within_20_percent_of_published():
         t = st.estimate_step_time(**kw, **extra)
         assert t.tokens_per_s_per_gpu == pytest.approx(published, rel=0.20), (extra, t.tokens_per_s_per_gpu)
         assert t.exposed_comm_s < 0.05 * t.step_s  # 8 GPUs on NVLink: compute-bound
+
+
+def test_each_unit_gets_its_own_compute():
+    """Per-unit attribution: identical blocks get identical forward and backward FLOPs, also in
+    T5's decoder, whose blocks all take the encoder's output (their backward stays open until its
+    gradient is complete); checkpointed blocks recompute their forward in backward."""
+    prof = st.trace_step("t5-tiny", "fp32", "selective", 2, 32, world=2)
+    flops: dict[tuple[str, str], float] = {}
+    for s in prof.segments:
+        flops[(s.unit, s.phase)] = flops.get((s.unit, s.phase), 0.0) + float(s.flops.sum())
+    for stack in ("encoder", "decoder"):
+        blocks = [u.name for u in prof.units if u.name.startswith(stack + ".")]
+        assert len(blocks) == 4
+        for phase in ("forward", "backward"):
+            values = [flops.get((b, phase), 0.0) for b in blocks]
+            assert min(values) > 0 and max(values) == pytest.approx(min(values)), (stack, phase)
+        recomputed = [b for b in blocks if flops.get((b, "recompute"), 0) > 0]
+        assert len(recomputed) == 2  # selective: every other block

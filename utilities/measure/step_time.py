@@ -291,8 +291,10 @@ class _OpRecorder:
 
         recorder = self
         self.tracker = tracker
-        self.by_depth = sorted(unit_names, key=lambda n: -n.count("."))
         self.unit_names = unit_names
+        self.entered: dict[str, int] = {}  # unit -> when its forward or backward last began
+        self.current = unit_names.get(root, "root")
+        self.dirty = True
         self.root = root
         self.causal = causal
         self.rows: list[tuple[str, str, int, float, int, bool]] = []
@@ -309,12 +311,29 @@ class _OpRecorder:
 
         self.mode = Mode()
 
+        def enter(module, *_):
+            name = tracker.get_known_fqn(module) if module is not None else None
+            if name in unit_names:
+                self.entered[name] = len(self.entered) + len(self.rows)
+            self.dirty = True
+
+        def changed(*_):
+            self.dirty = True
+
+        tracker.register_user_hooks(pre_fw_hook=enter, post_fw_hook=changed, pre_bw_hook=enter,
+                                    post_bw_hook=changed)
+
     def _unit(self) -> str:
-        parents = self.tracker.parents
-        for n in self.by_depth:
-            if n in parents:
-                return self.unit_names[n]
-        return self.unit_names.get(self.root, "root")
+        """The unit running now: of the units whose forward or backward is open, the one entered
+        last (a T5 decoder block's backward stays open until the shared encoder output's gradient
+        is complete, so nesting depth alone would keep naming it)."""
+        if self.dirty:
+            parents = self.tracker.parents
+            open_units = [n for n in self.unit_names if n in parents]
+            name = max(open_units, key=lambda n: self.entered.get(n, -1)) if open_units else self.root
+            self.current = self.unit_names.get(name, "root")
+            self.dirty = False
+        return self.current
 
     def record(self, func, args, kwargs, out) -> None:
         import torch
