@@ -8,6 +8,8 @@ lesson 10's FSDP2 runs). Each row says which settings the source states and whic
 The model has one set of efficiencies (``step_time.CALIBRATED``). ``--fit`` searches them
 (coordinate descent on a grid, least squares of log(predicted / published)) on the rows whose
 role is "fit" only, prints them and records them; the held-out rows are never used to tune. The
+fit rows are the course's own measurements (three plain-loop rows on one H100) and torchao's
+Float8 row (the only source of an FP8 efficiency); every torchtitan row is held out. The
 result file has, per row, the prediction, the published figure, their ratio and the role, and the
 mean absolute error of the fit rows and of the held-out rows. No GPU is needed: the model traces
 each configuration on fake tensors (one trace per model/batch/sequence/AC, about 5 s each).
@@ -68,7 +70,7 @@ ROWS = [
          published=58144, config=dict(COURSE_1B, strategy="no_shard", ac="none", batch=8,
                                       compile=True),
          notes="torch.compile per decoder block"),
-    dict(id="course-plain-compile-b4", role="held_out", source=EVIDENCE + " (README: plain loop)",
+    dict(id="course-plain-compile-b4", role="fit", source=EVIDENCE + " (README: plain loop)",
          published=54012, config=dict(COURSE_1B, strategy="no_shard", ac="none", batch=4,
                                       compile=True)),
     dict(id="course-fsdp2-eager-b4", role="held_out", source=EVIDENCE + "/end_to_end-h100.json",
@@ -80,7 +82,7 @@ ROWS = [
     dict(id="course-fsdp2-compile-selective-b4", role="held_out",
          source=EVIDENCE + "/end_to_end-h100.json", published=41848,
          config=dict(COURSE_1B, strategy="full_shard", ac="selective", batch=4, compile=True)),
-    dict(id="torchtitan-8b-fsdp2", role="fit", source=TITAN, published=5762, config=TITAN_8B,
+    dict(id="torchtitan-8b-fsdp2", role="held_out", source=TITAN, published=5762, config=TITAN_8B,
          notes="torchtitan's selective AC is op-level (recomputes less than the course's every "
                "other block)"),
     dict(id="torchtitan-8b-fsdp2-compile", role="held_out", source=TITAN, published=6667,

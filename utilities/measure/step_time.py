@@ -130,7 +130,7 @@ class Efficiencies:
     memory: float  # memory-bound ops, fraction of the HBM bandwidth
     compile_memory: float  # torch.compile: memory-bound time left after fusion (fraction)
     fp8_matmul: float  # Float8 GEMMs, fraction of the FP8 dense peak
-    kernel_floor_s: float  # the shortest kernel: launch and tail, the eager CPU's issue time
+    kernel_floor_s: float  # the shortest kernel: launch and tail, or eager PyTorch's issue time
     link: float  # NCCL bus bandwidth / link bandwidth, inside a node
     network: float  # the same across nodes
     base_latency_s: float  # per collective
@@ -140,12 +140,12 @@ class Efficiencies:
 
 
 CALIBRATED = Efficiencies(
-    matmul=0.679,
+    matmul=0.686,
     attention=0.35,
-    memory=0.797,
-    compile_memory=0.198,
+    memory=0.854,
+    compile_memory=0.221,
     fp8_matmul=0.397,
-    kernel_floor_s=1e-6,
+    kernel_floor_s=7.42e-6,
     link=370 / 450,
     network=0.80,
     base_latency_s=8.4e-6,
@@ -155,8 +155,8 @@ CALIBRATED = Efficiencies(
         "matmul, memory, compile_memory, fp8_matmul, kernel_floor_s": "fitted on 2026-11-25 by "
         "benchmarks/time_model_check.py --fit (coordinate descent, least squares of "
         "log(predicted / published)) on 4 rows: the course's plain llama-1b loop on one H100 "
-        "(eager batch 4, compiled batch 8; gpu-evidence/2026-11-22-h100), torchtitan's Llama 3.1 "
-        "8B FSDP2 row and torchao's Float8 row; the 11 other rows are held out "
+        "(eager batch 4, compiled batch 4 and 8; gpu-evidence/2026-11-22-h100) and torchao's "
+        "Float8 row; the 11 other rows, torchtitan's among them, are held out "
         "(benchmarks/results/time_model_check.json)",
         "attention": "not fitted: FlashAttention-2 on H100 reaches about 350 of 989 TFLOP/s "
         "(the FlashAttention-3 paper's FA2 baseline, head dim 128)",
