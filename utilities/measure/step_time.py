@@ -136,28 +136,30 @@ class Efficiencies:
     base_latency_s: float  # per collective
     hop_latency_link_s: float  # per ring step inside a node
     hop_latency_network_s: float  # per ring step when the ring spans nodes
+    unit_overhead_s: float = 0.0  # FSDP's per-unit hooks, per forward and backward of each unit
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 CALIBRATED = Efficiencies(
-    matmul=0.686,
+    matmul=0.658,
     attention=0.35,
-    memory=0.854,
-    compile_memory=0.221,
-    fp8_matmul=0.397,
-    kernel_floor_s=7.42e-6,
+    memory=0.878,
+    compile_memory=0.164,
+    fp8_matmul=0.406,
+    kernel_floor_s=8.83e-6,
     link=370 / 450,
     network=0.80,
     base_latency_s=8.4e-6,
     hop_latency_link_s=3.4e-6,
     hop_latency_network_s=14e-6,
+    unit_overhead_s=0.75e-3,
     sources={
-        "matmul, memory, compile_memory, fp8_matmul, kernel_floor_s": "fitted on 2026-11-25 by "
-        "benchmarks/time_model_check.py --fit (coordinate descent, least squares of "
-        "log(predicted / published)) on 4 rows: the course's plain llama-1b loop on one H100 "
-        "(eager batch 4, compiled batch 4 and 8; gpu-evidence/2026-11-22-h100) and torchao's "
-        "Float8 row; the 11 other rows, torchtitan's among them, are held out "
-        "(benchmarks/results/time_model_check.json)",
+        "matmul, memory, compile_memory, fp8_matmul, kernel_floor_s, unit_overhead_s": "fitted "
+        "on 2026-11-25 by benchmarks/time_model_check.py --fit (coordinate descent, least "
+        "squares of log(predicted / published)) on 5 rows: the course's llama-1b on one H100 "
+        "(gpu-evidence/2026-11-22-h100: the plain loop eager batch 4, compiled batch 4 and 8; "
+        "lesson 10's FSDP2 eager batch 4) and torchao's Float8 row; the 10 other rows, "
+        "torchtitan's among them, are held out (benchmarks/results/time_model_check.json)",
         "attention": "not fitted: FlashAttention-2 on H100 reaches about 350 of 989 TFLOP/s "
         "(the FlashAttention-3 paper's FA2 baseline, head dim 128)",
         "link": "NCCL's H100 NVLink bus bandwidth, 370 GB/s (nccl src/graph/topo.h, as quoted in "
@@ -716,6 +718,13 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     copies = strategy != "no_shard"
     plan_segs = [(s.unit, s.phase, segment_time(s, g, eff, precision, compile, fp8_used, copies))
                  for s in profile.segments]
+    if copies and eff.unit_overhead_s:
+        seen: set[tuple[str, str]] = set()
+        for i, (unit, phase, secs) in enumerate(plan_segs):
+            key = (unit, "forward" if phase == "forward" else "backward")
+            if key not in seen:
+                seen.add(key)
+                plan_segs[i] = (unit, phase, secs + eff.unit_overhead_s)
 
     # communication, per unit
     p_item = 4 if precision == "fp32" else 2
@@ -804,6 +813,8 @@ def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network
         f"{eff.hop_latency_network_s * 1e6:.0f} us (network) per step",
         "collectives run one at a time on one lane (FSDP2's all-gather and reduce-scatter "
         "streams share the links); communication kernels do not slow the compute they overlap",
+        f"FSDP's per-unit hooks (Python, stream waits) stall the compute lane "
+        f"{eff.unit_overhead_s * 1e3:.2f} ms per unit, once in forward and once in backward",
         "optimizer: AdamW over the rank's fp32 shard, memory-bound (32 bytes per parameter: "
         "read parameter, gradient, 2 moments, write parameter, 2 moments, the clip's read)",
     ]
