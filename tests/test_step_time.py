@@ -119,6 +119,8 @@ def test_knobs_and_output():
     assert st.estimate_step_time(gpus=8, gpu="h200", **SMALL).step_s < base.step_s
     fp32 = st.estimate_step_time(gpus=8, precision="fp32", **SMALL)
     assert fp32.step_s > 3 * base.step_s and fp32.comm_s > 1.9 * base.comm_s
+    tf32 = st.estimate_step_time(gpus=8, precision="fp32", tf32=True, **SMALL)
+    assert base.step_s < tf32.step_s < fp32.step_s
     a100 = st.estimate_step_time(gpus=8, gpu="a100-80gb", fp8=True, **SMALL)
     assert not a100.fp8 and any("no FP8" in a for a in a100.assumptions)
     d = base.as_dict()

@@ -461,12 +461,13 @@ def _trace(spec, precision, ac, batch, seq, world) -> StepProfile:
 # -- compute time ----------------------------------------------------------------------------------
 
 def segment_time(seg: Segment, gpu: GPU, eff: Efficiencies, precision: str, compile: bool,
-                 fp8: bool, fsdp_copies: bool = True) -> float:
+                 fp8: bool, fsdp_copies: bool = True, tf32: bool = False) -> float:
     """Roofline time of a segment's ops on ``gpu``: per op, the slower of its FLOPs at the
     (efficiency-scaled) peak and its bytes at the (efficiency-scaled) HBM bandwidth."""
     clock = gpu.clock_factor
     bf16 = gpu.peak_flops["bf16"] * clock
-    mm_peak = np.where(seg.fp32, gpu.peak_flops["fp32"] * clock, bf16) * eff.matmul
+    fp32_peak = gpu.peak_flops["tf32" if tf32 else "fp32"] * clock
+    mm_peak = np.where(seg.fp32, fp32_peak, bf16) * eff.matmul
     bw = gpu.hbm_bytes_per_s * eff.memory
     flops_t = np.zeros_like(seg.flops)
     is_mm = seg.kind == MATMUL
@@ -678,7 +679,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                        network_gbps: float = 400.0, compile: bool = False, fp8: bool = False,
                        prefetch: int = 1, backward_prefetch: str | None = None,
                        forward_prefetch: int | None = None, limit_all_gathers: bool = False,
-                       shard_size: int | None = None,
+                       shard_size: int | None = None, tf32: bool = False,
                        efficiencies: Efficiencies | None = None) -> StepTime:
     """Predict one training step of ``model`` (a name from ``utilities.models`` or a ``ModelSpec``)
     on ``gpus`` GPUs of kind ``gpu`` (``GPUS``), per-rank ``batch`` x ``seq`` tokens.
@@ -692,6 +693,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     gathered at once. ``strategy``: full_shard (re-gather in backward), shard_grad_op (keep the
     gathered parameters to the backward), hybrid_shard (shard within ``shard_size`` GPUs, default
     one node, all-reduce across the replicas), no_shard (DDP: all-reduce the gradients only).
+    ``tf32``: fp32 matmuls on the TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``;
+    PyTorch's default, and the course's, is the FP32 peak).
     """
     from utilities.models import get_model_spec
 
@@ -716,7 +719,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
 
     # compute, per segment
     copies = strategy != "no_shard"
-    plan_segs = [(s.unit, s.phase, segment_time(s, g, eff, precision, compile, fp8_used, copies))
+    plan_segs = [(s.unit, s.phase, segment_time(s, g, eff, precision, compile, fp8_used, copies,
+                                                tf32))
                  for s in profile.segments]
     if copies and eff.unit_overhead_s:
         seen: set[tuple[str, str]] = set()
@@ -785,7 +789,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
         d[e.phase] = d.get(e.phase, 0.0) + (e.end - e.start)
     notes += _assumptions(strategy, precision, compile, fp8_used, gpus, gpus_per_node, network_gbps,
                           group, replicas, eff, g, bwd_mode, fwd_depth, bwd_depth,
-                          limit_all_gathers, profile)
+                          limit_all_gathers, profile, tf32)
     return StepTime(
         model=spec.name, gpus=gpus, gpu=g.name, strategy=strategy, precision=precision, ac=ac,
         batch=batch, seq=seq, compile=compile, fp8=fp8_used, step_s=step_s, compute_s=compute_s,
@@ -795,7 +799,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
 
 
 def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network_gbps, group,
-                 replicas, eff, g, bwd_mode, fwd_depth, bwd_depth, limit, profile) -> list[str]:
+                 replicas, eff, g, bwd_mode, fwd_depth, bwd_depth, limit, profile,
+                 tf32=False) -> list[str]:
     nodes = -(-gpus // gpus_per_node)
     out = [
         f"compute traced from one fake step of the real model ({profile.model}, {len(profile.units)}"
@@ -804,8 +809,10 @@ def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network
         f"bandwidth)), attention at {eff.attention:.0%} of the bf16 peak (FlashAttention, causal: "
         "half the FLOPs), at least "
         f"{eff.kernel_floor_s * 1e6:.0f} us per kernel",
-        "matmuls in " + ("fp32 at the FP32 (non-tensor-core) peak: torch's default matmul "
-                         "precision" if precision == "fp32" else "bf16 at the BF16 dense peak"),
+        "matmuls in " + ("bf16 at the BF16 dense peak" if precision != "fp32" else
+                         "fp32 on TF32 tensor cores (allow_tf32)" if tf32 else
+                         "fp32 at the FP32 (non-tensor-core) peak: torch's default matmul "
+                         "precision; tf32=True for TF32"),
         f"topology: {nodes} node(s) x {min(gpus, gpus_per_node)} GPUs, {g.link} "
         f"{g.link_bytes_per_s / 1e9:.0f} GB/s per GPU each way at {eff.link:.0%} inside a node, "
         f"{network_gbps:g} Gb/s per GPU at {eff.network:.0%} across nodes; NCCL ring, "
