@@ -892,8 +892,9 @@ def format_step_time(t: StepTime, units: int = 0) -> str:
     cfg = (f"{t.model} on {t.gpus} x {t.gpu}: {t.strategy}, {t.precision}"
            f"{' + fp8' if t.fp8 else ''}{' + compile' if t.compile else ''}, AC {t.ac}, "
            f"batch {t.batch} x seq {t.seq} per GPU")
-    lines = [cfg[:80] if len(cfg) <= 80 else cfg[:77] + "...",
-             f"{'':<28}{'seconds':>12}{'of step':>10}"]
+    import textwrap
+
+    lines = textwrap.wrap(cfg, 80) + [f"{'':<28}{'seconds':>12}{'of step':>10}"]
     rows = (("step", t.step_s), ("compute (incl. optimizer)", t.compute_s),
             ("  optimizer step", t.optimizer_s), ("communication", t.comm_s),
             ("  exposed (not overlapped)", t.exposed_comm_s))
