@@ -164,3 +164,26 @@ def test_each_unit_gets_its_own_compute():
             assert min(values) > 0 and max(values) == pytest.approx(min(values)), (stack, phase)
         recomputed = [b for b in blocks if flops.get((b, "recompute"), 0) > 0]
         assert len(recomputed) == 2  # selective: every other block
+
+
+def test_committed_check_is_current_and_holds_rows_out():
+    """benchmarks/results/time_model_check.json was made with today's efficiencies and model: its
+    torchtitan rows are what the model predicts now; the fit and held-out rows are disjoint, and
+    every torchtitan row is held out."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                       / "time_model_check.json").read_text())
+    for k, v in data["efficiencies"].items():
+        assert getattr(st.CALIBRATED, k) == pytest.approx(v), k
+    assert not set(data["fit_rows"]) & set(data["held_out_rows"])
+    assert all(r not in data["fit_rows"] for r in data["held_out_rows"])
+    rows = {r["id"]: r for r in data["rows"]}
+    assert all(rows[i]["role"] == "held_out" for i in rows if i.startswith("torchtitan"))
+    for i, extra in (("torchtitan-8b-fsdp2", {}), ("torchtitan-8b-fsdp2-compile", {"compile": True})):
+        t = st.estimate_step_time("llama-8b", 8, ac="selective", batch=2, seq=8192, gpu="h100-96gb",
+                                  **extra)
+        assert rows[i]["predicted_tokens_per_s_per_gpu"] == pytest.approx(t.tokens_per_s_per_gpu,
+                                                                          rel=1e-3)
+        assert abs(rows[i]["ratio"] - 1) < 0.20
