@@ -1,0 +1,189 @@
+"""The step-time model (utilities.measure.step_time): its ring arithmetic, the shards it
+communicates against the collectives FSDP2 really issued in the trace, what each schedule knob
+does, a timeline whose lanes add up to the step, and the published llama-8b anchor."""
+
+from __future__ import annotations
+
+import pytest
+
+from utilities.errors import UsageError
+from utilities.measure import step_time as st
+
+SMALL = dict(model="llama-1b", batch=1, seq=2048)  # communication-heavy at 16+ GPUs
+
+
+def test_ring_all_gather_moves_n_minus_1_over_n_of_the_bytes():
+    gpu, eff = st.get_gpu("h100"), st.CALIBRATED
+    size = 2**30
+    for n in (2, 8):
+        assert st.ring_bytes_per_gpu("all_gather", size, n) == pytest.approx((n - 1) / n * size)
+        assert st.ring_bytes_per_gpu("reduce_scatter", size, n) == pytest.approx((n - 1) / n * size)
+        assert st.ring_bytes_per_gpu("all_reduce", size, n) == pytest.approx(2 * (n - 1) / n * size)
+        # the time grows by exactly the moved bytes over the link's bandwidth (alpha-beta)
+        one = st.collective_time("all_gather", size, n, gpu, eff, 8, 400)
+        two = st.collective_time("all_gather", 2 * size, n, gpu, eff, 8, 400)
+        assert two - one == pytest.approx((n - 1) / n * size / (gpu.link_bytes_per_s * eff.link))
+    # across nodes the network sets the pace: 400 Gb/s per GPU is slower than NVLink
+    assert (st.collective_time("all_gather", size, 16, gpu, eff, 8, 400)
+            > st.collective_time("all_gather", size, 8, gpu, eff, 8, 400) * 5)
+    assert st.collective_time("all_gather", size, 1, gpu, eff, 8, 400) == 0
+
+
+def test_shards_match_the_collectives_fsdp2_issued_in_the_trace():
+    """The model's all-gather sizes (per-parameter dim-0 chunks, padded to a multiple of the
+    group) are the bytes FSDP2's all-gathers carried in the traced step, unit by unit, in forward
+    order; reduce-scatter outputs are one rank's shard. 3 ranks: every dim 0 here needs padding."""
+    prof = st.trace_step("llama-tiny", "bf16", "none", 1, 64, world=3)
+    gathers = [(u, b) for op, u, b in prof.collectives if op == "_allgather_base_"]
+    expected = [(u.name, u.shard_numel(3) * 3 * 2) for u in prof.units]  # bf16: 2 bytes
+    assert gathers[:len(expected)] == expected
+    assert sum(u.shard_numel(3) for u in prof.units) > -(-sum(u.numel for u in prof.units) // 3)
+    scattered = sorted(b for op, _, b in prof.collectives if op == "_reduce_scatter_base_")
+    assert scattered == sorted(u.shard_numel(3) * 2 for u in prof.units)
+    # every parameter of the model belongs to exactly one unit
+    from utilities.models import get_model_spec
+
+    assert sum(u.numel for u in prof.units) == get_model_spec("llama-tiny").num_parameters
+
+
+def test_exposed_communication_grows_when_prefetch_is_off():
+    on = st.estimate_step_time(gpus=16, prefetch=1, **SMALL)
+    off = st.estimate_step_time(gpus=16, prefetch=0, **SMALL)
+    assert off.exposed_comm_s > on.exposed_comm_s * 1.1
+    assert off.compute_s == pytest.approx(on.compute_s)  # the same work, waiting longer
+    assert off.step_s > on.step_s
+    # FSDP1's backward orders: BACKWARD_PRE hides most, BACKWARD_POST less, none least
+    pre, post, none = (st.estimate_step_time(gpus=8, backward_prefetch=b, **SMALL)
+                       for b in ("backward_pre", "backward_post", "none"))
+    assert pre.exposed_comm_s < post.exposed_comm_s < none.exposed_comm_s
+
+
+def test_full_shard_communicates_more_than_shard_grad_op_and_no_shard():
+    for gpus in (8, 16):
+        full, sgo, ddp = (st.estimate_step_time(gpus=gpus, strategy=s, **SMALL)
+                          for s in ("full_shard", "shard_grad_op", "no_shard"))
+        assert full.comm_s > sgo.comm_s and full.comm_s > ddp.comm_s
+        # shard_grad_op skips exactly the backward all-gathers
+        bwd_gathers = sum(e.end - e.start for e in full.timeline
+                          if e.phase == "all_gather" and e.unit != "root") / 2
+        assert full.comm_s - sgo.comm_s == pytest.approx(bwd_gathers, rel=1e-6)
+
+
+def test_per_gpu_throughput_does_not_rise_from_8_to_128_gpus():
+    rates = [st.estimate_step_time(gpus=n, **SMALL).tokens_per_s_per_gpu for n in (8, 16, 32, 128)]
+    assert all(b <= a * 1.0001 for a, b in zip(rates, rates[1:])), rates
+    assert rates[-1] < rates[0]
+    hsdp = st.estimate_step_time(gpus=128, strategy="hybrid_shard", **SMALL)
+    assert hsdp.tokens_per_s_per_gpu > rates[-1]  # sharding within a node: NVLink all-gathers
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(prefetch=0), dict(strategy="no_shard"),
+                                dict(strategy="hybrid_shard", gpus=32),
+                                dict(backward_prefetch="none", limit_all_gathers=True)])
+def test_the_timeline_lanes_add_up_to_the_step(kw):
+    args = dict(SMALL, gpus=16, ac="selective")
+    args.update(kw)
+    t = st.estimate_step_time(**args)
+    compute = [e for e in t.timeline if e.lane == "compute"]
+    comm = [e for e in t.timeline if e.lane == "comm"]
+    assert max(e.end for e in t.timeline) == pytest.approx(t.step_s)
+    assert sum(e.end - e.start for e in compute) == pytest.approx(t.compute_s)
+    assert t.compute_s + t.exposed_comm_s == pytest.approx(t.step_s)
+    assert sum(e.end - e.start for e in comm) == pytest.approx(t.comm_s)
+    for lane in (compute, comm):  # one thing at a time on each lane
+        for a, b in zip(lane, lane[1:]):
+            assert b.start >= a.end - 1e-12
+    assert compute[-1].phase == "optimizer" and compute[-1].end == pytest.approx(t.step_s)
+    phases = {e.phase for e in compute}
+    assert {"forward", "backward", "recompute"} <= phases  # selective AC recomputes half
+    assert t.tokens_per_s_per_gpu == pytest.approx(args["batch"] * args["seq"] / t.step_s)
+
+
+def test_knobs_and_output():
+    base = st.estimate_step_time(gpus=8, gpu="h100", **SMALL)
+    compiled = st.estimate_step_time(gpus=8, gpu="h100", compile=True, **SMALL)
+    assert compiled.compute_s < base.compute_s
+    # Float8 pays for its casts only where they are fused (torchao's advice: compile it)
+    fp8 = st.estimate_step_time(gpus=8, gpu="h100", compile=True, fp8=True, **SMALL)
+    assert fp8.compute_s < compiled.compute_s
+
+    latency = st.collective_time("all_gather", 0, 8, st.get_gpu("h100"), st.CALIBRATED, 8, 400)
+
+    def block_gathers(t):  # the bandwidth part of the blocks' all-gathers
+        ev = [e for e in t.timeline if e.phase == "all_gather" and e.unit != "root"]
+        return sum(e.end - e.start for e in ev) - len(ev) * latency
+
+    # FP8 all-gather: one byte per block parameter instead of bf16's two
+    assert block_gathers(fp8) == pytest.approx(block_gathers(compiled) / 2, rel=0.01)
+    assert st.estimate_step_time(gpus=8, gpu="h200", **SMALL).step_s < base.step_s
+    fp32 = st.estimate_step_time(gpus=8, precision="fp32", **SMALL)
+    assert fp32.step_s > 3 * base.step_s and fp32.comm_s > 1.9 * base.comm_s
+    tf32 = st.estimate_step_time(gpus=8, precision="fp32", tf32=True, **SMALL)
+    assert base.step_s < tf32.step_s < fp32.step_s
+    a100 = st.estimate_step_time(gpus=8, gpu="a100-80gb", fp8=True, **SMALL)
+    assert not a100.fp8 and any("no FP8" in a for a in a100.assumptions)
+    d = base.as_dict()
+    assert set(d) == {"step_s", "compute_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu",
+                      "mfu", "assumptions"}
+    assert 0 < d["mfu"] < 1 and all(isinstance(a, str) for a in d["assumptions"])
+    table = st.format_step_time(base, units=5)
+    assert all(len(line) <= 80 for line in table.splitlines()) and "MFU" in table
+    for bad in (dict(strategy="zero3"), dict(gpu="h900"), dict(prefetch=-1),
+                dict(backward_prefetch="early"), dict(strategy="full_shard", shard_size=4)):
+        with pytest.raises(UsageError):
+            st.estimate_step_time(**dict(SMALL, gpus=8, **bad))
+    for g in st.GPUS.values():
+        assert g.source and g.peak_flops["bf16"] > g.peak_flops["fp32"] > 0
+
+
+def test_llama_8b_on_torchtitans_hosts_within_20_percent_of_published():
+    """torchtitan, Llama 3.1 8B, 8 x H100 96GB, bf16, selective AC, batch 2 x 8192: 5,762
+    tokens/s/GPU (anchors.md); + compile 6,667; + compile + Float8 8,532."""
+    kw = dict(model="llama-8b", gpus=8, gpu="h100-96gb", precision="bf16", ac="selective",
+              batch=2, seq=8192)
+    for extra, published in ((dict(), 5762), (dict(compile=True), 6667),
+                             (dict(compile=True, fp8=True), 8532)):
+        t = st.estimate_step_time(**kw, **extra)
+        assert t.tokens_per_s_per_gpu == pytest.approx(published, rel=0.20), (extra, t.tokens_per_s_per_gpu)
+        assert t.exposed_comm_s < 0.05 * t.step_s  # 8 GPUs on NVLink: compute-bound
+
+
+def test_each_unit_gets_its_own_compute():
+    """Per-unit attribution: identical blocks get identical forward and backward FLOPs, also in
+    T5's decoder, whose blocks all take the encoder's output (their backward stays open until its
+    gradient is complete); checkpointed blocks recompute their forward in backward."""
+    prof = st.trace_step("t5-tiny", "fp32", "selective", 2, 32, world=2)
+    flops: dict[tuple[str, str], float] = {}
+    for s in prof.segments:
+        flops[(s.unit, s.phase)] = flops.get((s.unit, s.phase), 0.0) + float(s.flops.sum())
+    for stack in ("encoder", "decoder"):
+        blocks = [u.name for u in prof.units if u.name.startswith(stack + ".")]
+        assert len(blocks) == 4
+        for phase in ("forward", "backward"):
+            values = [flops.get((b, phase), 0.0) for b in blocks]
+            assert min(values) > 0 and max(values) == pytest.approx(min(values)), (stack, phase)
+        recomputed = [b for b in blocks if flops.get((b, "recompute"), 0) > 0]
+        assert len(recomputed) == 2  # selective: every other block
+
+
+def test_committed_check_is_current_and_holds_rows_out():
+    """benchmarks/results/time_model_check.json was made with today's efficiencies and model: its
+    torchtitan rows are what the model predicts now; the fit and held-out rows are disjoint, and
+    every torchtitan row is held out."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                       / "time_model_check.json").read_text())
+    for k, v in data["efficiencies"].items():
+        assert getattr(st.CALIBRATED, k) == pytest.approx(v), k
+    assert not set(data["fit_rows"]) & set(data["held_out_rows"])
+    assert all(r not in data["fit_rows"] for r in data["held_out_rows"])
+    rows = {r["id"]: r for r in data["rows"]}
+    assert all(rows[i]["role"] == "held_out" for i in rows if i.startswith("torchtitan"))
+    for i, extra in (("torchtitan-8b-fsdp2", {}), ("torchtitan-8b-fsdp2-compile", {"compile": True})):
+        t = st.estimate_step_time("llama-8b", 8, ac="selective", batch=2, seq=8192, gpu="h100-96gb",
+                                  **extra)
+        assert rows[i]["predicted_tokens_per_s_per_gpu"] == pytest.approx(t.tokens_per_s_per_gpu,
+                                                                          rel=1e-3)
+        assert abs(rows[i]["ratio"] - 1) < 0.20

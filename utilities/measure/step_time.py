@@ -1,0 +1,925 @@
+"""How long one FSDP training step takes on N GPUs, predicted on a laptop.
+
+``estimate_step_time("llama-8b", gpus=8, ac="selective", batch=2, seq=8192, gpu="h100-96gb")``
+returns a ``StepTime``: the step time, its compute, its communication, the part of the
+communication that compute does not hide (*exposed*), tokens/s per GPU, MFU and a per-unit
+timeline. Three parts, each stated in ``StepTime.assumptions``:
+
+1. **Compute, traced.** One training step (forward, backward, activation-checkpointing recompute)
+   of the real model runs the way ``fsdp-course plan`` runs it (``planner._prepare``: the fake
+   process group, ``FakeTensorMode``, the real ``fully_shard`` units), under a
+   ``TorchDispatchMode`` that records every ATen op: its FLOPs (``torch.utils.flop_counter``'s
+   formulas; attention as FlashAttention does it), the bytes it reads and writes, and the FSDP unit
+   running it (``ModTracker``). Each op takes the roofline time
+   ``max(flops / (peak x efficiency), bytes / (HBM bandwidth x efficiency))`` on the chosen GPU
+   (``GPUS``), with one set of efficiencies (``CALIBRATED``). Per-rank compute does not depend on
+   the number of GPUs or the sharding strategy, so one trace serves them all (it is cached).
+2. **Communication, from the shards.** Per unit: the all-gather of its parameters in the mixed
+   precision policy's parameter dtype, the reduce-scatter of its gradients in the reduce dtype
+   (plus the all-reduce across replicas under hybrid_shard, or the gradients' all-reduce under
+   no_shard), with FSDP2's per-parameter dim-0 shards padded to a multiple of the group. An NCCL
+   ring, alpha-beta: ``base + (n - 1) x hop + (n - 1) / n x bytes / bandwidth``, over NVLink
+   inside a node and the network across nodes.
+3. **The schedule.** Two lanes, compute and communication (collectives run one at a time, in the
+   order they are issued). An all-gather is issued ``prefetch`` units ahead (FSDP2's implicit
+   prefetching is one unit; 0 is none), a reduce-scatter when its unit's backward ends; a unit's
+   compute waits for its all-gather; the optimizer step waits for the last reduce-scatter. FSDP1's
+   ``backward_prefetch`` (BACKWARD_PRE / BACKWARD_POST / None) and ``limit_all_gathers`` are
+   variants of the issue order. Exposed communication = step - compute.
+
+The efficiencies are fitted by ``benchmarks/time_model_check.py --fit`` against a subset of the
+published rows in ``anchors.md`` and the course's own H100 measurements; the others are held out,
+and the script reports the error on both.
+
+The API (what ``fsdp-course plan`` builds on):
+
+* ``estimate_step_time(model, gpus, strategy, precision, ac, batch, seq, gpu="h100",
+  gpus_per_node=8, network_gbps=400, compile=False, fp8=False, prefetch=1, ...) -> StepTime``;
+* ``StepTime.as_dict()``: ``{step_s, compute_s, comm_s, exposed_comm_s, tokens_per_s_per_gpu,
+  mfu, assumptions}`` (``as_dict(timeline=True)`` adds the events);
+* ``format_step_time(t, units=0)``: the table for a terminal, at most 80 columns;
+* ``GPUS`` / ``get_gpu(name)``: the catalogue (``GPU.memory_bytes`` for a memory plan);
+* ``sweep(model, gpu_counts, strategies, **kw)``: many configurations from one trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from utilities.errors import bad_value
+
+__all__ = ["CALIBRATED", "GPUS", "GPU", "Efficiencies", "Event", "StepTime", "collective_time",
+           "estimate_step_time", "format_step_time", "get_gpu", "ring_bytes_per_gpu", "sweep",
+           "trace_step"]
+
+STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
+PRECISIONS = ("fp32", "bf16")
+AC_MODES = ("none", "selective", "full")
+BACKWARD_PREFETCH = ("backward_pre", "backward_post", "none")
+
+
+# -- the GPU catalogue -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU part: what the time model needs, dense (not 2:4 sparse) datasheet peaks."""
+
+    name: str
+    memory_bytes: int
+    peak_flops: dict[str, float]  # dense FLOP/s: "fp32", "tf32", "bf16", "fp8" (absent: no FP8)
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float  # per GPU, one direction, to the other GPUs of its node
+    link: str  # "NVLink" or "PCIe"
+    source: str
+    clock_factor: float = 1.0  # sustained tensor-core clock vs the datasheet's, where it is capped
+    notes: tuple[str, ...] = ()
+
+
+_H100_PEAKS = {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp8": 1978.9e12}
+_A100_PEAKS = {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12}
+
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    GPU("h100", 81559 * 2**20, _H100_PEAKS, 3.35e12, 450e9, "NVLink",
+        "NVIDIA H100 SXM5 80GB datasheet (dense peaks: the datasheet's sparse figures / 2; NVLink "
+        "900 GB/s total = 450 GB/s each way); memory as nvidia-smi reports it"),
+    GPU("h100-96gb", 96 * 10**9, _H100_PEAKS, 2.4e12, 450e9, "NVLink",
+        "H100 96GB HBM2e (torchtitan's Grand Teton part, anchors.md): 96 GB, 2.4 TB/s, 500 W "
+        "power limit; peaks and NVLink as the NVIDIA H100 SXM5 datasheet",
+        clock_factor=(500 / 700) ** (1 / 3),
+        notes=("h100-96gb runs at a 500 W power limit instead of the SXM's 700 W: its sustained "
+               "tensor-core clock is taken as (500/700)^(1/3) = 0.89 of the 700 W part's (dynamic "
+               "power ~ f^3 when voltage scales with frequency), an assumption, not a measurement",)),
+    GPU("h200", 143771 * 2**20, _H100_PEAKS, 4.8e12, 450e9, "NVLink",
+        "NVIDIA H200 SXM datasheet (141 GB HBM3e, 4.8 TB/s, dense peaks as H100 SXM, NVLink "
+        "900 GB/s total)"),
+    GPU("a100-80gb", 81920 * 2**20, _A100_PEAKS, 2.039e12, 300e9, "NVLink",
+        "NVIDIA A100 SXM4 80GB datasheet (2,039 GB/s, NVLink 600 GB/s total); no FP8"),
+    GPU("a100-40gb", 40960 * 2**20, _A100_PEAKS, 1.555e12, 300e9, "NVLink",
+        "NVIDIA A100 SXM4 40GB datasheet (1,555 GB/s, NVLink 600 GB/s total); no FP8"),
+    GPU("l4", 23034 * 2**20, {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp8": 242e12},
+        300e9, 32e9, "PCIe",
+        "NVIDIA L4 datasheet (24 GB GDDR6, 300 GB/s; no NVLink: PCIe Gen4 x16, 64 GB/s total)"),
+)}
+
+
+def get_gpu(name: str | GPU) -> GPU:
+    if isinstance(name, GPU):
+        return name
+    key = str(name).strip().lower()
+    if key not in GPUS:
+        raise bad_value("--gpu", name, GPUS)
+    return GPUS[key]
+
+
+# -- the efficiencies ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Efficiencies:
+    """The fractions of the datasheet peaks that kernels reach, and the interconnect's constants.
+    One set for every model, GPU and configuration."""
+
+    matmul: float  # GEMMs, fraction of the dense peak of their dtype
+    attention: float  # fused (flash) attention, fraction of the bf16 dense peak
+    memory: float  # memory-bound ops, fraction of the HBM bandwidth
+    compile_memory: float  # torch.compile: memory-bound time left after fusion (fraction)
+    fp8_matmul: float  # Float8 GEMMs, fraction of the FP8 dense peak
+    kernel_floor_s: float  # the shortest kernel: launch and tail, or eager PyTorch's issue time
+    link: float  # NCCL bus bandwidth / link bandwidth, inside a node
+    network: float  # the same across nodes
+    base_latency_s: float  # per collective
+    hop_latency_link_s: float  # per ring step inside a node
+    hop_latency_network_s: float  # per ring step when the ring spans nodes
+    unit_overhead_s: float = 0.0  # FSDP's per-unit hooks, per forward and backward of each unit
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+CALIBRATED = Efficiencies(
+    matmul=0.658,
+    attention=0.35,
+    memory=0.878,
+    compile_memory=0.164,
+    fp8_matmul=0.406,
+    kernel_floor_s=8.83e-6,
+    link=370 / 450,
+    network=0.80,
+    base_latency_s=8.4e-6,
+    hop_latency_link_s=3.4e-6,
+    hop_latency_network_s=14e-6,
+    unit_overhead_s=0.75e-3,
+    sources={
+        "matmul, memory, compile_memory, fp8_matmul, kernel_floor_s, unit_overhead_s": "fitted "
+        "on 2026-11-25 by benchmarks/time_model_check.py --fit (coordinate descent, least "
+        "squares of log(predicted / published)) on 5 rows: the course's llama-1b on one H100 "
+        "(gpu-evidence/2026-11-22-h100: the plain loop eager batch 4, compiled batch 4 and 8; "
+        "lesson 10's FSDP2 eager batch 4) and torchao's Float8 row; the 10 other rows, "
+        "torchtitan's among them, are held out (benchmarks/results/time_model_check.json)",
+        "attention": "not fitted: FlashAttention-2 on H100 reaches about 350 of 989 TFLOP/s "
+        "(the FlashAttention-3 paper's FA2 baseline, head dim 128)",
+        "link": "NCCL's H100 NVLink bus bandwidth, 370 GB/s (nccl src/graph/topo.h, as quoted in "
+        "torch/_inductor/comm_analysis.py), over the 450 GB/s link",
+        "network": "assumed: 80% of the NIC's line rate for large messages",
+        "latencies": "NCCL's Simple-protocol ring constants (nccl src/graph/tuning.cc, as quoted "
+        "in torch/_inductor/comm_analysis.py): base 8.4 us, NVLink 3.4 us, network 14 us per step",
+    },
+)
+
+
+# -- the trace -------------------------------------------------------------------------------------
+
+MATMUL, ATTENTION, MEMORY, FSDP_COPY = 0, 1, 2, 3
+_FP32, _FP8_OK = 1, 2  # a matmul's flag: computes in fp32; a block Linear's GEMM (Float8-able)
+
+
+@dataclass
+class Segment:
+    """Consecutive ops of one unit in one phase ("forward", "recompute", "backward")."""
+
+    unit: str
+    phase: str
+    kind: np.ndarray  # MATMUL, ATTENTION, MEMORY or FSDP_COPY per op
+    flops: np.ndarray
+    nbytes: np.ndarray
+    fp32: np.ndarray  # the op computes in fp32 (its matmuls run at the fp32 peak)
+    fp8_ok: np.ndarray  # a Linear's GEMM inside a block: what Float8Linear converts
+
+
+@dataclass
+class UnitInfo:
+    """One FSDP unit and the full shapes of the parameters it manages (not its nested units')."""
+
+    name: str
+    shapes: list[tuple[int, ...]]
+    is_root: bool
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def shard_numel(self, n: int) -> int:
+        """Elements per rank, FSDP2 style: each parameter chunked on dim 0 into n, padded."""
+        total = 0
+        for s in self.shapes:
+            rest = math.prod(s[1:]) if len(s) > 1 else 1
+            total += -(-(s[0] if s else 1) // n) * rest
+        return total
+
+
+@dataclass
+class StepProfile:
+    """What one traced step gives the time model: segments in execution order, the units in
+    forward order, and the collectives FSDP2 issued in the trace."""
+
+    model: str
+    precision: str
+    ac: str
+    batch: int
+    seq: int
+    world: int
+    segments: list[Segment]
+    units: list[UnitInfo]
+    collectives: list[tuple[str, str, int]]  # (op, unit at issue, output bytes)
+    trace_s: float
+
+
+def _view_like(func) -> bool:
+    schema = func._schema
+    return any(a.alias_info is not None and not a.alias_info.is_write for a in schema.returns)
+
+
+_SKIP_NAMESPACES = ("prim", "profiler")
+_SKIP_OPS = {"detach", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+             "lift_fresh", "_local_scalar_dense", "set_", "resize_", "record_stream"}
+
+
+def _classify(func) -> int | None:
+    """The kind of an ATen op, or None for ops that launch no kernel (views, allocations)."""
+    ns = func.namespace
+    name = func.__name__.split(".")[0]
+    if ns in _SKIP_NAMESPACES or name in _SKIP_OPS or _view_like(func):
+        return None
+    if ns == "c10d" or ns == "_c10d_functional":
+        return -1
+    if ns == "fsdp" or name in ("_foreach_copy_",):
+        return FSDP_COPY
+    if "attention" in name:
+        return ATTENTION
+    if name in ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
+                "_scaled_mm"):
+        return MATMUL
+    return MEMORY
+
+
+def _tensor_bytes(x) -> int:
+    """Bytes a kernel touches in ``x``: an expanded (stride-0) dimension is read once, as
+    ``torch.utils._runtime_estimation.get_num_bytes`` counts it."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        n = 1
+        for size, stride in zip(x.shape, x.stride()):
+            if stride != 0:
+                n *= size
+        return n * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(y) for y in x)
+    return 0
+
+
+def _attention_flops(func, args, kwargs, causal_default: bool) -> float:
+    """FlashAttention's work: 4 B H Sq Sk D forward (two GEMMs), 2.5x that backward (five GEMMs,
+    S recomputed), halved under a causal mask. ``causal_default``: a decoder-only model's mask is
+    causal (Hugging Face passes it as a tensor, where flash kernels take ``is_causal``)."""
+    named = dict(zip((a.name for a in func._schema.arguments), args))
+    named.update(kwargs)
+    q, k = named.get("query"), named.get("key")
+    if q is None or k is None or q.dim() != 4:
+        return 0.0
+    b, h, sq, d = q.shape
+    sk = k.shape[-2]
+    flops = 4.0 * b * h * sq * sk * d
+    if "backward" in func.__name__:
+        flops *= 2.5
+    causal = bool(named.get("is_causal", False)) or causal_default
+    return flops * (0.5 if causal else 1.0)
+
+
+class _OpRecorder:
+    """The TorchDispatchMode that records each op's kind, FLOPs, bytes, unit and phase."""
+
+    def __init__(self, tracker, unit_names: dict[str, str], root: str, causal: bool):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import flop_registry
+
+        recorder = self
+        self.tracker = tracker
+        self.unit_names = unit_names
+        self.entered: dict[str, int] = {}  # unit -> when its forward or backward last began
+        self.current = unit_names.get(root, "root")
+        self.dirty = True
+        self.root = root
+        self.causal = causal
+        self.rows: list[tuple[str, str, int, float, int, bool]] = []
+        self.collectives: list[tuple[str, str, int]] = []
+        self.kinds: dict[Any, int | None] = {}
+        self.flop_registry = flop_registry
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                recorder.record(func, args, kwargs, out)
+                return out
+
+        self.mode = Mode()
+
+        def enter(module, *_):
+            name = tracker.get_known_fqn(module) if module is not None else None
+            if name in unit_names:
+                self.entered[name] = len(self.entered) + len(self.rows)
+            self.dirty = True
+
+        def changed(*_):
+            self.dirty = True
+
+        tracker.register_user_hooks(pre_fw_hook=enter, post_fw_hook=changed, pre_bw_hook=enter,
+                                    post_bw_hook=changed)
+
+    def _unit(self) -> str:
+        """The unit running now: of the units whose forward or backward is open, the one entered
+        last (a T5 decoder block's backward stays open until the shared encoder output's gradient
+        is complete, so nesting depth alone would keep naming it)."""
+        if self.dirty:
+            parents = self.tracker.parents
+            open_units = [n for n in self.unit_names if n in parents]
+            name = max(open_units, key=lambda n: self.entered.get(n, -1)) if open_units else self.root
+            self.current = self.unit_names.get(name, "root")
+            self.dirty = False
+        return self.current
+
+    def record(self, func, args, kwargs, out) -> None:
+        import torch
+
+        kind = self.kinds.get(func, 0.5)
+        if kind == 0.5:
+            kind = self.kinds[func] = _classify(func)
+        if kind is None:
+            return
+        unit = self._unit()
+        if kind == -1:
+            self.collectives.append((func.__name__.split(".")[0], unit, _tensor_bytes(args[0])))
+            return
+        if self.tracker.is_bw:
+            phase = "recompute" if torch.is_grad_enabled() else "backward"
+        else:
+            phase = "forward"
+        flops = 0.0
+        fp32 = False
+        if kind == MATMUL:
+            f = self.flop_registry.get(func._overloadpacket)
+            flops = float(f(*args, **kwargs, out_val=out)) if f else 0.0
+            fp32 = isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32
+        elif kind == ATTENTION:
+            flops = _attention_flops(func, args, kwargs, self.causal)
+        nbytes = _tensor_bytes(list(args)) + _tensor_bytes(list(kwargs.values())) + _tensor_bytes(out)
+        fp8_ok = kind == MATMUL and func.__name__.split(".")[0] in ("mm", "addmm") and unit != "root"
+        self.rows.append((unit, phase, kind, flops, nbytes, _FP32 if fp32 else _FP8_OK if fp8_ok else 0))
+
+
+def _unit_label(fqn: str) -> str:
+    if not fqn:
+        return "root"
+    parts = [p for p in fqn.split(".") if p not in ("model", "_checkpoint_wrapped_module")]
+    return ".".join(parts) or fqn
+
+
+def _segments(rows) -> list[Segment]:
+    out: list[Segment] = []
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i][:2] != rows[start][:2]:
+            chunk = rows[start:i]
+            flags = np.array([r[5] for r in chunk], dtype=np.int8)
+            out.append(Segment(
+                unit=chunk[0][0], phase=chunk[0][1],
+                kind=np.array([r[2] for r in chunk], dtype=np.int8),
+                flops=np.array([r[3] for r in chunk], dtype=np.float64),
+                nbytes=np.array([r[4] for r in chunk], dtype=np.float64),
+                fp32=flags == _FP32, fp8_ok=flags == _FP8_OK))
+            start = i
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _trace_cached(spec, precision: str, ac: str, batch: int, seq: int, world: int) -> StepProfile:
+    return _trace(spec, precision, ac, batch, seq, world)
+
+
+def trace_step(model, precision: str = "bf16", ac: str = "none", batch: int = 1,
+               seq: int | None = None, world: int = 8) -> StepProfile:
+    """Trace one fake training step (forward and backward) of ``model`` on a ``world``-rank fake
+    process group, full_shard; cached, since per-rank compute is the same for any world size."""
+    from utilities.models import get_model_spec
+
+    spec = get_model_spec(model) if isinstance(model, str) else model
+    return _trace_cached(spec, precision, ac, batch, seq or spec.default_seq_len, world)
+
+
+def _trace(spec, precision, ac, batch, seq, world) -> StepProfile:
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from utilities.measure.planner import _fake_batch, _fake_device, _prepare, fake_world
+
+    t0 = time.perf_counter()
+    device, _ = _fake_device("cuda")
+    with fake_world(world), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking")
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        mesh = init_device_mesh(device.type, (world,))
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model = _prepare(spec, "full_shard", precision, ac, mesh, fake_mode, device)
+        root_name = type(model).__name__
+        units: dict[str, UnitInfo] = {}
+        tracker_names: dict[str, str] = {}
+        nested: set[int] = set()
+        fsdp_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+        for fqn, m in reversed(fsdp_modules):  # innermost first: a unit owns what no child unit does
+            own = [p for p in m.parameters() if id(p) not in nested]
+            nested.update(id(p) for p in own)
+            label = _unit_label(fqn)
+            units[label] = UnitInfo(label, [tuple(p.shape) for p in own], is_root=not fqn)
+            tracker_names[root_name + ("." + fqn if fqn else "")] = label
+        with fake_mode:
+            data = _fake_batch(spec, batch, seq, device)
+            tracker = ModTracker()
+            rec = _OpRecorder(tracker, tracker_names, root_name, causal=not spec.is_seq2seq)
+            with tracker, rec.mode:
+                model(**data).loss.backward()
+    segments = _segments(rec.rows)
+    order: list[str] = []
+    for s in segments:
+        if s.phase == "forward" and s.unit not in order:
+            order.append(s.unit)
+    order += [u for u in units if u not in order]
+    del model
+    return StepProfile(model=spec.name, precision=precision, ac=ac, batch=batch, seq=seq,
+                       world=world, segments=segments, units=[units[u] for u in order],
+                       collectives=rec.collectives, trace_s=time.perf_counter() - t0)
+
+
+# -- compute time ----------------------------------------------------------------------------------
+
+def segment_time(seg: Segment, gpu: GPU, eff: Efficiencies, precision: str, compile: bool,
+                 fp8: bool, fsdp_copies: bool = True, tf32: bool = False) -> float:
+    """Roofline time of a segment's ops on ``gpu``: per op, the slower of its FLOPs at the
+    (efficiency-scaled) peak and its bytes at the (efficiency-scaled) HBM bandwidth."""
+    clock = gpu.clock_factor
+    bf16 = gpu.peak_flops["bf16"] * clock
+    fp32_peak = gpu.peak_flops["tf32" if tf32 else "fp32"] * clock
+    mm_peak = np.where(seg.fp32, fp32_peak, bf16) * eff.matmul
+    bw = gpu.hbm_bytes_per_s * eff.memory
+    flops_t = np.zeros_like(seg.flops)
+    is_mm = seg.kind == MATMUL
+    flops_t[is_mm] = seg.flops[is_mm] / mm_peak[is_mm]
+    is_attn = seg.kind == ATTENTION
+    flops_t[is_attn] = seg.flops[is_attn] / (bf16 * eff.attention)
+    mem_t = seg.nbytes / bw
+    extra = 0.0
+    if fp8 and "fp8" in gpu.peak_flops and precision != "fp32":
+        conv = seg.fp8_ok
+        flops_t[conv] = seg.flops[conv] / (gpu.peak_flops["fp8"] * clock * eff.fp8_matmul)
+        mem_t[conv] = seg.nbytes[conv] / 2 / bw  # FP8 operands: half the bytes
+        # dynamic tensorwise scaling: an amax pass and a cast of each operand (read 2 + 2,
+        # write 1 byte per bf16 byte pair), memory-bound, fused like any elementwise op
+        cast = float(seg.nbytes[conv].sum()) * 1.25 / bw
+        extra = cast * (eff.compile_memory if compile and seg.unit != "root" else 1.0)
+    t = np.maximum(np.maximum(flops_t, mem_t), eff.kernel_floor_s)
+    if compile and seg.unit != "root":  # compiled per block, as torchtitan and the course do
+        t = np.where(seg.kind == MEMORY, t * eff.compile_memory, t)
+    if not fsdp_copies:
+        t = np.where(seg.kind == FSDP_COPY, 0.0, t)
+    return float(t.sum()) + extra
+
+
+# -- communication ---------------------------------------------------------------------------------
+
+def ring_bytes_per_gpu(kind: str, total_bytes: float, n: int) -> float:
+    """Bytes each GPU sends (and receives) in an NCCL ring: all-gather and reduce-scatter move
+    (n - 1) / n of the full buffer, all-reduce twice that."""
+    if n <= 1:
+        return 0.0
+    share = (n - 1) / n * total_bytes
+    return 2 * share if kind == "all_reduce" else share
+
+
+def collective_time(kind: str, total_bytes: float, n: int, gpu: GPU, eff: Efficiencies,
+                    gpus_per_node: int, network_gbps: float) -> float:
+    """Alpha-beta time of a ring collective over ``n`` ranks whose full buffer is ``total_bytes``:
+    the group's slowest link (NVLink when it fits in a node, else each GPU's network share)."""
+    if n <= 1:
+        return 0.0
+    spans_nodes = n > gpus_per_node
+    if spans_nodes:
+        bw = network_gbps * 1e9 / 8 * eff.network
+        hop = eff.hop_latency_network_s
+    else:
+        bw = gpu.link_bytes_per_s * eff.link
+        hop = eff.hop_latency_link_s
+    steps = (n - 1) * (2 if kind == "all_reduce" else 1)
+    return eff.base_latency_s + steps * hop + ring_bytes_per_gpu(kind, total_bytes, n) / bw
+
+
+# -- the result ------------------------------------------------------------------------------------
+
+@dataclass
+class Event:
+    """One bar of the timeline: a unit's compute or one collective, in seconds from the step's start."""
+
+    lane: str  # "compute" or "comm"
+    unit: str
+    phase: str  # forward, recompute, backward, optimizer; all_gather, reduce_scatter, all_reduce
+    start: float
+    end: float
+
+
+@dataclass
+class StepTime:
+    """The predicted time of one training step on every rank (they run in lockstep)."""
+
+    model: str
+    gpus: int
+    gpu: str
+    strategy: str
+    precision: str
+    ac: str
+    batch: int
+    seq: int
+    compile: bool
+    fp8: bool
+    step_s: float
+    compute_s: float  # the compute lane's busy time, the optimizer step included
+    comm_s: float  # the communication lane's busy time
+    exposed_comm_s: float  # step - compute: compute waiting for communication
+    optimizer_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float  # tokens/s/GPU x flops per token (6N + 12 L H Q T) / the GPU's bf16 dense peak
+    assumptions: list[str] = field(default_factory=list)
+    timeline: list[Event] = field(default_factory=list)
+    per_unit: dict[str, dict[str, float]] = field(default_factory=dict)
+    trace_s: float = 0.0
+
+    def as_dict(self, timeline: bool = False) -> dict[str, Any]:
+        """The summary the CLI's ``--json`` carries (``timeline=True`` adds the events)."""
+        keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu", "mfu",
+                "assumptions")
+        out = {k: getattr(self, k) for k in keys}
+        if timeline:
+            out["timeline"] = [asdict(e) for e in self.timeline]
+        return out
+
+
+# -- the schedule ----------------------------------------------------------------------------------
+
+@dataclass
+class _Coll:
+    kind: str
+    unit: str
+    seconds: float
+    nbytes: float
+    issue: float = 0.0
+    start: float = 0.0
+    end: float = 0.0
+
+
+class _Lanes:
+    """Two lanes: compute runs segments in order; communication runs collectives one at a time in
+    the order they are issued (NCCL on one stream per direction, here one lane)."""
+
+    def __init__(self):
+        self.compute_free = 0.0
+        self.comm_free = 0.0
+        self.events: list[Event] = []
+
+    def issue(self, c: _Coll, at: float) -> _Coll:
+        c.issue = at
+        c.start = max(at, self.comm_free)
+        c.end = c.start + c.seconds
+        self.comm_free = c.end
+        if c.seconds > 0:
+            self.events.append(Event("comm", c.unit, c.kind, c.start, c.end))
+        return c
+
+    def compute(self, unit: str, phase: str, seconds: float, after: float = 0.0) -> tuple[float, float]:
+        start = max(self.compute_free, after)
+        end = start + seconds
+        self.compute_free = end
+        self.events.append(Event("compute", unit, phase, start, end))
+        return start, end
+
+
+def _schedule(plan_segs, units, ag_fwd, ag_bwd, grad_colls, fwd_depth, bwd_mode, bwd_depth,
+              limit_all_gathers, optimizer_s):
+    """Run the two lanes. ``plan_segs``: (unit, phase, seconds) in execution order; ``ag_fwd`` /
+    ``ag_bwd``: unit -> all-gather (absent: none needed); ``grad_colls``: unit -> collectives
+    after its backward. Returns the lanes."""
+    lanes = _Lanes()
+    fwd_order = [u.name for u in units]
+    bwd_first: list[str] = []  # units in the order their backward-time compute starts
+    last_bwd: dict[str, int] = {}
+    for i, (u, ph, _) in enumerate(plan_segs):
+        if ph != "forward":
+            if u not in bwd_first:
+                bwd_first.append(u)
+            last_bwd[u] = i
+    issued: dict[tuple[str, str], _Coll] = {}
+    compute_end: dict[str, float] = {}  # forward compute end per unit (the rate limiter's free)
+
+    def issue(key, coll, at):
+        if coll is None or key in issued:
+            return
+        issued[key] = lanes.issue(coll, at)
+
+    def limit_at(order, k, now):
+        if not limit_all_gathers or k < 2:
+            return now
+        return max(now, compute_end.get(order[k - 2], now))
+
+    started: set[tuple[str, str]] = set()
+    for i, (u, ph, secs) in enumerate(plan_segs):
+        stage = "fwd" if ph == "forward" else "bwd"
+        order = fwd_order if stage == "fwd" else bwd_first
+        k = order.index(u)
+        first = (u, stage) not in started
+        if first:
+            started.add((u, stage))
+            need = (ag_fwd if stage == "fwd" else ag_bwd).get(u)
+            depth = fwd_depth if stage == "fwd" else bwd_depth
+            if need is not None and (u, stage) not in issued:  # not prefetched: issued on arrival
+                issue((u, stage), need, limit_at(order, k, lanes.compute_free))
+            ready = issued[(u, stage)].end if (u, stage) in issued else 0.0
+            start, end = lanes.compute(u, ph, secs, after=ready)
+            # prefetch: the next ``depth`` units' all-gathers, issued as this unit starts
+            if stage == "bwd" and bwd_mode == "backward_post":
+                depth = 0
+            for j in range(k + 1, min(k + 1 + depth, len(order))):
+                nxt = order[j]
+                coll = (ag_fwd if stage == "fwd" else ag_bwd).get(nxt)
+                issue((nxt, stage), coll, limit_at(order, j, start))
+        else:
+            start, end = lanes.compute(u, ph, secs)
+        if stage == "fwd":
+            compute_end[u] = end
+        if stage == "bwd" and last_bwd.get(u) == i:
+            if bwd_mode == "backward_post" and k + 1 < len(order):
+                nxt = order[k + 1]
+                issue((nxt, "bwd"), ag_bwd.get(nxt), end)  # before this unit's reduce-scatter
+            for c in grad_colls.get(u, []):
+                lanes.issue(c, end)
+    done = max(lanes.compute_free, lanes.comm_free)
+    lanes.compute("all", "optimizer", optimizer_s, after=done)
+    return lanes
+
+
+# -- the public function ---------------------------------------------------------------------------
+
+def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision: str = "bf16",
+                       ac: str = "none", batch: int = 1, seq: int | None = None,
+                       gpu: str | GPU = "h100", gpus_per_node: int = 8,
+                       network_gbps: float = 400.0, compile: bool = False, fp8: bool = False,
+                       prefetch: int = 1, backward_prefetch: str | None = None,
+                       forward_prefetch: int | None = None, limit_all_gathers: bool = False,
+                       shard_size: int | None = None, tf32: bool = False,
+                       efficiencies: Efficiencies | None = None) -> StepTime:
+    """Predict one training step of ``model`` (a name from ``utilities.models`` or a ``ModelSpec``)
+    on ``gpus`` GPUs of kind ``gpu`` (``GPUS``), per-rank ``batch`` x ``seq`` tokens.
+
+    Schedule knobs: ``prefetch`` is FSDP2's depth, forward and backward (1: FSDP2's default
+    implicit prefetch of the next unit; 0: none; 2+: ``set_modules_to_*_prefetch`` further
+    ahead); ``forward_prefetch`` overrides the forward depth. ``backward_prefetch`` picks FSDP1's
+    backward order instead ("backward_pre": the next all-gather before this unit's compute, as
+    FSDP2; "backward_post": after its compute, before its reduce-scatter; "none": after its
+    reduce-scatter). ``limit_all_gathers``: FSDP1's rate limiter, at most two units' parameters
+    gathered at once. ``strategy``: full_shard (re-gather in backward), shard_grad_op (keep the
+    gathered parameters to the backward), hybrid_shard (shard within ``shard_size`` GPUs, default
+    one node, all-reduce across the replicas), no_shard (DDP: all-reduce the gradients only).
+    ``tf32``: fp32 matmuls on the TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``;
+    PyTorch's default, and the course's, is the FP32 peak).
+    """
+    from utilities.models import get_model_spec
+
+    spec = get_model_spec(model) if isinstance(model, str) else model
+    g = get_gpu(gpu)
+    eff = efficiencies or CALIBRATED
+    _check(gpus, strategy, precision, ac, batch, seq, gpus_per_node, network_gbps, prefetch,
+           backward_prefetch, forward_prefetch)
+    seq = seq or spec.default_seq_len
+    if strategy == "hybrid_shard":
+        shard_size = shard_size or min(gpus, gpus_per_node)
+        if gpus % shard_size:
+            raise bad_value("shard_size", shard_size, f"a divisor of gpus ({gpus})")
+    elif shard_size is not None:
+        raise bad_value("shard_size", shard_size, "only with strategy hybrid_shard")
+    profile = trace_step(spec, precision, ac, batch, seq, world=min(gpus, gpus_per_node) or 1)
+    notes = [f"GPU: {g.name}: {g.source}", *g.notes]
+    fp8_used = fp8 and "fp8" in g.peak_flops and precision != "fp32"
+    if fp8 and not fp8_used:
+        notes.append(f"--fp8 ignored: {g.name} has no FP8 tensor cores" if "fp8" not in g.peak_flops
+                     else "--fp8 ignored with fp32 precision")
+
+    # compute, per segment
+    copies = strategy != "no_shard"
+    plan_segs = [(s.unit, s.phase, segment_time(s, g, eff, precision, compile, fp8_used, copies,
+                                                tf32))
+                 for s in profile.segments]
+    if copies and eff.unit_overhead_s:
+        seen: set[tuple[str, str]] = set()
+        for i, (unit, phase, secs) in enumerate(plan_segs):
+            key = (unit, "forward" if phase == "forward" else "backward")
+            if key not in seen:
+                seen.add(key)
+                plan_segs[i] = (unit, phase, secs + eff.unit_overhead_s)
+
+    # communication, per unit
+    p_item = 4 if precision == "fp32" else 2
+    r_item = 4 if precision == "fp32" else 2
+    group = {"full_shard": gpus, "shard_grad_op": gpus, "hybrid_shard": shard_size or gpus,
+             "no_shard": 1}[strategy]
+    replicas = gpus // group if strategy == "hybrid_shard" else 1
+
+    def coll(kind, unit, nbytes, n):
+        return _Coll(kind, unit, collective_time(kind, nbytes, n, g, eff, gpus_per_node,
+                                                 network_gbps), nbytes)
+
+    ag_fwd, ag_bwd, grads = {}, {}, {}
+    for u in profile.units:
+        shard = u.shard_numel(group)
+        if strategy == "no_shard":
+            grads[u.name] = [coll("all_reduce", u.name, u.numel * r_item, gpus)]
+            continue
+        ag_item = p_item
+        if fp8_used and not u.is_root:
+            ag_item = 1  # FP8 all-gather of the Linear weights (norm weights stay bf16, ignored)
+        full = shard * group
+        if group > 1:
+            ag_fwd[u.name] = coll("all_gather", u.name, full * ag_item, group)
+            if strategy != "shard_grad_op" and not u.is_root:
+                ag_bwd[u.name] = coll("all_gather", u.name, full * ag_item, group)
+        gc = [coll("reduce_scatter", u.name, full * r_item, group)] if group > 1 else []
+        if replicas > 1:
+            gc.append(_Coll("all_reduce", u.name, collective_time(
+                "all_reduce", shard * r_item, replicas, g, eff, 1, network_gbps), shard * r_item))
+        grads[u.name] = gc
+
+    # the optimizer step: AdamW over this rank's fp32 shard, memory-bound
+    shard_total = sum(u.shard_numel(group) if strategy != "no_shard" else u.numel
+                      for u in profile.units)
+    opt_bytes = 32 * shard_total  # read param, grad, 2 moments; write param, 2 moments; the clip's read
+    optimizer_s = opt_bytes / (g.hbm_bytes_per_s * eff.memory)
+
+    if backward_prefetch is not None:
+        bwd_mode = backward_prefetch
+        bwd_depth = 1 if backward_prefetch == "backward_pre" else 0
+        fwd_depth = forward_prefetch if forward_prefetch is not None else (
+            1 if limit_all_gathers else len(profile.units))
+    else:
+        bwd_mode, bwd_depth = "fsdp2", prefetch
+        fwd_depth = prefetch if forward_prefetch is None else forward_prefetch
+    lanes = _schedule(plan_segs, profile.units, ag_fwd, ag_bwd, grads, fwd_depth, bwd_mode,
+                      bwd_depth, limit_all_gathers, optimizer_s)
+
+    compute_s = sum(e.end - e.start for e in lanes.events if e.lane == "compute")
+    comm_s = sum(e.end - e.start for e in lanes.events if e.lane == "comm")
+    step_s = max(e.end for e in lanes.events)
+    tps = batch * seq / step_s
+    mfu = tps * spec.flops_per_token(seq) / g.peak_flops["bf16"]
+    per_unit: dict[str, dict[str, float]] = {}
+    for e in lanes.events:
+        d = per_unit.setdefault(e.unit, {})
+        d[e.phase] = d.get(e.phase, 0.0) + (e.end - e.start)
+    notes += _assumptions(strategy, precision, compile, fp8_used, gpus, gpus_per_node, network_gbps,
+                          group, replicas, eff, g, bwd_mode, fwd_depth, bwd_depth,
+                          limit_all_gathers, profile, tf32)
+    return StepTime(
+        model=spec.name, gpus=gpus, gpu=g.name, strategy=strategy, precision=precision, ac=ac,
+        batch=batch, seq=seq, compile=compile, fp8=fp8_used, step_s=step_s, compute_s=compute_s,
+        comm_s=comm_s, exposed_comm_s=step_s - compute_s, optimizer_s=optimizer_s,
+        tokens_per_s_per_gpu=tps, mfu=mfu, assumptions=notes, timeline=lanes.events,
+        per_unit=per_unit, trace_s=profile.trace_s)
+
+
+def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network_gbps, group,
+                 replicas, eff, g, bwd_mode, fwd_depth, bwd_depth, limit, profile,
+                 tf32=False) -> list[str]:
+    nodes = -(-gpus // gpus_per_node)
+    out = [
+        f"compute traced from one fake step of the real model ({profile.model}, {len(profile.units)}"
+        f" FSDP units, {sum(len(s.kind) for s in profile.segments):,} kernels); per op "
+        f"max(FLOPs / ({eff.matmul:.0%} of the dense peak), bytes / ({eff.memory:.0%} of HBM "
+        f"bandwidth)), attention at {eff.attention:.0%} of the bf16 peak (FlashAttention, causal: "
+        "half the FLOPs), at least "
+        f"{eff.kernel_floor_s * 1e6:.0f} us per kernel",
+        "matmuls in " + ("bf16 at the BF16 dense peak" if precision != "fp32" else
+                         "fp32 on TF32 tensor cores (allow_tf32)" if tf32 else
+                         "fp32 at the FP32 (non-tensor-core) peak: torch's default matmul "
+                         "precision; tf32=True for TF32"),
+        f"topology: {nodes} node(s) x {min(gpus, gpus_per_node)} GPUs, {g.link} "
+        f"{g.link_bytes_per_s / 1e9:.0f} GB/s per GPU each way at {eff.link:.0%} inside a node, "
+        f"{network_gbps:g} Gb/s per GPU at {eff.network:.0%} across nodes; NCCL ring, "
+        f"{eff.base_latency_s * 1e6:.1f} us + {eff.hop_latency_link_s * 1e6:.1f} us (NVLink) / "
+        f"{eff.hop_latency_network_s * 1e6:.0f} us (network) per step",
+        "collectives run one at a time on one lane (FSDP2's all-gather and reduce-scatter "
+        "streams share the links); communication kernels do not slow the compute they overlap",
+        f"FSDP's per-unit hooks (Python, stream waits) stall the compute lane "
+        f"{eff.unit_overhead_s * 1e3:.2f} ms per unit, once in forward and once in backward",
+        "optimizer: AdamW over the rank's fp32 shard, memory-bound (32 bytes per parameter: "
+        "read parameter, gradient, 2 moments, write parameter, 2 moments, the clip's read)",
+    ]
+    if strategy == "no_shard":
+        out.append(f"no_shard: DDP, every rank holds the model; one gradient all-reduce per unit "
+                   f"over {gpus} GPUs after its backward; FSDP's copy kernels left out")
+    elif strategy == "hybrid_shard":
+        out.append(f"hybrid_shard: shard groups of {group}, gradient shards all-reduced across "
+                   f"{replicas} replicas over the network")
+    elif strategy == "shard_grad_op":
+        out.append("shard_grad_op: parameters stay gathered from forward to backward (no "
+                   "all-gather in backward)")
+    else:
+        out.append("full_shard: every block unit is all-gathered in forward and again in "
+                   "backward; the root unit stays gathered (FSDP2 does not reshard the root)")
+    if bwd_mode == "fsdp2":
+        out.append(f"FSDP2 prefetch depth: forward {fwd_depth}, backward {bwd_depth} "
+                   "(1 = FSDP2's default implicit prefetch; 0 = all-gather issued when the unit "
+                   "is reached)")
+    else:
+        out.append(f"FSDP1 backward_prefetch={bwd_mode.upper()}; forward: "
+                   + ("limit_all_gathers (at most 2 units gathered)" if limit else
+                      "the CPU runs ahead, every all-gather issued at once"))
+    if compile:
+        out.append(f"torch.compile per block: the blocks' memory-bound kernels take "
+                   f"{eff.compile_memory:.0%} of their eager time (elementwise ops fused); "
+                   "matmuls, attention, FSDP's copies and the root (embedding, output layer, "
+                   "loss) unchanged")
+    if fp8:
+        out.append(f"fp8: torchao Float8Linear (tensorwise) for the blocks' Linears: GEMMs at "
+                   f"{eff.fp8_matmul:.0%} of the FP8 dense peak, plus amax and cast passes "
+                   "(memory-bound); FP8 all-gather of block parameters (1 byte each); embedding, "
+                   "output layer and attention stay bf16")
+    out.append("MFU: tokens/s/GPU x (6N + 12 x layers x heads x head_dim x seq) / the GPU's "
+               "bf16 dense peak (the course's and torchtitan's convention)")
+    return out
+
+
+def _check(gpus, strategy, precision, ac, batch, seq, gpus_per_node, network_gbps, prefetch,
+           backward_prefetch, forward_prefetch) -> None:
+    if not isinstance(gpus, int) or gpus < 1:
+        raise bad_value("--gpus", gpus, "integers >= 1")
+    if strategy not in STRATEGIES:
+        raise bad_value("--strategy", strategy, STRATEGIES)
+    if precision not in PRECISIONS:
+        raise bad_value("--precision", precision, PRECISIONS)
+    if ac not in AC_MODES:
+        raise bad_value("--ac", ac, AC_MODES)
+    if not isinstance(batch, int) or batch < 1:
+        raise bad_value("--batch", batch, "integers >= 1")
+    if seq is not None and (not isinstance(seq, int) or seq < 1):
+        raise bad_value("--seq", seq, "integers >= 1")
+    if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise bad_value("--gpus-per-node", gpus_per_node, "integers >= 1")
+    if not network_gbps > 0:
+        raise bad_value("--network-gbps", network_gbps, "numbers > 0")
+    for name, v in (("prefetch", prefetch), ("forward_prefetch", forward_prefetch)):
+        if v is not None and (not isinstance(v, int) or v < 0):
+            raise bad_value(name, v, "integers >= 0")
+    if backward_prefetch is not None and backward_prefetch not in BACKWARD_PREFETCH:
+        raise bad_value("backward_prefetch", backward_prefetch, BACKWARD_PREFETCH)
+
+
+# -- the terminal table ----------------------------------------------------------------------------
+
+def format_step_time(t: StepTime, units: int = 0) -> str:
+    """A table that fits 80 columns: the totals, then (``units`` > 0) the slowest units."""
+    cfg = (f"{t.model} on {t.gpus} x {t.gpu}: {t.strategy}, {t.precision}"
+           f"{' + fp8' if t.fp8 else ''}{' + compile' if t.compile else ''}, AC {t.ac}, "
+           f"batch {t.batch} x seq {t.seq} per GPU")
+    import textwrap
+
+    lines = textwrap.wrap(cfg, 80) + [f"{'':<28}{'seconds':>12}{'of step':>10}"]
+    rows = (("step", t.step_s), ("compute (incl. optimizer)", t.compute_s),
+            ("  optimizer step", t.optimizer_s), ("communication", t.comm_s),
+            ("  exposed (not overlapped)", t.exposed_comm_s))
+    for name, v in rows:
+        lines.append(f"{name:<28}{v:>12.4f}{v / t.step_s:>10.1%}")
+    lines.append(f"tokens/s per GPU {t.tokens_per_s_per_gpu:>14,.0f}   MFU {t.mfu:.1%}")
+    if units:
+        lines.append(f"{'unit':<20}{'forward':>10}{'backward':>10}{'all-gather':>12}"
+                     f"{'grad comm':>11}")
+        ranked = sorted(t.per_unit.items(), key=lambda kv: -sum(kv[1].values()))
+        for name, d in ranked[:units]:
+            bwd = d.get("backward", 0.0) + d.get("recompute", 0.0)
+            grad = d.get("reduce_scatter", 0.0) + d.get("all_reduce", 0.0)
+            lines.append(f"{name[:20]:<20}{d.get('forward', 0.0):>10.4f}{bwd:>10.4f}"
+                         f"{d.get('all_gather', 0.0):>12.4f}{grad:>11.4f}")
+    return "\n".join(lines)
+
+
+def sweep(model, gpu_counts: Sequence[int], strategies: Sequence[str] = STRATEGIES,
+          **kw) -> list[StepTime]:
+    """``estimate_step_time`` over GPU counts x strategies (one trace serves them all)."""
+    return [estimate_step_time(model, n, s, **kw) for n in gpu_counts for s in strategies
+            if not (s == "hybrid_shard" and n % min(n, kw.get("gpus_per_node", 8)))]
+
+
+def with_efficiencies(eff: Efficiencies, **changes) -> Efficiencies:
+    """A copy of ``eff`` with some fields changed (what a calibration run produces)."""
+    return replace(eff, **changes)
