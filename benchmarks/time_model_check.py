@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -82,10 +83,10 @@ ROWS = [
                                       compile=True)),
     dict(id="course-fsdp2-compile-selective-b4", role="held_out",
          source=EVIDENCE + "/end_to_end-h100.json", published=41848,
-         config=dict(COURSE_1B, strategy="full_shard", ac="selective", batch=4, compile=True)),
+         config=dict(COURSE_1B, strategy="full_shard", ac="every-2nd-block", batch=4, compile=True),
+         notes="lesson 10's selective is block-level (--ac-every 2)"),
     dict(id="torchtitan-8b-fsdp2", role="held_out", source=TITAN, published=5762, config=TITAN_8B,
-         notes="torchtitan's selective AC is op-level (recomputes less than the course's every "
-               "other block)"),
+         notes="torchtitan's selective AC is op-level, as the planner's 'selective'"),
     dict(id="torchtitan-8b-fsdp2-compile", role="held_out", source=TITAN, published=6667,
          config=dict(TITAN_8B, compile=True)),
     dict(id="torchtitan-8b-fsdp2-compile-fp8", role="held_out", source=TITAN, published=8532,
@@ -177,6 +178,39 @@ def summary(rows: list[dict]) -> dict:
             "held_out_not_loose": err([r for r in rows if r["role"] == "held_out" and not r["loose"]])}
 
 
+README = REPO / "benchmarks" / "README.md"
+README_BLOCK = re.compile(r"(<!-- time-model:start -->\n)(.*?)(<!-- time-model:end -->)", re.S)
+
+
+def render(data: dict) -> str:
+    """The README's table and error summary, from a result file: never typed by hand."""
+    def published(r: dict) -> str:
+        low_high = r.get("published_range")
+        text = f"{low_high[0]:,}-{low_high[1]:,}" if low_high else f"{r['published_tokens_per_s_per_gpu']:,}"
+        return text + (" (loose)" if r.get("loose") else "")
+
+    lines = [f"_Rendered from `results/time_model_check.json` ({data['date'][:10]}, torch "
+             f"{data['torch']}) by `python benchmarks/time_model_check.py`; tokens/s per GPU._", "",
+             "| row | role | predicted | published | ratio |", "|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['id']} | {r['role'].replace('_', ' ')} | "
+                     f"{r['predicted_tokens_per_s_per_gpu']:,.0f} | {published(r)} | {r['ratio']:.2f} |")
+    s = data["summary"]
+    lines += ["", f"Mean absolute error: fit rows {s['fit']['mean_abs_error']:.1%}, held-out rows "
+                  f"{s['held_out']['mean_abs_error']:.1%} (largest {s['held_out']['max_abs_error']:.0%}; "
+                  f"{s['held_out_not_loose']['mean_abs_error']:.1%} without the loose rows)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(data: dict, readme: Path = README) -> bool:
+    """Re-render the marked block of benchmarks/README.md; True when it changed."""
+    text = readme.read_text()
+    new = README_BLOCK.sub(lambda m: m.group(1) + render(data) + m.group(3), text)
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true",
@@ -225,6 +259,8 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"results written to {args.out}")
+    if Path(args.out).resolve() == OUT.resolve() and write_readme(result):
+        print(f"{README.relative_to(REPO)}: time model table re-rendered")
     return 0
 
 

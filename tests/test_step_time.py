@@ -152,7 +152,7 @@ def test_each_unit_gets_its_own_compute():
     """Per-unit attribution: identical blocks get identical forward and backward FLOPs, also in
     T5's decoder, whose blocks all take the encoder's output (their backward stays open until its
     gradient is complete); checkpointed blocks recompute their forward in backward."""
-    prof = st.trace_step("t5-tiny", "fp32", "selective", 2, 32, world=2)
+    prof = st.trace_step("t5-tiny", "fp32", "every-2nd-block", 2, 32, world=2)
     flops: dict[tuple[str, str], float] = {}
     for s in prof.segments:
         flops[(s.unit, s.phase)] = flops.get((s.unit, s.phase), 0.0) + float(s.flops.sum())
@@ -163,7 +163,7 @@ def test_each_unit_gets_its_own_compute():
             values = [flops.get((b, phase), 0.0) for b in blocks]
             assert min(values) > 0 and max(values) == pytest.approx(min(values)), (stack, phase)
         recomputed = [b for b in blocks if flops.get((b, "recompute"), 0) > 0]
-        assert len(recomputed) == 2  # selective: every other block
+        assert len(recomputed) == 2  # every other block
 
 
 def test_committed_check_is_current_and_holds_rows_out():
@@ -187,3 +187,18 @@ def test_committed_check_is_current_and_holds_rows_out():
         assert rows[i]["predicted_tokens_per_s_per_gpu"] == pytest.approx(t.tokens_per_s_per_gpu,
                                                                           rel=1e-3)
         assert abs(rows[i]["ratio"] - 1) < 0.20
+
+
+def test_the_benchmarks_readme_table_is_rendered_from_the_committed_check():
+    """The README's time model table is the committed result file rendered, nothing typed by hand."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import time_model_check
+
+    data = json.loads((root / "benchmarks/results/time_model_check.json").read_text())
+    block = time_model_check.README_BLOCK.search((root / "benchmarks/README.md").read_text())
+    assert block and block.group(2) == time_model_check.render(data)

@@ -61,7 +61,7 @@ __all__ = ["CALIBRATED", "GPUS", "GPU", "Efficiencies", "Event", "StepTime", "co
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 PRECISIONS = ("fp32", "bf16")
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "every-2nd-block", "full")  # as the planner: selective is op-level
 BACKWARD_PREFETCH = ("backward_pre", "backward_post", "none")
 
 
@@ -144,21 +144,22 @@ CALIBRATED = Efficiencies(
     matmul=0.658,
     attention=0.35,
     memory=0.878,
-    compile_memory=0.164,
+    compile_memory=0.175,
     fp8_matmul=0.406,
-    kernel_floor_s=8.83e-6,
+    kernel_floor_s=5.51e-6,
     link=370 / 450,
     network=0.80,
     base_latency_s=8.4e-6,
     hop_latency_link_s=3.4e-6,
     hop_latency_network_s=14e-6,
-    unit_overhead_s=0.75e-3,
+    unit_overhead_s=0.85e-3,
     sources={
         "matmul, memory, compile_memory, fp8_matmul, kernel_floor_s, unit_overhead_s": "fitted "
         "on 2026-11-25 by benchmarks/time_model_check.py --fit (coordinate descent, least "
         "squares of log(predicted / published)) on 5 rows: the course's llama-1b on one H100 "
         "(gpu-evidence/2026-11-22-h100: the plain loop eager batch 4, compiled batch 4 and 8; "
-        "lesson 10's FSDP2 eager batch 4) and torchao's Float8 row; the 10 other rows, "
+        "lesson 10's FSDP2 eager batch 4) and torchao's Float8 row (op-level selective AC, as "
+        "torchtitan's); the 10 other rows, "
         "torchtitan's among them, are held out (benchmarks/results/time_model_check.json)",
         "attention": "not fitted: FlashAttention-2 on H100 reaches about 350 of 989 TFLOP/s "
         "(the FlashAttention-3 paper's FA2 baseline, head dim 128)",
