@@ -137,3 +137,18 @@ def fake_store() -> Any:
         raise _unsupported("fsdp-course plan",
                            "torch.testing._internal.distributed.fake_pg.FakeStore") from None
     return FakeStore()
+
+
+# -- cuBLAS workspaces ----------------------------------------------------------------------------
+
+def clear_cublas_workspaces() -> bool:
+    """Free the workspaces cuBLAS keeps per (handle, stream): 32 MiB each on sm90, one for the
+    forward thread and one for the autograd thread, allocated through the caching allocator (so
+    ``memory_allocated`` counts them) and never freed by ``empty_cache``. torch's own call for it
+    (``torch._C._cuda_clearCublasWorkspaces``, in CUDA builds of 2.6 to 2.14); returns False where
+    this torch has none (a CPU build, or a version without it), having done nothing."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    clear()
+    return True

@@ -26,6 +26,7 @@ from torch import nn
 from utilities.torch_internals import (
     FLAT_PARAM_BACKREFS,
     FLAT_PARAM_HOOKS,
+    clear_cublas_workspaces,
     flat_param_types,
     fsdp1_flat_param,
     is_flat_param,
@@ -92,8 +93,33 @@ def _tensors_of(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _settled_allocated(device: torch.device) -> int:
+    """The bytes the caching allocator holds for tensors on ``device``, with what outlives every
+    variant by design taken out: cuBLAS's workspaces (one per handle and stream, 32 MiB each on
+    sm90, made at the first matmul of each thread and never freed by ``empty_cache``) are cleared
+    with torch's own call before both readings, so the baseline and the reading after a variant
+    count the same things. On a torch without that call they are made instead, by a small matmul
+    forward and backward before the baseline (the forward thread's and the autograd thread's), so
+    both readings include them."""
+    torch.cuda.synchronize(device)
+    if not clear_cublas_workspaces():
+        _make_cublas_workspaces(device)
+        torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def _make_cublas_workspaces(device: torch.device) -> None:
+    """One matmul forward (this thread's cuBLAS handle) and backward (the autograd thread's)."""
+    x = torch.ones(8, 8, device=device, requires_grad=True)
+    (x @ x).sum().backward()
+
+
 class VariantScope:
-    """Weak references to one variant's models and optimizers, and the freeing at its end."""
+    """Weak references to one variant's models and optimizers, and the freeing at its end.
+
+    On a GPU it also compares ``memory_allocated`` before and after the variant
+    (``_settled_allocated``: cuBLAS's workspaces cleared before both readings)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -108,8 +134,7 @@ class VariantScope:
         self._flat_before = {id(t) for t in _flat_params()}
         if self.device.type == "cuda":
             gc.collect()
-            torch.cuda.synchronize(self.device)
-            self.allocated_before = torch.cuda.memory_allocated(self.device)
+            self.allocated_before = _settled_allocated(self.device)
         return self
 
     def track(self, *objs: Any) -> None:
@@ -141,9 +166,7 @@ class VariantScope:
             "leaked_tensors": sum(r() is not None for r in self._tensors),
         }
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            after = torch.cuda.memory_allocated(self.device)
+            after = _settled_allocated(self.device)
             report.update(allocated_before_bytes=self.allocated_before, allocated_after_bytes=after)
         return report
 
