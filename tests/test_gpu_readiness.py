@@ -133,3 +133,77 @@ def test_other_errors_keep_their_frames():
     assert "model" in info.tb.tb_frame.f_locals
     assert L.results.data["releases"]["broken"]["leaked_objects"] == 1
     del info
+
+
+# -- an OOM on one rank of two ends the trial on both, without a hang -------------------------------
+ONE_RANK_OOM = r"""
+import json, sys, torch
+from utilities.distributed import setup, teardown
+from utilities.measure.batch_search import Trial, all_ranks_agree, find_max_batch
+from utilities.training import train
+
+info = setup("cpu", timeout_s=30)
+
+def data(batch):
+    while True:
+        yield {"input_ids": torch.zeros(batch, 8, dtype=torch.long), "x": torch.randn(batch, 8)}
+
+def try_batch(batch):
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, b):  # rank 1 alone runs out of memory at batch 4 and above, in its 2nd step
+        loss = model(b["x"]).pow(2).mean()
+        loss.backward()
+        if batch >= 4 and info.rank == 1 and step.n == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        step.n += 1
+        return loss
+
+    step.n = 0
+    stats = train(model, optimizer, data(batch), 3, torch.device("cpu"), measure_memory=False,
+                  step_fn=step)
+    return Trial(batch, throughput=1.0, peak_bytes=batch)
+
+result = find_max_batch(try_batch, start=1, limit=16, agree=all_ranks_agree)
+print(json.dumps({"best": result.best, "verdicts": [(t.batch, t.verdict, t.error)
+                                                    for t in result.trials]}))
+teardown()
+"""
+
+
+def test_an_oom_on_one_rank_is_an_oom_on_both(tmp_path):
+    """Rank 1 runs out of memory after its step's collectives; rank 0 finishes the step and makes
+    the step's loss all-reduce. Every rank must make that collective, then the same agreement:
+    before, rank 1 went straight to the agreement and the two ranks waited in different
+    collectives (on GPUs: NCCL and gloo, a hang until the process group's timeout)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", ONE_RANK_OOM], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=90)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert outs[0]["best"] == outs[1]["best"] == 3
+    assert [v[:2] for v in outs[0]["verdicts"]] == [v[:2] for v in outs[1]["verdicts"]]
+    assert dict((b, v) for b, v, _ in outs[0]["verdicts"])[4] == "OOM"
+    assert "another rank" in dict((b, e) for b, _, e in outs[0]["verdicts"])[4]
+    assert "Tried to allocate" in dict((b, e) for b, _, e in outs[1]["verdicts"])[4]
