@@ -207,3 +207,71 @@ def test_an_oom_on_one_rank_is_an_oom_on_both(tmp_path):
     assert dict((b, v) for b, v, _ in outs[0]["verdicts"])[4] == "OOM"
     assert "another rank" in dict((b, e) for b, _, e in outs[0]["verdicts"])[4]
     assert "Tried to allocate" in dict((b, e) for b, _, e in outs[1]["verdicts"])[4]
+
+
+# -- --device cpu on a machine with a GPU: every fully_shard gets a CPU mesh ----------------------
+def _fully_shard_calls_without_mesh() -> list[str]:
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    skipped = {"lessons/10_end_to_end", "utilities/measure/planner.py"}  # (fake CUDA on purpose)
+    found = []
+    for path in sorted([*root.glob("lessons/*/*.py"), *root.glob("utilities/**/*.py"),
+                        *root.glob("benchmarks/*.py")]):
+        rel = path.relative_to(root).as_posix()
+        if any(rel.startswith(s) for s in skipped):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "fully_shard":
+                if not any(k.arg in ("mesh", None) for k in node.keywords):  # None: **options
+                    found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_every_fully_shard_call_names_its_mesh():
+    assert _fully_shard_calls_without_mesh() == []
+
+
+@pytest.fixture
+def accelerator_present(monkeypatch):
+    """This machine looks like a GPU machine to fully_shard: its default mesh would be CUDA."""
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda *a, **k: torch.device("cuda"))
+    if hasattr(torch, "accelerator"):
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                            lambda *a, **k: torch.device("cuda"))
+
+
+def _meshes(model: torch.nn.Module) -> set[str]:
+    return {p.device_mesh.device_type for p in model.parameters()}
+
+
+def test_lessons_shard_on_the_cpu_mesh_when_a_gpu_is_visible(world1, accelerator_present):
+    from conftest import lesson_module
+    from torch.distributed.fsdp import fully_shard
+
+    from utilities.models import get_model_spec
+    from utilities.wrapping import shard_model
+
+    t5 = get_model_spec("t5-tiny")
+    block = t5.block_class()
+    try:  # the fake is seen: without a mesh, fully_shard goes to CUDA (fails in a CPU build)
+        assert _meshes(fully_shard(torch.nn.Linear(2, 2))) == {"cuda"}
+    except (AttributeError, RuntimeError) as e:
+        assert "cuda" in str(e).lower() or "setdevice" in str(e).lower(), e
+    built = {
+        "01": lambda: lesson_module("01").wrap_fsdp2(t5.build("cpu"), lambda m: isinstance(m, block)),
+        "02": lambda: lesson_module("02").fsdp2_checkpointed(t5.build("cpu"), block, 2),
+        "04": lambda: lesson_module("04").shard_blocks(m := t5.build("cpu"), block) and m,
+        "06": lambda: lesson_module("06").wrap("fsdp2-reshard-true", t5.build("cpu"), block,
+                                               torch.device("cpu"), None, None),
+        "07": lambda: lesson_module("07").shard_fsdp2(t5.build("cpu"), block,
+                                                      lesson_module("07").MixedPrecisionPolicy()),
+        "09": lambda: lesson_module("09").wrap_fsdp2(t5.build("cpu"), block),
+        "11": lambda: lesson_module("11").wrap_fsdp2(t5.build("cpu"), block),
+        "14": lambda: lesson_module("14").shard(t5.build("cpu"), block, "full_shard", "fp32", "none"),
+        "shard_model": lambda: shard_model(t5.build("cpu"), block_class=block),
+    }
+    for name, build in built.items():
+        assert _meshes(build()) == {"cpu"}, name

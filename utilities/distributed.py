@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from utilities.devices import (  # noqa: F401  (re-exported: the names users and lessons import)
     BACKENDS,
@@ -92,11 +93,15 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
         else:
             per_gpu = ranks_per_gpu(int(local_ranks), gpus)
         index = local_rank % gpus
+        # CUDA initialized here, so that a DeviceMesh made later keeps this device: on a lazily
+        # initialized CUDA it sets the device to LOCAL_RANK, which ranks sharing a GPU do not have.
+        torch.cuda.init()
         torch.cuda.set_device(index)
         torch_device = torch.device("cuda", index)
     else:
         torch_device = torch.device("cpu")
     be = resolve_backend(dev, backend, shared_gpu=per_gpu > 1)
+    _RUN_DEVICE["device"] = torch_device
     if not dist.is_initialized():
         kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
         if dev == "cuda" and "nccl" in be:
@@ -105,6 +110,28 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
             kwargs["device_id"] = torch_device
         dist.init_process_group(backend=be, rank=rank, world_size=world_size, **kwargs)
     return DistInfo(rank, local_rank, world_size, torch_device, be, per_gpu)
+
+
+_RUN_DEVICE: dict[str, torch.device] = {}  # the device ``setup`` chose for this process
+_MESHES: dict[tuple[str, int], DeviceMesh] = {}  # by device type and process group
+
+
+def world_mesh() -> DeviceMesh:
+    """The 1-D DeviceMesh of every rank on this run's device: the ``mesh=`` every ``fully_shard``
+    of the course is given.
+
+    ``fully_shard`` without a mesh makes the default one, on the machine's accelerator whatever the
+    run chose: with ``--device cpu`` on a GPU machine that mesh is CUDA (its set-up pins rank 1 to
+    GPU 1, "invalid device ordinal" on a one-GPU machine, and FSDP2 moves the model to the GPUs while
+    FSDP1 stays on the CPU). The device is the one ``setup`` chose (a notebook's ``world1``
+    included); in a process group made some other way, CUDA where the group has NCCL, else CPU."""
+    device = _RUN_DEVICE.get("device")
+    if device is None:
+        device = torch.device("cuda" if "nccl" in str(dist.get_backend()) else "cpu")
+    key = (device.type, id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device.type, (dist.get_world_size(),))
+    return _MESHES[key]
 
 
 # FSDP2 warns when a wrapped module returns a view: an in-place op on it would skip the module's
@@ -141,6 +168,8 @@ def teardown() -> None:
     collect garbage, so no tensor or collective handle of a finished model is left for the
     interpreter's own shutdown to destroy after the process group's threads are gone (a rank
     that exits that way dies of SIGABRT: "terminate called without an active exception")."""
+    _MESHES.clear()
+    _RUN_DEVICE.clear()
     if dist.is_initialized():
         try:
             dist.barrier()

@@ -37,6 +37,7 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities.course.lesson import Lesson, lesson_parser, positive_int
+from utilities.distributed import world_mesh
 from utilities.measure import unsharded_parameter_bytes
 from utilities.prefetch import prefetch_plan, profile_steps
 from utilities.training import TrainStats
@@ -48,9 +49,10 @@ def shard_blocks(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Modu
     prefetch lists speak of. With nothing more, FSDP2 prefetches implicitly: one block ahead in
     forward, and in backward the block that ran before in forward (BACKWARD_PRE-like)."""
     blocks = [m for m in model.modules() if isinstance(m, block_class)]  # T5: encoder, then decoder
+    mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return blocks
 
 

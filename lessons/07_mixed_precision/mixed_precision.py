@@ -42,6 +42,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from utilities.course.lesson import Lesson, lesson_parser
+from utilities.distributed import world_mesh
 from utilities.precision import attach_scaler, default_policy, observe_dtypes
 from utilities.training import default_step
 
@@ -76,9 +77,10 @@ def shard_fsdp2(model: nn.Module, block_class: type[nn.Module], mp_policy: Mixed
     """The same policy on every ``fully_shard`` call. It may differ per call (a block kept in fp32,
     say); a unit's forward casts its floating-point inputs to its ``param_dtype``."""
     blocks = [m for m in model.modules() if isinstance(m, block_class)]
+    mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
     for block in blocks:
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
 

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from utilities import Memory_Maximizer
 from utilities.course.lesson import Lesson, lesson_parser
+from utilities.distributed import world_mesh
 from utilities.training import default_step
 
 
@@ -68,10 +69,11 @@ def wrap_fsdp2(model: nn.Module, block_class: type[nn.Module]) -> nn.Module:
     on the all-gather stream and freed by the copy-out into the parameters, and the next gather is
     ordered after that free, so about two are in flight by construction. What stays gathered after
     a block's forward is ``reshard_after_forward`` (lesson 06), not a rate limit."""
+    mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
     for module in model.modules():
         if isinstance(module, block_class):
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

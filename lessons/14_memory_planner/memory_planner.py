@@ -31,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
 from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
+from utilities.distributed import world_mesh
 from utilities.measure import fmt_bytes
 from utilities.measure.planner import largest_batch, parse_memory, plan
 from utilities.models import get_model_spec
@@ -56,7 +57,8 @@ def shard(model: nn.Module, block_class: type[nn.Module], strategy: str, precisi
     fully_shard each block (its checkpoint wrapper, if any) and the root."""
     if ac != "none":
         apply_activation_checkpointing(model, block_class, every=1 if ac == "full" else 2)
-    opts = dict(reshard_after_forward=strategy == "full_shard", mp_policy=fsdp2_policy(precision))
+    opts = dict(reshard_after_forward=strategy == "full_shard", mp_policy=fsdp2_policy(precision),
+                mesh=world_mesh())  # every rank, on this run's device (not the machine's GPU)
     for unit in block_units(model, block_class):
         fully_shard(unit, **opts)
     fully_shard(model, **opts)
