@@ -16,6 +16,10 @@ CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 # ... and with ranks sharing a GPU, where NCCL refuses to run: gloo for both.
 SHARED_GPU_BACKEND = "cpu:gloo,cuda:gloo"
 SHARED_GPU_NOTE = "step times host-staged: not comparable"
+# What a run records, in place of a number, for an effect its collectives cannot show: gloo on CUDA
+# tensors blocks the host thread in every collective and launches no NCCL kernel, so nothing
+# overlaps, no all-gather is issued ahead, and a profiler sees no communication kernel at all.
+NOT_MEASURABLE = "not measurable here"
 
 
 def shared_gpu_sentence(ranks: int, per_gpu: int, backend: str, gpus: int | None = None) -> str:

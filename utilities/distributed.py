@@ -29,6 +29,7 @@ from utilities.devices import (  # noqa: F401  (re-exported: the names users and
     BACKENDS,
     CUDA_BACKEND,
     DEVICES,
+    NOT_MEASURABLE,
     SHARED_GPU_BACKEND,
     SHARED_GPU_NOTE,
     ranks_per_gpu,
@@ -58,6 +59,14 @@ class DistInfo:
     @property
     def shares_gpu(self) -> bool:
         return self.device.type == "cuda" and self.ranks_per_gpu > 1
+
+    @property
+    def nccl_on_gpu(self) -> bool:
+        """Whether collectives on this run's CUDA tensors are NCCL kernels on their own stream:
+        what communication overlap, exposed communication time and FSDP1's rate limiter need. Over
+        gloo (ranks sharing a GPU, or ``--backend gloo``) every collective blocks the host thread
+        and copies through host memory: those effects are ``NOT_MEASURABLE`` there."""
+        return self.device.type == "cuda" and (self.backend == "nccl" or "cuda:nccl" in self.backend)
 
     def shared_gpu_note(self) -> str | None:
         """The sentence a run whose ranks share a GPU prints first and records (None otherwise)."""

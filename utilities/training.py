@@ -8,6 +8,7 @@ step after warm-up (the optimizer state exists by then).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import traceback
@@ -87,9 +88,12 @@ def train(
     grad_clip: float | None = None,
     progress: str | None = None,
     memory_tracker: bool | None = None,
+    untimed: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> TrainStats:
     """Train ``steps`` steps; the first ``warmup`` are not timed, and one extra step is measured
-    for memory (trackers slow a step down, so it is never timed either)."""
+    for memory (trackers slow a step down, so it is never timed either). ``untimed()``, if given,
+    is a context entered around each of those untimed steps only: an observer whose cost must not
+    reach the step times (lesson 07's dtype probe)."""
     stats = TrainStats()
     world = dist.get_world_size() if dist.is_initialized() else 1
     bar = _progress(steps, progress)
@@ -100,13 +104,15 @@ def train(
         sync(device)
         t0 = time.perf_counter()
         oom: BaseException | None = None
+        timed = step >= warmup and step != mem_step
+        observer = untimed() if untimed is not None and not timed else contextlib.nullcontext()
         try:
-            if step == mem_step:
-                with MemoryProbe(model, optimizer, device, use_tracker=memory_tracker) as probe:
-                    loss = _one_step(model, optimizer, batch, step_fn, grad_clip)
-                stats.peak_memory_bytes = probe.peak
-            else:
-                loss = _one_step(model, optimizer, batch, step_fn, grad_clip)
+            with observer:
+                loss, probe_peak = _step_maybe_measured(
+                    model, optimizer, batch, step_fn, grad_clip, device, memory_tracker,
+                    step == mem_step)
+            if probe_peak is not None:
+                stats.peak_memory_bytes = probe_peak
             loss_value = loss.detach().item()
         except Exception as exc:
             if world == 1 or not is_oom(exc):
@@ -116,7 +122,7 @@ def train(
         loss = None
         sync(device)
         elapsed = time.perf_counter() - t0
-        if step >= warmup and step != mem_step:
+        if timed:
             stats.step_times_s.append(_max_over_ranks(elapsed, device))
             stats.tokens_per_step = tokens
         mean_loss, failed = _mean_loss_and_failures(loss_value, oom is not None, device)
@@ -134,6 +140,16 @@ def train(
     if peak and flops_per_token and stats.tokens_per_s:
         stats.mfu = stats.tokens_per_s * flops_per_token / (peak * world)
     return stats
+
+
+def _step_maybe_measured(model, optimizer, batch, step_fn, grad_clip, device, memory_tracker,
+                         measured: bool) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    """One step, and its peak memory by category when ``measured`` (else None)."""
+    if not measured:
+        return _one_step(model, optimizer, batch, step_fn, grad_clip), None
+    with MemoryProbe(model, optimizer, device, use_tracker=memory_tracker) as probe:
+        loss = _one_step(model, optimizer, batch, step_fn, grad_clip)
+    return loss, probe.peak
 
 
 def _one_step(model, optimizer, batch, step_fn, grad_clip):
