@@ -350,3 +350,66 @@ def test_gloo_on_a_gpu_reports_no_overlap_number():
         "max_reserved_gb": NOT_MEASURABLE, "cuda_malloc_retries": NOT_MEASURABLE}
     assert l11.allocator_columns(nccl, report) == {"max_reserved_gb": 20.5, "cuda_malloc_retries": 0}
     assert l11.allocator_columns(shared, {"gpu": False}) == {}
+
+
+# -- --backend nccl, torch without gloo's AVG, and planning before set-up ---------------------------
+def test_forced_nccl_keeps_a_cpu_backend_beside_it():
+    """An NCCL-only group fails lesson 08's dcp.async_save and lesson 09's CPU all-reduce."""
+    from utilities.devices import resolve_backend
+
+    assert resolve_backend("cuda", "nccl") == "cpu:gloo,cuda:nccl"
+
+
+@pytest.mark.parametrize("version, refused", [("2.6.0+cu124", True), ("2.7.1", True),
+                                              ("2.8.0", False), ("2.13.0+cpu", False)])
+def test_fsdp2_over_gloo_needs_gloos_avg(world1, monkeypatch, version, refused):
+    """FSDP2 reduce-scatters with AVG; gloo has it from torch 2.8: before, 2+ ranks over gloo are
+    refused in one line when the lesson asks for its mesh, not by a crash in the first backward."""
+    import torch.distributed as dist
+
+    from utilities import distributed as D
+    from utilities.torch_internals import UnsupportedTorch
+
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(D, "init_device_mesh", lambda device_type, shape: ("mesh", device_type))
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    D._MESHES.clear()
+    if refused:
+        with pytest.raises(UnsupportedTorch) as e:
+            D.world_mesh()
+        assert "\n" not in str(e.value) and "gloo has it from torch 2.8" in str(e.value)
+    else:
+        assert D.world_mesh() == ("mesh", "cpu")
+    D._MESHES.clear()
+
+
+def test_pin_cuda_device_wraps_ranks_round_the_gpus(monkeypatch):
+    """Rank 1 of 2 on a one-GPU machine goes to GPU 0, with CUDA initialized first (a DeviceMesh
+    on an uninitialized CUDA would set GPU LOCAL_RANK = 1: "invalid device ordinal")."""
+    from utilities.distributed import pin_cuda_device
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(i))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert pin_cuda_device() == torch.device("cuda", 0) and calls == ["init", 0]
+
+
+def test_lesson_14_pins_the_gpu_before_planning(monkeypatch):
+    from conftest import lesson_module
+
+    lesson = lesson_module("14")
+    order = []
+    monkeypatch.setattr(lesson, "pin_cuda_device", lambda: order.append("pin"))
+
+    def plans(args):
+        order.append("plan")
+        raise KeyboardInterrupt  # stop before the lesson joins a process group
+
+    monkeypatch.setattr(lesson, "my_plans", plans)
+    args = lesson.parse_args(["--device", "cpu", "--quick"])
+    args.device = "cuda"
+    with pytest.raises(KeyboardInterrupt):
+        lesson.main(args)
+    assert order == ["pin", "plan"]

@@ -57,7 +57,9 @@ def resolve_backend(device: str, backend: str = "auto", shared_gpu: bool = False
 
     ``auto``: ``gloo`` on CPU; on CUDA ``cpu:gloo,cuda:nccl`` (a CPU backend beside NCCL, for
     ``dcp.async_save`` and CPU-tensor all-reduces), or ``cpu:gloo,cuda:gloo`` when ranks share a
-    GPU. A forced ``gloo`` or ``nccl`` is used as given; ``nccl`` is refused on CPU and on a shared
+    GPU. A forced ``nccl`` on CUDA is NCCL for the GPU tensors with that same gloo beside it (an
+    NCCL-only group fails the course's CPU-side collectives: lesson 08's ``dcp.async_save``, lesson
+    09's evaluation); a forced ``gloo`` is used as given; ``nccl`` is refused on CPU and on a shared
     GPU, where NCCL cannot run.
     """
     if backend not in BACKENDS:
@@ -71,4 +73,4 @@ def resolve_backend(device: str, backend: str = "auto", shared_gpu: bool = False
         return CUDA_BACKEND if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
         raise UsageError("--backend 'nccl' is not allowed with --device cpu; allowed: gloo")
-    return backend
+    return CUDA_BACKEND if backend == "nccl" else backend

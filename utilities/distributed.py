@@ -38,6 +38,7 @@ from utilities.devices import (  # noqa: F401  (re-exported: the names users and
     shared_gpu_sentence,
 )
 from utilities.errors import UsageError, bad_value
+from utilities.torch_internals import require_gloo_avg
 
 
 @dataclass(frozen=True)
@@ -101,12 +102,7 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
                                  "lower --nproc, or launch with torchrun to share the GPUs")
         else:
             per_gpu = ranks_per_gpu(int(local_ranks), gpus)
-        index = local_rank % gpus
-        # CUDA initialized here, so that a DeviceMesh made later keeps this device: on a lazily
-        # initialized CUDA it sets the device to LOCAL_RANK, which ranks sharing a GPU do not have.
-        torch.cuda.init()
-        torch.cuda.set_device(index)
-        torch_device = torch.device("cuda", index)
+        torch_device = pin_cuda_device(local_rank, gpus)
     else:
         torch_device = torch.device("cpu")
     be = resolve_backend(dev, backend, shared_gpu=per_gpu > 1)
@@ -133,14 +129,33 @@ def world_mesh() -> DeviceMesh:
     run chose: with ``--device cpu`` on a GPU machine that mesh is CUDA (its set-up pins rank 1 to
     GPU 1, "invalid device ordinal" on a one-GPU machine, and FSDP2 moves the model to the GPUs while
     FSDP1 stays on the CPU). The device is the one ``setup`` chose (a notebook's ``world1``
-    included); in a process group made some other way, CUDA where the group has NCCL, else CPU."""
+    included); in a process group made some other way, CUDA where the group has NCCL, else CPU.
+    With 2+ ranks over gloo, a torch whose gloo has no AVG reduce is refused in one line
+    (``require_gloo_avg``)."""
     device = _RUN_DEVICE.get("device")
+    backend = str(dist.get_backend())
     if device is None:
-        device = torch.device("cuda" if "nccl" in str(dist.get_backend()) else "cpu")
+        device = torch.device("cuda" if "nccl" in backend else "cpu")
+    nccl = device.type == "cuda" and (backend == "nccl" or "cuda:nccl" in backend)
+    if dist.get_world_size() > 1 and not nccl:
+        require_gloo_avg("FSDP2 over gloo with 2+ ranks")
     key = (device.type, id(dist.group.WORLD))
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(device.type, (dist.get_world_size(),))
     return _MESHES[key]
+
+
+def pin_cuda_device(local_rank: int | None = None, gpus: int | None = None) -> torch.device:
+    """Put this process on GPU ``local_rank % gpus`` (ranks sharing GPUs: rank i on GPU i % N) and
+    initialize CUDA there, so that a DeviceMesh made later keeps this device: on a CUDA not yet
+    initialized, DeviceMesh sets the device to LOCAL_RANK, which ranks sharing a GPU do not have
+    ("invalid device ordinal"). Defaults: LOCAL_RANK, and every visible GPU."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    index = local_rank % (gpus or torch.cuda.device_count())
+    torch.cuda.init()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 # FSDP2 warns when a wrapped module returns a view: an in-place op on it would skip the module's

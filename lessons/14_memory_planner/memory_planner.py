@@ -31,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from utilities.activation_checkpointing import apply_activation_checkpointing, block_units
 from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
-from utilities.distributed import world_mesh
+from utilities.distributed import pin_cuda_device, world_mesh
 from utilities.measure import fmt_bytes
 from utilities.measure.planner import largest_batch, parse_memory, plan
 from utilities.models import get_model_spec
@@ -132,6 +132,8 @@ def my_plans(args) -> dict[str, dict]:
 
 def main(args) -> None:
     lesson = Lesson("14", args, notes=(NOTE,), cpu_note=CPU_NOTE)  # a flag check stops here
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        pin_cuda_device()  # the planner's meshes must find this rank's GPU, not GPU LOCAL_RANK
     mine = my_plans(args)  # before the lesson joins the real process group
     with lesson as L:
         plans = dict(mine)
