@@ -413,3 +413,21 @@ def test_lesson_14_pins_the_gpu_before_planning(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         lesson.main(args)
     assert order == ["pin", "plan"]
+
+
+# -- lesson 13: the FP8 claim one GPU can honestly make -------------------------------------------
+def test_fp8_claim_is_the_same_in_the_gpu_test_and_the_readme():
+    """A whole one-GPU step at hidden 4096 is claimed to pay (by FP8_STEP_GAIN_AT_4096), not the
+    +25% published for 8 GPUs with float8 all-gathers; README and GPU test say the same number."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("fp8_smoke", root / "tests/gpu/test_fp8_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    gain = smoke.FP8_STEP_GAIN_AT_4096
+    assert 1.0 < gain < 1.25
+    readme = (root / "lessons/13_fp8_compile/README.md").read_text()
+    assert f"fp8-compiled ≥ {gain:.2f}× the tokens/s of compiled bf16" in " ".join(readme.split())
+    assert "≥ 1.25×" not in readme
