@@ -431,3 +431,27 @@ def test_fp8_claim_is_the_same_in_the_gpu_test_and_the_readme():
     readme = (root / "lessons/13_fp8_compile/README.md").read_text()
     assert f"fp8-compiled ≥ {gain:.2f}× the tokens/s of compiled bf16" in " ".join(readme.split())
     assert "≥ 1.25×" not in readme
+
+
+# -- MemoryProbe's GPU total: the allocator's own peak ---------------------------------------------
+def test_memory_probe_takes_the_gpu_total_from_the_allocator(monkeypatch):
+    """On a GPU the probe resets the allocator's peak on entry and reports max_memory_allocated as
+    the total, with the activations the rest (census path, as for a compiled model on a GPU)."""
+    from utilities.measure import MemoryProbe
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10 * MiB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 12 * MiB)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with MemoryProbe(model, optimizer, torch.device("cuda", 0), use_tracker=False) as probe:
+        assert calls == ["reset"]
+        model(torch.randn(4, 64)).sum().backward()
+        optimizer.step()
+    peak = probe.peak
+    known = peak["parameters"] + peak["gradients"] + peak["optimizer"]
+    assert known > 0 and peak["total"] == 10 * MiB and peak["activations"] == 10 * MiB - known
+    assert peak["detail"]["total_from"] == "torch.cuda.max_memory_allocated"
+    assert peak["detail"]["max_reserved"] == 12 * MiB
