@@ -455,3 +455,23 @@ def test_memory_probe_takes_the_gpu_total_from_the_allocator(monkeypatch):
     assert known > 0 and peak["total"] == 10 * MiB and peak["activations"] == 10 * MiB - known
     assert peak["detail"]["total_from"] == "torch.cuda.max_memory_allocated"
     assert peak["detail"]["max_reserved"] == 12 * MiB
+
+
+def test_lesson_03_turns_on_deterministic_kernels_on_a_gpu_only(monkeypatch):
+    """The GPU branch of lesson 03's deterministic_kernels: deterministic algorithms on, cuDNN's
+    autotuner off, cuBLAS's fixed workspace set before any handle exists; a CPU run changes none."""
+    import os
+
+    from conftest import lesson_module
+
+    lesson = lesson_module("03")
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    try:
+        assert lesson.deterministic_kernels(torch.device("cpu")) is False
+        assert torch.are_deterministic_algorithms_enabled() == was[0]
+        assert lesson.deterministic_kernels(torch.device("cuda", 0)) is True
+        assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
