@@ -215,7 +215,7 @@ def _fully_shard_calls_without_mesh() -> list[str]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    skipped = {"lessons/10_end_to_end", "utilities/measure/planner.py"}  # (fake CUDA on purpose)
+    skipped = {"lessons/10_end_to_end"}  # not yet given its mesh (train.py, two calls)
     found = []
     for path in sorted([*root.glob("lessons/*/*.py"), *root.glob("utilities/**/*.py"),
                         *root.glob("benchmarks/*.py")]):
