@@ -94,17 +94,19 @@ def _tensors_of(obj: Any) -> list[torch.Tensor]:
 
 
 def _settled_allocated(device: torch.device) -> int:
-    """The bytes the caching allocator holds for tensors on ``device``, with what outlives every
-    variant by design taken out: cuBLAS's workspaces (one per handle and stream, 32 MiB each on
-    sm90, made at the first matmul of each thread and never freed by ``empty_cache``) are cleared
-    with torch's own call before both readings, so the baseline and the reading after a variant
-    count the same things. On a torch without that call they are made instead, by a small matmul
-    forward and backward before the baseline (the forward thread's and the autograd thread's), so
-    both readings include them."""
+    """The bytes the caching allocator holds for tensors on ``device``, counting the same fixed
+    things before and after every variant.
+
+    cuBLAS keeps a workspace per (handle, stream): 32 MiB each on sm90, one for this thread and one
+    for the autograd thread, made at their first matmul through the caching allocator (so
+    ``memory_allocated`` counts them) and never freed by ``empty_cache``. Before each reading a
+    small matmul forward and backward makes sure both exist, then torch's own call
+    (``clear_cublas_workspaces``) frees what it can: on a torch without it, both readings include
+    the workspaces; with it, neither does. Either way the first variant is not charged for them."""
     torch.cuda.synchronize(device)
-    if not clear_cublas_workspaces():
-        _make_cublas_workspaces(device)
-        torch.cuda.synchronize(device)
+    _make_cublas_workspaces(device)
+    torch.cuda.synchronize(device)
+    clear_cublas_workspaces()
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(device)
 
@@ -119,7 +121,7 @@ class VariantScope:
     """Weak references to one variant's models and optimizers, and the freeing at its end.
 
     On a GPU it also compares ``memory_allocated`` before and after the variant
-    (``_settled_allocated``: cuBLAS's workspaces cleared before both readings)."""
+    (``_settled_allocated``: cuBLAS's workspaces counted alike in both readings)."""
 
     def __init__(self, device: torch.device):
         self.device = device
