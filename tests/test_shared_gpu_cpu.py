@@ -46,6 +46,7 @@ def one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
     return 1
 
 
@@ -123,7 +124,7 @@ def init_calls(monkeypatch):
 @pytest.mark.parametrize("forced, local_ranks, local_rank, expected, per_gpu", [
     ("auto", None, 0, "cpu:gloo,cuda:nccl", 1),  # a CPU backend beside NCCL: async_save, evaluate
     ("auto", "1", 0, "cpu:gloo,cuda:nccl", 1),
-    ("nccl", "1", 0, "nccl", 1),  # forced: as given
+    ("nccl", "1", 0, "cpu:gloo,cuda:nccl", 1),  # forced: NCCL, and gloo for CPU tensors beside it
     ("gloo", "1", 0, "gloo", 1),
     ("auto", "2", 1, "cpu:gloo,cuda:gloo", 2),  # two ranks on the one GPU
     ("gloo", "2", 0, "gloo", 2),

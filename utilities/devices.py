@@ -16,6 +16,10 @@ CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 # ... and with ranks sharing a GPU, where NCCL refuses to run: gloo for both.
 SHARED_GPU_BACKEND = "cpu:gloo,cuda:gloo"
 SHARED_GPU_NOTE = "step times host-staged: not comparable"
+# What a run records, in place of a number, for an effect its collectives cannot show: gloo on CUDA
+# tensors blocks the host thread in every collective and launches no NCCL kernel, so nothing
+# overlaps, no all-gather is issued ahead, and a profiler sees no communication kernel at all.
+NOT_MEASURABLE = "not measurable here"
 
 
 def shared_gpu_sentence(ranks: int, per_gpu: int, backend: str, gpus: int | None = None) -> str:
@@ -53,7 +57,9 @@ def resolve_backend(device: str, backend: str = "auto", shared_gpu: bool = False
 
     ``auto``: ``gloo`` on CPU; on CUDA ``cpu:gloo,cuda:nccl`` (a CPU backend beside NCCL, for
     ``dcp.async_save`` and CPU-tensor all-reduces), or ``cpu:gloo,cuda:gloo`` when ranks share a
-    GPU. A forced ``gloo`` or ``nccl`` is used as given; ``nccl`` is refused on CPU and on a shared
+    GPU. A forced ``nccl`` on CUDA is NCCL for the GPU tensors with that same gloo beside it (an
+    NCCL-only group fails the course's CPU-side collectives: lesson 08's ``dcp.async_save``, lesson
+    09's evaluation); a forced ``gloo`` is used as given; ``nccl`` is refused on CPU and on a shared
     GPU, where NCCL cannot run.
     """
     if backend not in BACKENDS:
@@ -67,4 +73,4 @@ def resolve_backend(device: str, backend: str = "auto", shared_gpu: bool = False
         return CUDA_BACKEND if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
         raise UsageError("--backend 'nccl' is not allowed with --device cpu; allowed: gloo")
-    return backend
+    return CUDA_BACKEND if backend == "nccl" else backend

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from utilities.devices import (  # noqa: F401  (re-exported: the names users and lessons import)
     BACKENDS,
     CUDA_BACKEND,
     DEVICES,
+    NOT_MEASURABLE,
     SHARED_GPU_BACKEND,
     SHARED_GPU_NOTE,
     ranks_per_gpu,
@@ -36,6 +38,7 @@ from utilities.devices import (  # noqa: F401  (re-exported: the names users and
     shared_gpu_sentence,
 )
 from utilities.errors import UsageError, bad_value
+from utilities.torch_internals import require_gloo_avg
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,14 @@ class DistInfo:
     @property
     def shares_gpu(self) -> bool:
         return self.device.type == "cuda" and self.ranks_per_gpu > 1
+
+    @property
+    def nccl_on_gpu(self) -> bool:
+        """Whether collectives on this run's CUDA tensors are NCCL kernels on their own stream:
+        what communication overlap, exposed communication time and FSDP1's rate limiter need. Over
+        gloo (ranks sharing a GPU, or ``--backend gloo``) every collective blocks the host thread
+        and copies through host memory: those effects are ``NOT_MEASURABLE`` there."""
+        return self.device.type == "cuda" and (self.backend == "nccl" or "cuda:nccl" in self.backend)
 
     def shared_gpu_note(self) -> str | None:
         """The sentence a run whose ranks share a GPU prints first and records (None otherwise)."""
@@ -91,12 +102,11 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
                                  "lower --nproc, or launch with torchrun to share the GPUs")
         else:
             per_gpu = ranks_per_gpu(int(local_ranks), gpus)
-        index = local_rank % gpus
-        torch.cuda.set_device(index)
-        torch_device = torch.device("cuda", index)
+        torch_device = pin_cuda_device(local_rank, gpus)
     else:
         torch_device = torch.device("cpu")
     be = resolve_backend(dev, backend, shared_gpu=per_gpu > 1)
+    _RUN_DEVICE["device"] = torch_device
     if not dist.is_initialized():
         kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
         if dev == "cuda" and "nccl" in be:
@@ -105,6 +115,47 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
             kwargs["device_id"] = torch_device
         dist.init_process_group(backend=be, rank=rank, world_size=world_size, **kwargs)
     return DistInfo(rank, local_rank, world_size, torch_device, be, per_gpu)
+
+
+_RUN_DEVICE: dict[str, torch.device] = {}  # the device ``setup`` chose for this process
+_MESHES: dict[tuple[str, int], DeviceMesh] = {}  # by device type and process group
+
+
+def world_mesh() -> DeviceMesh:
+    """The 1-D DeviceMesh of every rank on this run's device: the ``mesh=`` every ``fully_shard``
+    of the course is given.
+
+    ``fully_shard`` without a mesh makes the default one, on the machine's accelerator whatever the
+    run chose: with ``--device cpu`` on a GPU machine that mesh is CUDA (its set-up pins rank 1 to
+    GPU 1, "invalid device ordinal" on a one-GPU machine, and FSDP2 moves the model to the GPUs while
+    FSDP1 stays on the CPU). The device is the one ``setup`` chose (a notebook's ``world1``
+    included); in a process group made some other way, CUDA where the group has NCCL, else CPU.
+    With 2+ ranks over gloo, a torch whose gloo has no AVG reduce is refused in one line
+    (``require_gloo_avg``)."""
+    device = _RUN_DEVICE.get("device")
+    backend = str(dist.get_backend())
+    if device is None:
+        device = torch.device("cuda" if "nccl" in backend else "cpu")
+    nccl = device.type == "cuda" and (backend == "nccl" or "cuda:nccl" in backend)
+    if dist.get_world_size() > 1 and not nccl:
+        require_gloo_avg("FSDP2 over gloo with 2+ ranks")
+    key = (device.type, id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device.type, (dist.get_world_size(),))
+    return _MESHES[key]
+
+
+def pin_cuda_device(local_rank: int | None = None, gpus: int | None = None) -> torch.device:
+    """Put this process on GPU ``local_rank % gpus`` (ranks sharing GPUs: rank i on GPU i % N) and
+    initialize CUDA there, so that a DeviceMesh made later keeps this device: on a CUDA not yet
+    initialized, DeviceMesh sets the device to LOCAL_RANK, which ranks sharing a GPU do not have
+    ("invalid device ordinal"). Defaults: LOCAL_RANK, and every visible GPU."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    index = local_rank % (gpus or torch.cuda.device_count())
+    torch.cuda.init()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 # FSDP2 warns when a wrapped module returns a view: an in-place op on it would skip the module's
@@ -141,6 +192,8 @@ def teardown() -> None:
     collect garbage, so no tensor or collective handle of a finished model is left for the
     interpreter's own shutdown to destroy after the process group's threads are gone (a rank
     that exits that way dies of SIGABRT: "terminate called without an active exception")."""
+    _MESHES.clear()
+    _RUN_DEVICE.clear()
     if dist.is_initialized():
         try:
             dist.barrier()

@@ -206,9 +206,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 @contextlib.contextmanager
-def observe_dtypes(model: nn.Module) -> Iterator[DtypeProbe]:
+def observe_dtypes(model: nn.Module, probe: DtypeProbe | None = None) -> Iterator[DtypeProbe]:
     """Record, while active, the dtype of every ``nn.Linear`` weight as its forward starts and the
-    dtype (and zero / underflow / inf counts) of every gradient tensor FSDP hands to reduce-scatter.
+    dtype (and zero / underflow / inf counts) of every gradient tensor FSDP hands to reduce-scatter
+    (into ``probe`` when given, so several observed steps add up; else a new one).
+
+    The counts cost three host syncs per reduce-scatter: never time a step while this is active
+    (``utilities.training.train``'s ``untimed`` runs it around the steps it does not time).
 
     FSDP1 and FSDP2 reduce gradients with ``torch.distributed.reduce_scatter_single`` (torch 2.13;
     ``reduce_scatter_tensor`` in older releases); we wrap whichever exist for the duration, so what
@@ -217,7 +221,7 @@ def observe_dtypes(model: nn.Module) -> Iterator[DtypeProbe]:
     """
     import torch.distributed as dist
 
-    probe = DtypeProbe()
+    probe = DtypeProbe() if probe is None else probe
 
     def pre_hook(module, _inputs):
         probe.forward_param_dtypes.add(_dtype_name(module.weight.dtype))

@@ -124,13 +124,14 @@ def uncovered(comm: list[tuple[float, float]], compute: list[tuple[float, float]
 
 
 def exposed_communication(prof) -> dict[str, float] | None:
-    """Communication kernel time and the part of it no compute kernel overlaps, in seconds."""
+    """Communication kernel time and the part of it no compute kernel overlaps, in seconds; None
+    when the trace holds no NCCL kernel (no GPU, or collectives over gloo: unknown, not zero)."""
     comm, compute = [], []
     for ev in prof.events():
         if getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
         span = (ev.time_range.start, ev.time_range.end)  # microseconds
         (comm if "nccl" in ev.name.lower() else compute).append(span)
-    if not comm and not compute:
+    if not comm:  # no NCCL kernel: the communication (gloo's, say) is unknown here, not zero
         return None
     return {"comm_s": _length(_union(comm)) / 1e6, "exposed_s": uncovered(comm, compute) / 1e6}

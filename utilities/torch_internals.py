@@ -176,3 +176,36 @@ def clear_dtensor_sharding_cache() -> bool:
     except (ImportError, AttributeError):
         return False
     return True
+
+
+# -- cuBLAS workspaces ----------------------------------------------------------------------------
+
+def clear_cublas_workspaces() -> bool:
+    """Free the workspaces cuBLAS keeps per (handle, stream): 32 MiB each on sm90, one for the
+    forward thread and one for the autograd thread, allocated through the caching allocator (so
+    ``memory_allocated`` counts them) and never freed by ``empty_cache``. torch's own call for it
+    (``torch._C._cuda_clearCublasWorkspaces``, in CUDA builds of 2.6 to 2.14); returns False where
+    this torch has none (a CPU build, or a version without it), having done nothing."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    clear()
+    return True
+
+
+# -- gloo's AVG reduce -----------------------------------------------------------------------------
+
+GLOO_AVG_SINCE = (2, 8)
+
+
+def require_gloo_avg(feature: str) -> None:
+    """FSDP2 reduce-scatters fp32 and bf16 gradients with ``ReduceOp.AVG``; gloo has that op from
+    torch 2.8, and before it the first backward of 2+ ranks over gloo fails. Refuse in one line
+    there (an ``UnsupportedTorch``) rather than fail in the middle of a step."""
+    from torch.torch_version import TorchVersion
+
+    if TorchVersion(torch.__version__) < GLOO_AVG_SINCE:
+        raise UnsupportedTorch(f"torch {torch.__version__} is not allowed for {feature}: its gloo "
+                               "has no ReduceOp.AVG, which FSDP2's reduce-scatter uses (gloo has it "
+                               "from torch 2.8); allowed: torch 2.8 to 2.14, or one rank per GPU "
+                               "over NCCL")

@@ -8,8 +8,10 @@ step after warm-up (the optimizer state exists by then).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from utilities.distributed import all_reduce_mean, is_main, reduce_scalar
+from utilities.distributed import is_main, reduce_scalar
 from utilities.measure import MemoryProbe
+from utilities.measure.batch_search import is_oom
 
 # Dense bf16 tensor-core peak, FLOP/s, by the exact name torch.cuda.get_device_name reports (vendor
 # datasheets). Exact names, not substrings: an H100 PCIe (756e12) or NVL (835e12) is not an SXM.
@@ -85,9 +88,12 @@ def train(
     grad_clip: float | None = None,
     progress: str | None = None,
     memory_tracker: bool | None = None,
+    untimed: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> TrainStats:
     """Train ``steps`` steps; the first ``warmup`` are not timed, and one extra step is measured
-    for memory (trackers slow a step down, so it is never timed either)."""
+    for memory (trackers slow a step down, so it is never timed either). ``untimed()``, if given,
+    is a context entered around each of those untimed steps only: an observer whose cost must not
+    reach the step times (lesson 07's dtype probe)."""
     stats = TrainStats()
     world = dist.get_world_size() if dist.is_initialized() else 1
     bar = _progress(steps, progress)
@@ -97,18 +103,34 @@ def train(
         tokens = _tokens(batch) * world
         sync(device)
         t0 = time.perf_counter()
-        if step == mem_step:
-            with MemoryProbe(model, optimizer, device, use_tracker=memory_tracker) as probe:
-                loss = _one_step(model, optimizer, batch, step_fn, grad_clip)
-            stats.peak_memory_bytes = probe.peak
-        else:
-            loss = _one_step(model, optimizer, batch, step_fn, grad_clip)
+        oom: BaseException | None = None
+        timed = step >= warmup and step != mem_step
+        observer = untimed() if untimed is not None and not timed else contextlib.nullcontext()
+        try:
+            with observer:
+                loss, probe_peak = _step_maybe_measured(
+                    model, optimizer, batch, step_fn, grad_clip, device, memory_tracker,
+                    step == mem_step)
+            if probe_peak is not None:
+                stats.peak_memory_bytes = probe_peak
+            loss_value = loss.detach().item()
+        except Exception as exc:
+            if world == 1 or not is_oom(exc):
+                raise
+            oom, loss_value = exc, 0.0  # the step's collectives below are made all the same
+            traceback.clear_frames(exc.__traceback__)
+        loss = None
         sync(device)
         elapsed = time.perf_counter() - t0
-        if step >= warmup and step != mem_step:
+        if timed:
             stats.step_times_s.append(_max_over_ranks(elapsed, device))
             stats.tokens_per_step = tokens
-        stats.losses.append(all_reduce_mean(loss.detach().item(), device))
+        mean_loss, failed = _mean_loss_and_failures(loss_value, oom is not None, device)
+        if failed:
+            if oom is not None:
+                raise oom
+            raise torch.OutOfMemoryError(f"out of memory on another rank (step {step})")
+        stats.losses.append(mean_loss)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{stats.losses[-1]:.3f}")
@@ -118,6 +140,16 @@ def train(
     if peak and flops_per_token and stats.tokens_per_s:
         stats.mfu = stats.tokens_per_s * flops_per_token / (peak * world)
     return stats
+
+
+def _step_maybe_measured(model, optimizer, batch, step_fn, grad_clip, device, memory_tracker,
+                         measured: bool) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    """One step, and its peak memory by category when ``measured`` (else None)."""
+    if not measured:
+        return _one_step(model, optimizer, batch, step_fn, grad_clip), None
+    with MemoryProbe(model, optimizer, device, use_tracker=memory_tracker) as probe:
+        loss = _one_step(model, optimizer, batch, step_fn, grad_clip)
+    return loss, probe.peak
 
 
 def _one_step(model, optimizer, batch, step_fn, grad_clip):
@@ -139,6 +171,19 @@ def _tokens(batch: dict[str, torch.Tensor]) -> int:
     if labels is not None and labels.shape != batch["input_ids"].shape:
         n += int(labels.numel())
     return n
+
+
+def _mean_loss_and_failures(loss: float, failed: bool, device: torch.device) -> tuple[float, int]:
+    """The loss averaged over ranks and how many ranks ran out of memory in this step, in the one
+    collective every rank makes at the end of every step, failed or not (so an out-of-memory error
+    on one rank after the step's last FSDP collective never leaves the others waiting in one it
+    skipped; ``find_max_batch`` then records the trial as an OOM on every rank alike)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return loss, int(failed)
+    t = torch.tensor([loss, float(failed)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    total, failures = t.tolist()
+    return total / dist.get_world_size(), int(failures)
 
 
 def _max_over_ranks(value: float, device: torch.device) -> float:

@@ -72,6 +72,10 @@ def shard_model(
 def _shard_fsdp2(model, block_class, mesh, options):
     from torch.distributed.fsdp import fully_shard
 
+    from utilities.distributed import world_mesh
+
+    mesh = mesh if mesh is not None else world_mesh()  # this run's device, not the accelerator
+
     if block_class is not None:
         for module in list(model.modules()):
             if isinstance(module, block_class):

@@ -35,6 +35,7 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities.course.lesson import Lesson, lesson_parser, positive_int
+from utilities.distributed import world_mesh
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
 from utilities.models import ModelSpec
 from utilities.training import TrainStats
@@ -47,11 +48,12 @@ def wrap_fsdp2(model: nn.Module, is_unit: Callable[[nn.Module], bool] | None = N
     ``is_unit`` picks get theirs, inner ones first (a unit takes the parameters no unit inside it
     has taken); the root's call takes what is left (embeddings, final norms, the head).
     ``is_unit=None``: one unit for the whole model."""
+    mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
     if is_unit is not None:
         for module in reversed(list(model.modules())):  # reversed: inner modules before outer ones
             if module is not model and is_unit(module):
-                fully_shard(module)
-    fully_shard(model)
+                fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

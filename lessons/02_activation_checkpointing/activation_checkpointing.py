@@ -46,6 +46,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.distributed import world_mesh
 from utilities.measure import fmt_bytes
 from utilities.measure.batch_search import all_ranks_agree, find_max_batch, training_trial
 from utilities.training import TrainStats
@@ -73,9 +74,10 @@ def fsdp2_checkpointed(model: nn.Module, block_class: type[nn.Module], every: in
                 setattr(parent, name, NO_REENTRANT(child))
     units = [m for m in model.modules()  # a checkpointed block's wrapper, or a plain block
              if isinstance(m, CheckpointWrapper) or (isinstance(m, block_class) and m not in chosen)]
+    mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
     for unit in units:
-        fully_shard(unit)
-    fully_shard(model)
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

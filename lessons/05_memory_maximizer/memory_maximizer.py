@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from utilities import Memory_Maximizer
 from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.distributed import world_mesh
 from utilities.measure import fmt_bytes
 from utilities.measure.batch_search import SearchResult, Trial, all_ranks_agree, find_max_batch
 from utilities.training import TrainStats, train
@@ -51,9 +52,10 @@ def try_batch(L: Lesson, batch: int) -> tuple[Trial, TrainStats]:
     """One trial: a fresh FSDP2 model (one unit per block) trained a few steps at ``batch``, watched
     by ``Memory_Maximizer``. An OOM propagates for the search to record; the model goes either way."""
     model = L.build_model()
+    mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
     for block in [m for m in model.modules() if isinstance(m, L.spec.block_class())]:
-        fully_shard(block)
-    fully_shard(model)  # the root: embeddings, final norms, what no block holds
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root: embeddings, final norms, what no block holds
     model = L.materialize(model)
     optimizer = L.optimizer(model)
     retries_before = cuda_malloc_retries(L.device)

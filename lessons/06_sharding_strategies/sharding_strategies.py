@@ -44,6 +44,7 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.distributed import world_mesh
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
 from utilities.training import TrainStats
 
@@ -124,7 +125,8 @@ def wrap(name: str, model: nn.Module, block_class: type[nn.Module], device: torc
     if api == "fsdp1":
         return shard_fsdp1(model, block_class, FSDP1_STRATEGY[strategy], device, mesh)
     reshard = {"full_shard": True, "shard_grad_op": False, "reshard_to": reshard_to}.get(strategy)
-    return shard_fsdp2(model, block_class, mesh, reshard)
+    # a 1-D mesh of every rank on this run's device, not fully_shard's default (the accelerator's)
+    return shard_fsdp2(model, block_class, mesh or world_mesh(), reshard)
 
 
 def reshard_divisor(world: int) -> int | None:

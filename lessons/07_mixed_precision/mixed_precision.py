@@ -42,7 +42,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from utilities.course.lesson import Lesson, lesson_parser
-from utilities.precision import attach_scaler, default_policy, observe_dtypes
+from utilities.distributed import world_mesh
+from utilities.precision import DtypeProbe, attach_scaler, default_policy, observe_dtypes
 from utilities.training import default_step
 
 # -- the code this lesson teaches -----------------------------------------------------------------
@@ -76,9 +77,10 @@ def shard_fsdp2(model: nn.Module, block_class: type[nn.Module], mp_policy: Mixed
     """The same policy on every ``fully_shard`` call. It may differ per call (a block kept in fp32,
     say); a unit's forward casts its floating-point inputs to its ``param_dtype``."""
     blocks = [m for m in model.modules() if isinstance(m, block_class)]
+    mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
     for block in blocks:
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
 
@@ -174,8 +176,11 @@ def train_policy(L: Lesson, api: str, policy: str) -> None:
     if policy in NEEDS_SCALER:
         scaler = fp16_scaler(L.device)
         step_fn, extra["loss_scales"] = scaled_step(scaler), attach_scaler(optimizer, scaler)
-    with observe_dtypes(model) as seen:
-        stats = L.train(model, f"{api}-{policy}", optimizer=optimizer, step_fn=step_fn)
+    # The probe's counts sync the host three times per reduce-scatter: it observes the untimed
+    # steps (warm-up and memory) only, so the step times are those of plain training.
+    seen = DtypeProbe()
+    stats = L.train(model, f"{api}-{policy}", optimizer=optimizer, step_fn=step_fn,
+                    untimed=lambda: observe_dtypes(model, seen))
     mp = FSDP2_POLICIES[policy]
     fields = dict(api=api, policy=policy, param_dtype=dtype_name(mp.param_dtype),
                   reduce_dtype=dtype_name(mp.reduce_dtype), **seen.as_dict())
@@ -188,7 +193,8 @@ def train_policy(L: Lesson, api: str, policy: str) -> None:
 
 NOTES = (
     "forward_param_dtypes / reduce_dtypes are observed (a forward pre-hook on every Linear; a wrapper "
-    "around reduce_scatter_single), not read from config.",
+    "around reduce_scatter_single), not read from config, on the untimed steps (warm-up and memory): "
+    "the probe syncs the host per reduce-scatter, so no timed step runs with it.",
     "grad_zero_fraction: gradient entries that reached the reduce-scatter as exact zeros (some are "
     "zero in any dtype: unused embeddings, FSDP padding); grad_fp16_underflow_fraction: non-zero "
     "entries below 2**-25, which fp16 rounds to zero. Both over the reductions whose gradients were "

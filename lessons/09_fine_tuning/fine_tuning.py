@@ -57,7 +57,7 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from utilities.child_tuning import global_topk_threshold, local
 from utilities.course.lesson import Lesson, bounded, lesson_parser, positive_int
 from utilities.data import LETTERS, LetterTask, batches, make_loader
-from utilities.distributed import reduce_scalar
+from utilities.distributed import reduce_scalar, world_mesh
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
 from utilities.training import train
@@ -89,10 +89,11 @@ def freeze(model: nn.Module, prefixes: Iterable[str]) -> tuple[int, int]:
 def wrap_fsdp2(model: nn.Module, block_class: type[nn.Module]) -> nn.Module:
     """FSDP2 keeps every parameter a DTensor of its own, so a unit may mix frozen and trainable
     parameters: frozen ones get no gradient and are not reduce-scattered."""
+    mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
     for module in model.modules():
         if isinstance(module, block_class):
-            fully_shard(module)
-    fully_shard(model)  # the root unit: embeddings, final norms and whatever no block holds
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root unit: embeddings, final norms and whatever no block holds
     return model
 
 

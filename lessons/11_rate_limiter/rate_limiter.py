@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from utilities import Memory_Maximizer
 from utilities.course.lesson import Lesson, lesson_parser
+from utilities.distributed import NOT_MEASURABLE, world_mesh
 from utilities.training import default_step
 
 
@@ -68,10 +69,11 @@ def wrap_fsdp2(model: nn.Module, block_class: type[nn.Module]) -> nn.Module:
     on the all-gather stream and freed by the copy-out into the parameters, and the next gather is
     ordered after that free, so about two are in flight by construction. What stays gathered after
     a block's forward is ``reshard_after_forward`` (lesson 06), not a rate limit."""
+    mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
     for module in model.modules():
         if isinstance(module, block_class):
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -117,10 +119,27 @@ def run_variant(L: Lesson, name: str) -> None:
     mm.start()
     stats = L.train(model, name, step_fn=watched_step(mm))
     report = mm.stop()
-    gpu = dict(max_reserved_gb=report["max_reserved_gb"],
-               cuda_malloc_retries=report["cuda_malloc_retries"]) if report["gpu"] else {}
     L.results.add(name, stats, api="fsdp2" if limit is None else "fsdp1", limit_all_gathers=limit,
-                  memory_maximizer=report, **gpu)
+                  memory_maximizer=report, **allocator_columns(L, report))
+
+
+def allocator_columns(L: Lesson, report: dict) -> dict:
+    """Max reserved memory and cudaMalloc retries, the rate limiter's evidence, on a GPU. Over gloo
+    (ranks sharing a GPU) each collective blocks the host thread, so the CPU can never run ahead
+    and every setting is the same run: no number is given for them (the allocator's own report
+    stays in ``memory_maximizer``)."""
+    if not report["gpu"]:
+        return {}
+    if not L.dist.nccl_on_gpu:
+        return {"max_reserved_gb": NOT_MEASURABLE, "cuda_malloc_retries": NOT_MEASURABLE}
+    return {"max_reserved_gb": report["max_reserved_gb"],
+            "cuda_malloc_retries": report["cuda_malloc_retries"]}
+
+
+GLOO_GPU_NOTE = (f"the rate limiter's effect is {NOT_MEASURABLE}: the collectives run over gloo "
+                 "(ranks sharing a GPU), which blocks the host thread in each one, so the CPU never "
+                 "runs ahead of the GPU and every setting is the same run. It needs one rank per GPU "
+                 "over NCCL.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +152,9 @@ def main(args: argparse.Namespace) -> None:
     with Lesson("11", args, needs_ranks="the rate limiter (all-gathers in flight)", notes=NOTES,
                 cpu_note=CPU_NOTE) as L:
         L.results.columns("limit_all_gathers", "max_reserved_gb", "cuda_malloc_retries")
+        if L.device.type == "cuda" and not L.dist.nccl_on_gpu:
+            L.results.note(GLOO_GPU_NOTE)
+            L.print(f"note: {GLOO_GPU_NOTE}")
         for name in args.variants:
             with L.variant(name):  # everything the variant made is freed before the next one
                 run_variant(L, name)

@@ -46,6 +46,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from utilities.course.lesson import Lesson, lesson_parser
+from utilities.distributed import world_mesh
 from utilities.fp8 import float8_module_filter, fp8_available, fp8_linear_names
 from utilities.models import ModelSpec
 from utilities.precision import default_policy, fsdp2_policy
@@ -68,10 +69,11 @@ def convert_to_fp8(model: nn.Module) -> list[str]:
 
 def shard(model: nn.Module, block_class: type[nn.Module], mp_policy: MixedPrecisionPolicy) -> None:
     """2. FSDP2: each transformer block one unit, the root takes what is left."""
+    mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
     for module in list(model.modules()):
         if isinstance(module, block_class):
-            fully_shard(module, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
 def compile_blocks(model: nn.Module, block_class: type[nn.Module], backend: str = "inductor") -> int:

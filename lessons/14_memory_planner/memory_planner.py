@@ -35,6 +35,7 @@ from utilities.activation_checkpointing import (
 )
 from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
+from utilities.distributed import pin_cuda_device, world_mesh
 from utilities.measure import fmt_bytes
 from utilities.measure.planner import largest_batch, parse_memory, plan
 from utilities.models import get_model_spec
@@ -62,7 +63,8 @@ def shard(model: nn.Module, block_class: type[nn.Module], strategy: str, precisi
         apply_op_selective_checkpointing(model, block_class)
     elif ac != "none":  # "full": every block; "every-2nd-block": half of them
         apply_activation_checkpointing(model, block_class, every=1 if ac == "full" else 2)
-    opts = dict(reshard_after_forward=strategy == "full_shard", mp_policy=fsdp2_policy(precision))
+    opts = dict(reshard_after_forward=strategy == "full_shard", mp_policy=fsdp2_policy(precision),
+                mesh=world_mesh())  # every rank, on this run's device (not the machine's GPU)
     for unit in block_units(model, block_class):
         fully_shard(unit, **opts)
     fully_shard(model, **opts)
@@ -136,6 +138,8 @@ def my_plans(args) -> dict[str, dict]:
 
 def main(args) -> None:
     lesson = Lesson("14", args, notes=(NOTE,), cpu_note=CPU_NOTE)  # a flag check stops here
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        pin_cuda_device()  # the planner's meshes must find this rank's GPU, not GPU LOCAL_RANK
     mine = my_plans(args)  # before the lesson joins the real process group
     with lesson as L:
         plans = dict(mine)

@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import textwrap
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -36,6 +37,7 @@ from utilities.course.release import VariantScope, live_parameters
 from utilities.course.results import Results, table, width
 from utilities.data import ReverseTask, batches, make_loader
 from utilities.errors import OneLineParser, UsageError, bad_value
+from utilities.measure.batch_search import is_oom
 from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
 from utilities.training import TrainStats, train
 
@@ -317,14 +319,27 @@ class Lesson:
         and what survived is recorded on the block's results (``release``), so one variant's
         memory can never inflate the next one's peak. On GPU it also records
         ``torch.cuda.memory_allocated`` before and after.
+
+        An out-of-memory error ends the variant like a normal exit: the frames of its traceback
+        (which hold the model, the optimizer and the activations of the step that failed) are
+        cleared before the release, so what is reported is the OOM, re-raised for the caller (a
+        batch search records it), and not a leak. Any other error keeps its frames for debugging.
         """
         first = len(self.results.data["variants"])
         self._scope = scope = VariantScope(self.device).start()
+        oom = False
         try:
             yield scope
+        except BaseException as exc:
+            oom = is_oom(exc)
+            if oom:
+                traceback.clear_frames(exc.__traceback__)
+            raise
         finally:
             self._scope = None
             report = scope.release()
+            if oom:
+                report["ended_by"] = "out of memory"
             self.results.data.setdefault("releases", {})[name] = report
             for entry in self.results.data["variants"][first:]:
                 entry["release"] = report

@@ -26,6 +26,7 @@ from torch import nn
 from utilities.torch_internals import (
     FLAT_PARAM_BACKREFS,
     FLAT_PARAM_HOOKS,
+    clear_cublas_workspaces,
     flat_param_types,
     fsdp1_flat_param,
     is_flat_param,
@@ -92,8 +93,35 @@ def _tensors_of(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _settled_allocated(device: torch.device) -> int:
+    """The bytes the caching allocator holds for tensors on ``device``, counting the same fixed
+    things before and after every variant.
+
+    cuBLAS keeps a workspace per (handle, stream): 32 MiB each on sm90, one for this thread and one
+    for the autograd thread, made at their first matmul through the caching allocator (so
+    ``memory_allocated`` counts them) and never freed by ``empty_cache``. Before each reading a
+    small matmul forward and backward makes sure both exist, then torch's own call
+    (``clear_cublas_workspaces``) frees what it can: on a torch without it, both readings include
+    the workspaces; with it, neither does. Either way the first variant is not charged for them."""
+    torch.cuda.synchronize(device)
+    _make_cublas_workspaces(device)
+    torch.cuda.synchronize(device)
+    clear_cublas_workspaces()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def _make_cublas_workspaces(device: torch.device) -> None:
+    """One matmul forward (this thread's cuBLAS handle) and backward (the autograd thread's)."""
+    x = torch.ones(8, 8, device=device, requires_grad=True)
+    (x @ x).sum().backward()
+
+
 class VariantScope:
-    """Weak references to one variant's models and optimizers, and the freeing at its end."""
+    """Weak references to one variant's models and optimizers, and the freeing at its end.
+
+    On a GPU it also compares ``memory_allocated`` before and after the variant
+    (``_settled_allocated``: cuBLAS's workspaces counted alike in both readings)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -108,8 +136,7 @@ class VariantScope:
         self._flat_before = {id(t) for t in _flat_params()}
         if self.device.type == "cuda":
             gc.collect()
-            torch.cuda.synchronize(self.device)
-            self.allocated_before = torch.cuda.memory_allocated(self.device)
+            self.allocated_before = _settled_allocated(self.device)
         return self
 
     def track(self, *objs: Any) -> None:
@@ -141,9 +168,7 @@ class VariantScope:
             "leaked_tensors": sum(r() is not None for r in self._tensors),
         }
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            after = torch.cuda.memory_allocated(self.device)
+            after = _settled_allocated(self.device)
             report.update(allocated_before_bytes=self.allocated_before, allocated_after_bytes=after)
         return report
 

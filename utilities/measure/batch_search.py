@@ -18,9 +18,14 @@ On a CPU there is no caching allocator, so nothing retries: give ``budget_bytes`
 measured peak exceeds it counts as failed ("over budget"), the CPU stand-in for retries and OOMs.
 
 With several ranks, every rank must take the same decision or the next collective hangs: pass
-``agree`` (e.g. :func:`all_ranks_agree`) to combine each trial's verdict across ranks. An OOM that
-strikes one rank in the middle of a collective can still leave the others waiting; that is a
-limitation of catching OOMs inside a distributed job, not of this search.
+``agree`` (e.g. :func:`all_ranks_agree`) to combine each trial's verdict across ranks. For that,
+every rank must reach the agreement from the same collective: ``utilities.training.train`` ends
+every step with one all-reduce that every rank makes, failed or not, and it carries who ran out of
+memory; the trial then raises an OOM on every rank, and every rank records it and agrees. What no
+process can undo: an OOM on one rank alone *inside* FSDP's own collectives (a forward all-gather,
+a backward reduce-scatter) leaves the others waiting in the next one, until the process group's
+timeout. FSDP ranks hold the same shapes, so an OOM usually strikes all of them at the same
+allocation; the one that strikes a rank alone ends the job.
 """
 
 from __future__ import annotations
