@@ -238,3 +238,28 @@ def test_a_sweep_re_shards_by_arithmetic_exactly(monkeypatch):
                                      "cpu").peak_bytes
     text = P.format_sweep(plans)
     assert "full_shard" in text and max(len(line) for line in text.splitlines()[1:5]) <= 80
+
+
+def test_plan_json_carries_the_predicted_time_and_refuses_bad_time_flags():
+    """`fsdp-course plan --json` has `time` beside the memory (the step-time model's prediction,
+    with its assumptions); the time flags answer bad values in one line."""
+    proc = cli_here("plan", "--model", "llama-tiny", "--gpus", "16", "--gpu", "a100-80gb", "--batch",
+                    "2", "--seq", "64", "--json")
+    assert proc.returncode == 0, proc.stderr
+    p = json.loads(proc.stdout)
+    assert set(p["time"]) >= {"step_s", "compute_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu",
+                              "mfu", "assumptions"}
+    assert p["time"]["gpu"] == "a100-80gb" and p["gpu_memory_bytes"] == 80 * 2**30
+    assert p["time"]["step_s"] >= p["time"]["compute_s"] > 0
+    for flag, value in (("--gpu", "h999"), ("--network-gbps", "nan"), ("--network-gbps", "-1"),
+                        ("--gpus-per-node", "0")):
+        bad = cli_here("plan", "--model", "llama-tiny", flag, value)
+        assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and flag in bad.stderr
+
+
+def test_a_sweep_prints_predicted_tokens_per_gpu_per_strategy():
+    proc = cli_here("plan", "--model", "llama-tiny", "--sweep", "--batch", "2", "--seq", "64",
+                    "--gpu-memory", "80GiB")
+    assert proc.returncode == 0, proc.stderr
+    assert "PREDICTED" in proc.stdout and proc.stdout.count("full_shard") == 2
+    assert max(len(line) for line in proc.stdout.splitlines() if not line.startswith("method")) <= 100

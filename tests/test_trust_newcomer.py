@@ -30,9 +30,12 @@ def test_setup_block_installs_cpu_torch_before_the_requirements():
     block = re.search(r"```bash\n(.*?)```", text, re.S).group(1).splitlines()
     requirements = next(i for i, line in enumerate(block) if "pip install -r requirements.txt" in line)
     cpu = next(i for i, line in enumerate(block)
-               if line.startswith("pip install torch") and "download.pytorch.org/whl/cpu" in line)
+               if line.startswith('pip install "torch') and "download.pytorch.org/whl/cpu" in line)
     assert cpu < requirements
     assert any("CPU-only machine" in line for line in block[:cpu])
+    # the CPU line pins the range requirements.txt accepts, so the next line keeps that build
+    pinned = re.search(r'"(torch[^"]+)"', block[cpu]).group(1)
+    assert pinned in (REPO / "requirements.txt").read_text().splitlines()
 
 
 # -- README results tables come from a run ------------------------------------------------------------

@@ -131,6 +131,8 @@ class Plan:
     gpu_memory_source: str = ""  # where gpu_memory_bytes came from (a GPU name, this GPU, a size)
     # parameters, gradients, optimizer state a rank holds between steps (counted after the step)
     model_states: dict[str, int] = field(default_factory=dict)
+    # the step-time model's prediction (utilities.measure.step_time), when asked for
+    time: dict[str, Any] | None = None
 
     @property
     def theory(self) -> dict[str, dict[str, int]]:
@@ -538,14 +540,24 @@ def format_sweep(plans: list[Plan]) -> str:
     counts = sorted({p.gpus for p in plans})
     strategies = list(dict.fromkeys(p.strategy for p in plans))
     first = plans[0]
-    lines = [f"{first.model}: peak per GPU (GiB), {first.precision}, AC {first.ac}, batch {first.batch} "
-             f"x seq {first.seq} per rank; budget {first.budget_bytes / 2**30:.1f} GiB; * = does not fit",
+    lines = [f"{first.model}, {first.precision}, AC {first.ac}, batch {first.batch} x {first.seq} per "
+             f"rank: peak per GPU (GiB)",
+             f"budget {first.budget_bytes / 2**30:.1f} GiB; * = does not fit",
              f"{'strategy':<14}" + "".join(f"{n:>9}" for n in counts)]
     for strategy in strategies:
         row = {p.gpus: p for p in plans if p.strategy == strategy}
         cells = "".join(f"{row[n].peak_bytes['total'] / 2**30:>8.1f}{' ' if row[n].fits else '*'}"
                         for n in counts)
         lines.append(f"{strategy:<14}{cells}".rstrip())
+    if all(p.time for p in plans):
+        lines += ["", f"tokens/s per GPU, PREDICTED by the time model on {plans[0].time['gpu']} "
+                      "(not measured); * = does not fit in memory",
+                  f"{'strategy':<14}" + "".join(f"{n:>9}" for n in counts)]
+        for strategy in strategies:
+            row = {p.gpus: p for p in plans if p.strategy == strategy}
+            lines.append((f"{strategy:<14}" + "".join(
+                f"{row[n].time['tokens_per_s_per_gpu']:>8,.0f}{' ' if row[n].fits else '*'}"
+                for n in counts)).rstrip())
     methods = sorted({p.method for p in plans})
     lines += [f"method: {m}" for m in methods]
     return "\n".join(lines)
@@ -584,6 +596,20 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "(block-level, lesson 02's 'selective'); full (every block)")
     parser.add_argument("--batch", default="1", help="per-rank batch size; default 1")
     parser.add_argument("--seq", default=None, help="sequence length (default: the model's)")
+    parser.add_argument("--gpu", default=None,
+                        help="the GPU the step time is predicted for (h100, h100-96gb, h200, "
+                        "a100-80gb, a100-40gb, l4); also its memory when --gpu-memory is auto; "
+                        "default: h100")
+    parser.add_argument("--gpus-per-node", default="8",
+                        help="GPUs per node on NVLink (the network links the nodes); default 8")
+    parser.add_argument("--network-gbps", default="400",
+                        help="network bandwidth per GPU between nodes, Gb/s; default 400")
+    parser.add_argument("--compile", action="store_true",
+                        help="predict the step time with torch.compile per block")
+    parser.add_argument("--fp8", action="store_true",
+                        help="predict the step time with Float8 linears and FP8 all-gathers")
+    parser.add_argument("--no-time", action="store_true",
+                        help="memory only: skip the step-time prediction (one trace fewer)")
     parser.add_argument("--max-batch", action="store_true",
                         help="find the largest per-rank batch that fits instead")
     parser.add_argument("--sweep", action="store_true",
@@ -606,8 +632,53 @@ def _int_arg(flag: str, text: str | None) -> int | None:
     return value
 
 
+def _float_arg(flag: str, text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise bad_value(flag, text, "finite numbers > 0")
+    return value
+
+
+def time_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The step-time model's options from the flags (checked), or None with --no-time."""
+    from utilities.measure.step_time import get_gpu
+
+    gpu = get_gpu(args.gpu or "h100")
+    if getattr(args, "no_time", False):
+        return None
+    return dict(gpu=gpu.name, gpus_per_node=_int_arg("--gpus-per-node", args.gpus_per_node),
+                network_gbps=_float_arg("--network-gbps", args.network_gbps),
+                compile=bool(args.compile), fp8=bool(args.fp8))
+
+
+def resolve_memory_for(args: argparse.Namespace) -> tuple[int, str]:
+    """--gpu-memory, or with it left at auto, the memory of the --gpu part."""
+    if args.gpu and str(args.gpu_memory).strip().lower() == "auto":
+        from utilities.measure.step_time import get_gpu
+
+        gpu = get_gpu(args.gpu)
+        if gpu.name in GPU_MEMORY_MIB:
+            return resolve_gpu_memory(gpu.name)
+        return gpu.memory_bytes, f"{gpu.name} (--gpu): {gpu.memory_bytes / 2**30:.2f} GiB"
+    return resolve_gpu_memory(args.gpu_memory)
+
+
+def predict_time(p: Plan, options: dict[str, Any]):
+    """The step-time prediction for plan ``p``'s configuration (a ``StepTime``)."""
+    from utilities.measure.step_time import estimate_step_time
+
+    return estimate_step_time(get_model_spec(p.model), p.gpus, p.strategy, p.precision, p.ac, p.batch,
+                              p.seq, shard_size=p.shard_size, **options)
+
+
 def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
-    gpu_memory_bytes, source = resolve_gpu_memory(args.gpu_memory)
+    gpu_memory_bytes, source = resolve_memory_for(args)
+    options = time_options(args)
     kw = dict(model=args.model, gpus=_int_arg("--gpus", args.gpus),
               gpu_memory_bytes=gpu_memory_bytes, strategy=args.strategy,
               precision=args.precision, ac=args.ac, seq=_int_arg("--seq", args.seq),
@@ -622,6 +693,8 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
     else:
         best, p = None, plan(batch=batch, **kw)
     p.gpu_memory_source = source
+    if options is not None and p.detail:
+        p.time = predict_time(p, options).as_dict()
     return p, best
 
 
@@ -698,16 +771,33 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(dict(p.as_dict(), largest_batch=largest), indent=2))
     else:
         print(format_plan(p, largest))
+        if p.time:
+            print(format_time(p.time))
     return 0
 
 
+def format_time(time: dict[str, Any]) -> str:
+    """The step-time prediction under the memory plan: labelled as one, with its assumptions."""
+    lines = [f"step time, PREDICTED by the time model (not measured; see its assumptions): "
+             f"{time['step_s']:.3f} s",
+             f"  compute {time['compute_s']:.3f} s, communication {time['comm_s']:.3f} s, of which "
+             f"exposed {time['exposed_comm_s']:.3f} s",
+             f"  tokens/s per GPU {time['tokens_per_s_per_gpu']:,.0f}, MFU {time['mfu']:.1%}"]
+    lines += [f"  assumes: {a}" for a in time["assumptions"]]
+    return "\n".join(lines)
+
+
 def run_sweep(args: argparse.Namespace) -> int:
-    gpu_memory_bytes, _ = resolve_gpu_memory(args.gpu_memory)
+    gpu_memory_bytes, _ = resolve_memory_for(args)
+    options = time_options(args)
     batch, seq = _int_arg("--batch", args.batch), _int_arg("--seq", args.seq)
     get_model_spec(args.model)
     _check(8, gpu_memory_bytes, "full_shard", args.precision, args.ac, batch, seq)
     plans = sweep(args.model, gpu_memory_bytes=gpu_memory_bytes, precision=args.precision, ac=args.ac,
                   batch=batch, seq=seq)
+    if options is not None:
+        for p in plans:  # one trace serves every count and strategy (the time model caches it)
+            p.time = predict_time(p, options).as_dict()
     if getattr(args, "json", False):
         import json
 

@@ -562,8 +562,8 @@ class StepTime:
 
     def as_dict(self, timeline: bool = False) -> dict[str, Any]:
         """The summary the CLI's ``--json`` carries (``timeline=True`` adds the events)."""
-        keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu", "mfu",
-                "assumptions")
+        keys = ("gpu", "step_s", "compute_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu",
+                "mfu", "assumptions")
         out = {k: getattr(self, k) for k in keys}
         if timeline:
             out["timeline"] = [asdict(e) for e in self.timeline]
