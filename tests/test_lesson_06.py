@@ -128,3 +128,15 @@ def test_on_4_ranks_int_reshard_and_a_true_hybrid_mesh(tmp_path):
 def test_bad_variant_is_one_line_exit_2():
     line = flag_error("06", "--variants", "zero3")
     assert "zero3" in line and "fsdp1-shard-grad-op" in line
+
+
+def test_the_prediction_on_a_cluster_ranks_the_strategies_communication(results):
+    """results.json carries the step-time model's prediction on 2 x 8 H100: per step full_shard
+    communicates more than shard_grad_op (no backward all-gather), which communicates more than
+    DDP (gradients only); HSDP keeps most of it inside a node."""
+    predicted = results["predicted"]
+    assert "PREDICTED" in predicted["what"] and predicted["gpus"] == 16
+    by = {v["name"]: v for v in predicted["variants"]}
+    assert by["fsdp2-reshard-true"]["comm_s"] > by["fsdp2-reshard-false"]["comm_s"] > by["ddp"]["comm_s"]
+    assert by["fsdp1-full-shard"]["comm_s"] == pytest.approx(by["fsdp2-reshard-true"]["comm_s"])
+    assert by["fsdp2-hsdp"]["comm_s"] < by["fsdp2-reshard-true"]["comm_s"]

@@ -36,7 +36,8 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from utilities.course.lesson import Lesson, lesson_parser, positive_int
+from utilities.course.catalog import LESSONS
+from utilities.course.lesson import Lesson, cluster_prediction, lesson_parser, positive_int
 from utilities.distributed import NOT_MEASURABLE, world_mesh
 from utilities.measure import unsharded_parameter_bytes
 from utilities.prefetch import prefetch_plan, profile_steps
@@ -106,6 +107,17 @@ CPU_NOTE = ("CPU run: gloo runs each collective synchronously on the calling thr
             "a profiler trace per variant.")
 
 
+def predicted_knobs(name: str, depth: int) -> dict:
+    """Each variant as the step-time model's schedule knobs (FSDP1's limit_all_gathers is on by
+    default, as in the lesson's FSDP1 runs)."""
+    fsdp1 = {"fsdp1-no-prefetch": "none", "fsdp1-backward-post": "backward_post",
+             "fsdp1-backward-pre": "backward_pre", "fsdp1-pre+forward": "backward_pre"}
+    if name in fsdp1:
+        return dict(backward_prefetch=fsdp1[name], limit_all_gathers=True,
+                    forward_prefetch=1 if name == "fsdp1-pre+forward" else None)
+    return dict(prefetch=depth if FSDP2_VARIANTS[name] else 1)
+
+
 def build(L: Lesson, depth: int, name: str) -> nn.Module:
     """The model sharded as variant ``name`` says."""
     block = L.spec.block_class()
@@ -159,6 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_variants(VARIANTS)
     p.add_argument("--prefetch-depth", type=positive_int, default=2,
                    help="FSDP2 explicit prefetch: how many blocks ahead to all-gather (default 2)")
+    p.add_prediction(LESSONS["04"].run.gpu_model, LESSONS["04"].run.gpu_batch_size)
     p.add_argument("--trace", action="store_true",
                    help="also record a torch.profiler Chrome trace per variant on CPU (always on GPU)")
     return p.parse(argv)
@@ -171,6 +184,7 @@ GLOO_GPU_NOTE = (f"exposed communication {NOT_MEASURABLE}: the collectives run o
 
 
 def main(args: argparse.Namespace) -> None:
+    predicted = cluster_prediction(args, {n: predicted_knobs(n, args.prefetch_depth) for n in args.variants})
     with Lesson("04", args, settings=dict(prefetch_depth=args.prefetch_depth), notes=NOTES,
                 cpu_note=CPU_NOTE, needs_ranks="prefetching (overlap of all-gathers with compute)") as L:
         if L.device.type == "cuda" and not L.dist.nccl_on_gpu:
@@ -179,6 +193,7 @@ def main(args: argparse.Namespace) -> None:
         L.results.columns("prefetch", "exposed_comm_s_per_step", "peak_unsharded_parameter_bytes")
         L.run_variants(args.variants, functools.partial(build, L, args.prefetch_depth),
                        describe=functools.partial(describe, L, args))
+        L.results.predicted(predicted)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,14 @@ from torch.distributed.fsdp import ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.course.catalog import LESSONS
+from utilities.course.lesson import (
+    Lesson,
+    cluster_prediction,
+    lesson_parser,
+    positive_float,
+    positive_int,
+)
 from utilities.distributed import world_mesh
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
 from utilities.training import TrainStats
@@ -138,6 +145,7 @@ def reshard_divisor(world: int) -> int | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
+    p.add_prediction(LESSONS["06"].run.gpu_model, LESSONS["06"].run.gpu_batch_size)
     p.add_argument("--replicate", type=positive_int, default=None,
                    help="replicas in the hybrid (HSDP) mesh; it must divide the world size; the "
                         "shard group is world / replicate (default: 2 when the world is even)")
@@ -207,7 +215,16 @@ def capacity(L: Lesson, args: argparse.Namespace, replicate: int) -> None:
                 f"{row['largest_model'] / 1e9:6.2f} B parameters")
 
 
+def predicted_knobs(name: str) -> dict:
+    """Each variant as the step-time model's strategy (FSDP1 and FSDP2 alike: same collectives);
+    an int reshard_after_forward re-gathers within a node in backward, modelled as full_shard."""
+    strategy = VARIANTS[name][1]
+    return dict(strategy={"ddp": "no_shard", "reshard_to": "full_shard"}.get(strategy, strategy),
+                limit_all_gathers=VARIANTS[name][0] == "fsdp1")
+
+
 def main(args: argparse.Namespace) -> None:
+    predicted = cluster_prediction(args, {n: predicted_knobs(n) for n in args.variants})
     with Lesson("06", args, needs_ranks="bytes per rank falling with the number of ranks",
                 notes=NOTES, cpu_note=CPU_NOTE) as L:
         L.results.columns("strategy", "resident_bytes_per_rank", "peak_unsharded_parameter_bytes",
@@ -230,6 +247,7 @@ def main(args: argparse.Namespace) -> None:
             L.run_variants(names, lambda name: wrap(name, L.build_model(), block, L.device, mesh_2d, d),
                            describe=lambda name, model, stats: against_theory(L, name, stats, replicate, d))
         capacity(L, args, replicate)
+        L.results.predicted(predicted)
         if replicate == world and "fsdp1-hybrid-shard" in names:
             L.results.note(HYBRID_TRAP)
 

@@ -157,6 +157,21 @@ class LessonParser(OneLineParser):
         self.add_argument("--variants", default=",".join(self._variants),
                           help=f"comma-separated subset of: {', '.join(self._variants)}")
 
+    def add_prediction(self, model: str, batch: int, cluster: str = "2x8xh100") -> None:
+        """``--predict-on`` and ``--predict-model``: after the measurements, the step-time model's
+        prediction of the lesson's variants on a cluster (what the knob does to time where there is
+        an interconnect), for ``model`` at ``batch`` per GPU unless the flags say otherwise."""
+        from utilities.measure.step_time import CLUSTER_FORMAT
+
+        g = self.add_argument_group("prediction on a cluster (a model, not a measurement)")
+        g.add_argument("--predict-on", default=cluster,
+                       help=f"cluster to predict the variants' step time on: {CLUSTER_FORMAT}; "
+                            f"'none' to skip (default {cluster})")
+        g.add_argument("--predict-model", default=model,
+                       help=f"model to predict for (default {model}, the lesson's GPU size)")
+        g.add_argument("--predict-batch", type=positive_int, default=batch,
+                       help=f"per-GPU batch to predict for (default {batch})")
+
     def parse(self, argv: list[str] | None = None) -> argparse.Namespace:
         args = self.parse_args(argv)
         allowed = getattr(self, "_variants", None)
@@ -168,6 +183,11 @@ class LessonParser(OneLineParser):
                              f"{', '.join(allowed)}\n")
             args.variants = chosen
         try:
+            if getattr(args, "predict_on", "none") != "none":
+                from utilities.measure.step_time import parse_cluster
+
+                parse_cluster(args.predict_on)
+                get_model_spec(args.predict_model)
             if args.model is not None:
                 get_model_spec(args.model)
             if args.device == "cuda" and not os.environ.get(CHECK_FLAGS_ENV):
@@ -175,6 +195,19 @@ class LessonParser(OneLineParser):
         except UsageError as e:
             self.exit(2, f"error: {e}\n")
         return args
+
+
+def cluster_prediction(args: argparse.Namespace, variants: dict[str, dict[str, Any]],
+                       precision: str = "bf16") -> dict[str, Any] | None:
+    """The lesson's ``predicted`` block (``utilities.measure.step_time.predict_variants``), made on
+    rank 0 *before* the lesson joins its process group: the model traces one step on a fake group
+    of its own. Other ranks, and ``--predict-on none``, get None."""
+    if args.predict_on == "none" or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    from utilities.measure.step_time import parse_cluster, predict_variants
+
+    return predict_variants(args.predict_model, parse_cluster(args.predict_on), variants,
+                            precision=precision, batch=args.predict_batch)
 
 
 def lesson_parser(description: str | None) -> LessonParser:
@@ -281,6 +314,10 @@ class Lesson:
                 self.results.data["live_parameters_at_exit"] = live_parameters()
                 path = self.results.write(self.out)
                 print("\n" + table(self.results.data), flush=True)
+                if "predicted" in self.results.data:
+                    from utilities.measure.step_time import format_predicted
+
+                    print("\n" + format_predicted(self.results.data["predicted"]), flush=True)
                 print(f"\nresults written to {path}", flush=True)
         finally:
             D.teardown()

@@ -65,6 +65,12 @@ class Results:
         """A sentence the reader needs next to the numbers (e.g. what only a GPU shows)."""
         self.data["notes"].append(text)
 
+    def predicted(self, block: dict[str, Any] | None) -> None:
+        """The step-time model's prediction of the variants on a cluster (``predicted``), kept
+        apart from what was measured; None (other ranks, ``--predict-on none``) records nothing."""
+        if block is not None:
+            self.data["predicted"] = block
+
     def write(self, out_dir: str | os.PathLike) -> Path:
         """Write ``out_dir/results.json`` and return its path.
 

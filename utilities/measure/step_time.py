@@ -53,11 +53,11 @@ from typing import Any
 
 import numpy as np
 
-from utilities.errors import bad_value
+from utilities.errors import UsageError, bad_value
 
-__all__ = ["CALIBRATED", "GPUS", "GPU", "Efficiencies", "Event", "StepTime", "collective_time",
-           "estimate_step_time", "format_step_time", "get_gpu", "ring_bytes_per_gpu", "sweep",
-           "trace_step"]
+__all__ = ["CALIBRATED", "Cluster", "Efficiencies", "Event", "GPU", "GPUS", "StepTime", "collective_time",
+           "estimate_step_time", "format_predicted", "format_step_time", "get_gpu", "parse_cluster",
+           "predict_variants", "ring_bytes_per_gpu", "sweep", "trace_step"]
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 PRECISIONS = ("fp32", "bf16")
@@ -924,3 +924,77 @@ def sweep(model, gpu_counts: Sequence[int], strategies: Sequence[str] = STRATEGI
 def with_efficiencies(eff: Efficiencies, **changes) -> Efficiencies:
     """A copy of ``eff`` with some fields changed (what a calibration run produces)."""
     return replace(eff, **changes)
+
+
+# -- predictions for the speed lessons -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where a lesson's variants are predicted: ``nodes`` x ``gpus_per_node`` GPUs of kind ``gpu``,
+    NVLink inside a node and ``network_gbps`` per GPU between nodes."""
+
+    nodes: int = 2
+    gpus_per_node: int = 8
+    gpu: str = "h100"
+    network_gbps: float = 400.0
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def describe(self) -> str:
+        return (f"{self.nodes} node(s) x {self.gpus_per_node} {self.gpu} (NVLink inside a node, "
+                f"{self.network_gbps:g} Gb/s per GPU between nodes)")
+
+
+CLUSTER_FORMAT = "NODESxGPUSxGPU, e.g. 2x8xh100 (GPU: " + ", ".join(GPUS) + ")"
+
+
+def parse_cluster(text: str, flag: str = "--predict-on") -> Cluster:
+    """``2x8xh100`` -> Cluster(2, 8, "h100"); anything else is a one-line error."""
+    parts = str(text).strip().lower().split("x", 2)
+    try:
+        nodes, per_node = int(parts[0]), int(parts[1])
+        gpu = get_gpu(parts[2]).name
+    except (ValueError, IndexError, UsageError):
+        raise bad_value(flag, text, CLUSTER_FORMAT) from None
+    if nodes < 1 or per_node < 1:
+        raise bad_value(flag, text, CLUSTER_FORMAT + "; counts >= 1")
+    return Cluster(nodes, per_node, gpu)
+
+
+def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]],
+                     precision: str = "bf16", ac: str = "none", batch: int = 1,
+                     seq: int | None = None) -> dict[str, Any]:
+    """A lesson's ``predicted`` block: each variant's knobs (``estimate_step_time`` keywords) on
+    ``cluster``, with its step time, exposed communication, tokens/s per GPU and timeline. One
+    trace serves every variant. A prediction, not a measurement: the block says so."""
+    from utilities.models import get_model_spec
+
+    seq = seq or get_model_spec(model).default_seq_len
+    rows = []
+    for name, knobs in variants.items():
+        t = estimate_step_time(model, cluster.gpus, precision=precision, ac=ac, batch=batch, seq=seq,
+                               gpu=cluster.gpu, gpus_per_node=cluster.gpus_per_node,
+                               network_gbps=cluster.network_gbps, **knobs)
+        rows.append({"name": name, "step_s": t.step_s, "compute_s": t.compute_s, "comm_s": t.comm_s,
+                     "exposed_comm_s": t.exposed_comm_s,
+                     "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "mfu": t.mfu,
+                     "timeline": [asdict(e) for e in t.timeline]})
+    return {"what": "PREDICTED by the course's step-time model (utilities.measure.step_time), "
+                    "not measured", "cluster": cluster.describe(), "gpus": cluster.gpus,
+            "model": getattr(model, "name", model), "precision": precision, "ac": ac,
+            "batch": batch, "seq": seq, "variants": rows}
+
+
+def format_predicted(block: dict[str, Any]) -> str:
+    """The prediction as a table under the lesson's measurements (80 columns)."""
+    lines = [f"PREDICTED (the step-time model, not a measurement): {block['model']}, batch "
+             f"{block['batch']} x {block['seq']} per GPU, on {block['cluster']}",
+             f"{'variant':<22}{'step':>10}{'comm':>10}{'exposed':>10}{'tokens/s/GPU':>14}"]
+    for v in block["variants"]:
+        lines.append(f"{v['name'][:22]:<22}{v['step_s'] * 1e3:>8.1f}ms{v['comm_s'] * 1e3:>8.1f}ms"
+                     f"{v['exposed_comm_s'] * 1e3:>8.1f}ms{v['tokens_per_s_per_gpu']:>14,.0f}")
+    import textwrap
+
+    return "\n".join([*textwrap.wrap(lines[0], 80), *lines[1:]])
