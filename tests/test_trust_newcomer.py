@@ -44,8 +44,10 @@ def test_marked_readme_tables_match_their_committed_runs():
     assert {"01", "07"} <= set(lessons)
     for lesson in lessons:
         assert T.check(lesson) == [], f"python -m utilities.course.readme_tables --write {lesson}"
-        results = json.loads((T.lesson_dir(lesson) / "results_cpu.json").read_text())
-        assert results["lesson"] == lesson and results["settings"]["quick"] is False
+        measured = T.lesson_dir(lesson) / "results_cpu.json"
+        if measured.exists():  # (04 and 06 render only their cluster prediction)
+            results = json.loads(measured.read_text())
+            assert results["lesson"] == lesson and results["settings"]["quick"] is False
 
 
 def test_a_hand_edited_number_is_caught(tmp_path, monkeypatch):

@@ -28,6 +28,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
 BLOCK = re.compile(r"(<!-- results:(\d\d) (\S+)[^\n]*-->\n)(.*?)(<!-- /results -->)", re.S)
+# a lesson's prediction on a cluster (results.json "predicted", saved as is), rendered the same way
+PREDICTED = re.compile(r"(<!-- predicted:(\d\d) (\S+)[^\n]*-->\n)(.*?)(<!-- /predicted -->)", re.S)
 
 Row = dict[str, Any]
 Column = tuple[str, Callable[[Row, dict[str, Any]], str]]
@@ -146,6 +148,19 @@ def render(lesson: str, results: dict[str, Any], source: str = "results_cpu.json
     return "\n".join(lines) + "\n"
 
 
+def render_predicted(block: dict[str, Any], source: str) -> str:
+    """The markdown of a lesson's ``predicted`` block: what it is, then one row per variant."""
+    lines = [f"_PREDICTED by the course's step-time model, not measured: rendered from [`{source}`]"
+             f"({source}), {block['model']} at batch {block['batch']} x {block['seq']} per GPU, "
+             f"{block['precision']}, on {block['cluster']}._", "",
+             "| variant | step (ms) | communication (ms) | exposed (ms) | tokens/s per GPU |",
+             "|---|---|---|---|---|"]
+    for v in block["variants"]:
+        lines.append(f"| {v['name']} | {v['step_s'] * 1e3:.1f} | {v['comm_s'] * 1e3:.1f} | "
+                     f"{v['exposed_comm_s'] * 1e3:.1f} | {v['tokens_per_s_per_gpu']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 # -- READMEs ---------------------------------------------------------------------------------------
 def lesson_dir(lesson: str) -> Path:
     found = sorted((REPO / "lessons").glob(f"{lesson}_*"))
@@ -158,32 +173,33 @@ def marked_lessons() -> list[str]:
     """Lessons whose README has a rendered results table."""
     out = []
     for readme in sorted((REPO / "lessons").glob("*/README.md")):
-        out += [m.group(2) for m in BLOCK.finditer(readme.read_text())]
+        text = readme.read_text()
+        out += [m.group(2) for pattern in (BLOCK, PREDICTED) for m in pattern.finditer(text)]
     return sorted(set(out))
 
 
 def check(lesson: str, write: bool = False) -> list[str]:
-    """Differences between the README's marked table and a fresh rendering (empty: they agree);
-    with ``write``, rewrite the README so they do."""
+    """Differences between the README's marked tables (results and predictions) and a fresh
+    rendering (empty: they agree); with ``write``, rewrite the README so they do."""
     folder = lesson_dir(lesson)
     readme = folder / "README.md"
     text = readme.read_text()
     problems: list[str] = []
 
-    def replace(m: re.Match) -> str:
+    def replace(m: re.Match, draw: Callable[[dict[str, Any], str], str]) -> str:
         if m.group(2) != lesson:
             return m.group(0)
-        results = json.loads((folder / m.group(3)).read_text())
-        fresh = render(lesson, results, m.group(3))
+        fresh = draw(json.loads((folder / m.group(3)).read_text()), m.group(3))
         if m.group(4) != fresh:
             problems.extend(difflib.unified_diff(m.group(4).splitlines(), fresh.splitlines(),
                                                  f"{readme} (as committed)",
                                                  f"rendered from {m.group(3)}", lineterm=""))
         return m.group(1) + fresh + m.group(5)
 
-    new = BLOCK.sub(replace, text)
-    if not any(m.group(2) == lesson for m in BLOCK.finditer(text)):
-        return [f"{readme} has no <!-- results:{lesson} ... --> block"]
+    new = BLOCK.sub(lambda m: replace(m, lambda r, src: render(lesson, r, src)), text)
+    new = PREDICTED.sub(lambda m: replace(m, render_predicted), new)
+    if not any(m.group(2) == lesson for pattern in (BLOCK, PREDICTED) for m in pattern.finditer(text)):
+        return [f"{readme} has no <!-- results:{lesson} ... --> or <!-- predicted:{lesson} ... --> block"]
     if write and new != text:
         readme.write_text(new)
     return problems
