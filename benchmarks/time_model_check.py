@@ -178,7 +178,7 @@ def summary(rows: list[dict]) -> dict:
             "held_out_not_loose": err([r for r in rows if r["role"] == "held_out" and not r["loose"]])}
 
 
-README = REPO / "benchmarks" / "README.md"
+READMES = (REPO / "benchmarks" / "README.md", REPO / "lessons" / "14_memory_planner" / "README.md")
 README_BLOCK = re.compile(r"(<!-- time-model:start -->\n)(.*?)(<!-- time-model:end -->)", re.S)
 
 
@@ -202,13 +202,16 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_readme(data: dict, readme: Path = README) -> bool:
-    """Re-render the marked block of benchmarks/README.md; True when it changed."""
-    text = readme.read_text()
-    new = README_BLOCK.sub(lambda m: m.group(1) + render(data) + m.group(3), text)
-    if new != text:
-        readme.write_text(new)
-    return new != text
+def write_readmes(data: dict, readmes: tuple[Path, ...] = READMES) -> list[Path]:
+    """Re-render the marked block of each README (the benchmarks', lesson 14's); those changed."""
+    changed = []
+    for readme in readmes:
+        text = readme.read_text()
+        new = README_BLOCK.sub(lambda m: m.group(1) + render(data) + m.group(3), text)
+        if new != text:
+            readme.write_text(new)
+            changed.append(readme)
+    return changed
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -259,8 +262,9 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"results written to {args.out}")
-    if Path(args.out).resolve() == OUT.resolve() and write_readme(result):
-        print(f"{README.relative_to(REPO)}: time model table re-rendered")
+    if Path(args.out).resolve() == OUT.resolve():
+        for readme in write_readmes(result):
+            print(f"{readme.relative_to(REPO)}: time model table re-rendered")
     return 0
 
 
