@@ -65,4 +65,14 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     from utilities.course.readme_tables import claims, lesson_dir
 
     committed = json.loads((lesson_dir("01") / "results_cpu.json").read_text())
-    assert claims("01", results) == claims("01", committed)
+    ran = claims("01", results)
+    assert {name: ran[name] for name in claims("01", committed)} == claims("01", committed)
+
+
+def test_the_learners_policy_reaches_the_measured_run(results):
+    """The notebook's is_unit picks T5Block; its classes travel as --unit-classes, and the 2-rank
+    run's fsdp2-yours has the units the one-rank cell counted (8 blocks + the root)."""
+    yours = variant(results, "fsdp2-yours")
+    assert yours["policy"] == "yours" and yours["fsdp_units"] == 9
+    assert yours["peak_unsharded_parameter_bytes"] == variant(results, "fsdp2-per-block")[
+        "peak_unsharded_parameter_bytes"]

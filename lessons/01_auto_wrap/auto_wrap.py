@@ -14,6 +14,7 @@ category and the step time.
     fsdp1-one-unit     wrap_fsdp1(model, None)                         FullyShardedDataParallel(model)
     fsdp1-per-block    wrap_fsdp1(model, block_policy(Block))          transformer_auto_wrap_policy
     fsdp1-size-based   wrap_fsdp1(model, size_policy(--min-params))    size_based_auto_wrap_policy
+    fsdp2-yours        wrap_fsdp2(model, your is_unit)                 with --unit-classes A,B
 
 Run: fsdp-course run 01 [--quick]   or   torchrun --nproc-per-node 2 auto_wrap.py --device cpu
 """
@@ -34,10 +35,11 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
+from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser, positive_int
 from utilities.distributed import world_mesh
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
-from utilities.models import ModelSpec
+from utilities.models import ModelSpec, get_model_spec
 from utilities.training import TrainStats
 from utilities.wrapping import fsdp_units, unit_parameter_counts
 
@@ -83,24 +85,31 @@ def wrap_fsdp1(model: nn.Module, policy: Callable[..., bool] | None, device: tor
 
 
 # -- the comparison ---------------------------------------------------------------------------------
-def variants(block_class: type[nn.Module], min_params: int,
-             device: torch.device) -> dict[str, Callable[[nn.Module], nn.Module]]:
-    """Each variant's wrapping: the calls above, with the model's block class."""
+def variants(block_class: type[nn.Module], min_params: int, device: torch.device,
+             unit_classes: list[str] | None = None) -> dict[str, Callable[[nn.Module], nn.Module]]:
+    """Each variant's wrapping: the calls above, with the model's block class; with
+    ``unit_classes`` also yours: one unit per module of those classes (the notebook's policy)."""
     def is_block(module: nn.Module) -> bool:
         return isinstance(module, block_class)
 
+    def is_yours(module: nn.Module) -> bool:
+        return type(module).__name__ in (unit_classes or ())
+
     fsdp1 = functools.partial(wrap_fsdp1, device=device)
+    yours = {"fsdp2-yours": functools.partial(wrap_fsdp2, is_unit=is_yours)} if unit_classes else {}
     return {
         "fsdp2-one-unit": wrap_fsdp2,
         "fsdp2-per-block": functools.partial(wrap_fsdp2, is_unit=is_block),
         "fsdp1-one-unit": functools.partial(fsdp1, policy=None),
         "fsdp1-per-block": functools.partial(fsdp1, policy=block_policy(block_class)),
         "fsdp1-size-based": functools.partial(fsdp1, policy=size_policy(min_params)),
+        **yours,
     }
 
 
 VARIANTS = tuple(variants(nn.Module, 1, torch.device("cpu")))  # the names, for --variants
-POLICIES = {"one-unit": "whole", "per-block": "block", "size-based": "size"}  # results.json "policy"
+POLICIES = {"one-unit": "whole", "per-block": "block", "size-based": "size",  # results.json "policy"
+            "yours": "yours"}
 NOTES = ("peak_unsharded_parameter_bytes: all-gathered parameters alive at the memory peak; one "
          "unit means the whole model is gathered at once.",)
 CPU_NOTE = ("CPU run: memory from torch.distributed._tools trackers; step times on CPU include no "
@@ -119,7 +128,9 @@ def main(args: argparse.Namespace) -> None:
         L.results.columns("fsdp_units", "largest_unit_parameters", "peak_unsharded_parameter_bytes")
         block, per_block = L.spec.block_class(), parameters_per_block(L.spec)
         L.print(f"block class: {block.__name__} ({per_block:,} parameters per block)")
-        wrappings = variants(block, args.min_params or per_block // 2, L.device)
+        wrappings = variants(block, args.min_params or per_block // 2, L.device, args.unit_classes)
+        if args.unit_classes:
+            args.variants = [*args.variants, "fsdp2-yours"]
 
         def describe(name: str, model: nn.Module, stats: TrainStats) -> dict:
             units = unit_parameter_counts(model)
@@ -138,7 +149,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_variants(VARIANTS)
     p.add_argument("--min-params", type=positive_int, default=None,
                    help="size-based policy threshold in parameters (default: half a block)")
-    return p.parse(argv)
+    p.add_argument("--unit-classes", default=None, type=lambda text: [c.strip() for c in text.split(",")
+                                                                     if c.strip()],
+                   help="your own FSDP2 policy: one unit per module of these classes (comma-"
+                        "separated names, e.g. T5Block,T5LayerFF), run as variant fsdp2-yours")
+    args = p.parse(argv)
+    if args.unit_classes:  # the lesson's models of one family share their class names
+        spec = get_model_spec(args.model or LESSONS["01"].run.cpu_model)
+        present = {type(m).__name__ for m in spec.build("meta").modules()}
+        unknown = [name for name in args.unit_classes if name not in present]
+        if unknown:
+            p.exit(2, f"error: --unit-classes {unknown[0]!r} is not allowed; allowed: module classes "
+                      f"of {spec.name}: {', '.join(sorted(present))}\n")
+    return args
 
 
 if __name__ == "__main__":
