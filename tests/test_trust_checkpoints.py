@@ -349,3 +349,162 @@ def test_unfinished_tmp_alone_is_still_reported_as_unfinished(tmp_path):
     (tmp_path / ".ckpt.tmp" / "__0_0.distcp").write_bytes(b"half")
     with pytest.raises(UsageError, match="never completed"):
         D.check_checkpoint(tmp_path / "ckpt")
+
+
+# -- a .metadata swapped after it was checked is never read again -----------------------------------
+def test_metadata_swapped_after_any_read_never_runs_code(tiny, tmp_path, monkeypatch):
+    """Whoever can write the folder replaces ``.metadata`` by a payload right after the n-th time it
+    is opened, for every n: the load either succeeds on the checked object or is refused in one
+    line; the payload never runs (PyTorch's own reader would unpickle it with ``pickle.load``)."""
+    import builtins
+    import io
+    import time
+
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=4)
+    good = (ckpt / ".metadata").read_bytes()
+    marker = tmp_path / "ran"
+    payload = tmp_path / "payload"
+    payload.write_bytes(pickle.dumps(_Touch(marker)))
+    real_open = builtins.open
+    started = time.monotonic()
+    for call in (lambda: D.load_checkpoint(ckpt, model, opt),
+                 lambda: D.to_torch_save(ckpt, tmp_path / "one.pt")):
+        for swap_after in range(1, 12):
+            (ckpt / ".metadata").write_bytes(good)
+            opened = []
+
+            def spying_open(file, *args, opened=opened, swap_after=swap_after, **kwargs):
+                f = real_open(file, *args, **kwargs)
+                if str(file).endswith(".metadata") and Path(file).parent == ckpt:
+                    opened.append(file)
+                    if len(opened) == swap_after:  # the open file keeps the old contents
+                        shutil.copyfile(payload, tmp_path / "swap")
+                        os.replace(tmp_path / "swap", ckpt / ".metadata")
+                return f
+
+            monkeypatch.setattr(builtins, "open", spying_open)
+            monkeypatch.setattr(io, "open", spying_open)  # pathlib.Path.open goes through io.open
+            try:
+                call()
+            except UsageError as e:
+                assert "\n" not in str(e) and "asks to run code" in str(e), e
+            finally:
+                monkeypatch.setattr(builtins, "open", real_open)
+                monkeypatch.setattr(io, "open", real_open)
+            assert not marker.exists(), f"the payload ran after swap at open {swap_after}"
+            if len(opened) < swap_after:
+                break  # every interleaving of this call was tried
+    assert time.monotonic() - started < 60
+
+
+# -- crafted metadata of DCP's own classes: one line, damaged or hostile, nothing loaded ----------
+def _rewrite_metadata(ckpt: Path, change) -> None:
+    metadata = D.read_metadata(ckpt)
+    change(metadata)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _first_storage(metadata, fqn: str = "trainer.step"):
+    return next(k for k in metadata.storage_data if k.fqn == fqn)
+
+
+def _set_storage(fqn: str, **fields):
+    import dataclasses
+
+    def change(metadata):
+        key = _first_storage(metadata, fqn)
+        metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], **fields)
+    return change
+
+
+def _storage_of_wrong_type(metadata):
+    metadata.storage_data[_first_storage(metadata)] = ("__0_0.distcp", 0, 10)
+
+
+def _huge_tensor(metadata):
+    metadata.state_dict_metadata["model.1.bias"].size = torch.Size([2 ** 40])
+
+
+def _deep_path(metadata):
+    deep = "__0_0.distcp"
+    for _ in range(40):
+        deep = (deep,)
+    _set_storage("trainer.step", relative_path=deep)(metadata)
+
+
+@pytest.mark.parametrize("change,says", [
+    (_storage_of_wrong_type, "storage of trainer.step is malformed"),
+    (_set_storage("trainer.step", offset=-1), "storage of trainer.step is malformed"),
+    (_set_storage("trainer.step", length=2 ** 62), "shorter than .metadata says"),
+    (_set_storage("optim.param_groups.0.lr", length=2 ** 62), "shorter than .metadata says"),
+    (_set_storage("trainer.step", relative_path="/etc/hostname"), "outside the checkpoint folder"),
+    (_set_storage("trainer.step", relative_path="../outside/__0_0.distcp"), "outside the checkpoint"),
+    (_set_storage("trainer.step", relative_path=""), "outside the checkpoint folder"),
+    (_deep_path, "storage of trainer.step is malformed"),
+    (_huge_tensor, "larger than its data files"),
+], ids=["wrong-type", "offset-1", "length-2^62", "bytes-length-2^62", "absolute", "dotdot", "empty",
+        "deep-path", "huge-size"])
+def test_crafted_metadata_of_allowed_classes_is_one_line(tiny, tmp_path, change, says):
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=4)
+    shutil.copytree(ckpt, tmp_path / "outside")  # a real shard that a '..' path would reach
+    _rewrite_metadata(ckpt, change)
+    for call in (D.check_checkpoint, lambda p: D.load_checkpoint(p, model, opt),
+                 lambda p: D.to_torch_save(p, tmp_path / "one.pt"),
+                 lambda p: D.dcp_load(D.training_state(model, opt), p)):
+        with pytest.raises(UsageError) as e:
+            call(ckpt)
+        msg = str(e.value)
+        assert "\n" not in msg and "damaged or hostile" in msg and says in msg, msg
+        assert "nothing was loaded" in msg and "run code" not in msg
+    assert not (tmp_path / "one.pt").exists()
+
+
+def test_truncated_shard_and_random_metadata_are_damaged(tiny, tmp_path):
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=4)
+    shard = ckpt / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(UsageError, match="damaged or hostile.*truncated.*nothing was loaded"):
+        D.load_checkpoint(ckpt, model, opt)
+    rng = __import__("random").Random(0)
+    for _ in range(50):
+        (ckpt / ".metadata").write_bytes(bytes(rng.randrange(256) for _ in range(400)))
+        with pytest.raises(UsageError) as e:
+            D.check_checkpoint(ckpt)
+        assert "\n" not in str(e.value) and "damaged" in str(e.value), e.value
+        assert "run code" not in str(e.value)
+
+
+def test_shard_cut_short_after_the_check_is_one_line(tiny, tmp_path):
+    """The data files change between the check and DCP's read: still one line, no traceback."""
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=4)
+    p, metadata = D._checked(ckpt)
+    shard = ckpt / "__0_0.distcp"
+    shard.write_bytes(b"\0" * shard.stat().st_size)
+    with pytest.raises(UsageError, match="is damaged: reading its data failed") as e:
+        D.dcp_load(D.training_state(model, opt), p, metadata)
+    assert "\n" not in str(e.value)
+
+
+def test_a_300000_deep_metadata_pickle_ends_in_one_line_not_a_crash(tmp_path):
+    """Hashing a deeply nested dict key recurses in C: plain pickle.load dies of SIGSEGV on this."""
+    import subprocess
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(b"\x80\x04}K\x01" + b"\x85" * 300_000 + b"K\x02s.")
+    code = ("import sys\nimport utilities.dcp as D\nfrom utilities.errors import UsageError\n"
+            "try:\n    D.check_checkpoint(sys.argv[1])\n"
+            "except UsageError as e:\n    print(f'error: {e}', file=sys.stderr)\n    sys.exit(2)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.count("\n") == 1 and "damaged or hostile" in proc.stderr
+    assert "levels deep" in proc.stderr
