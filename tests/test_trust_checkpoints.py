@@ -508,3 +508,22 @@ def test_a_300000_deep_metadata_pickle_ends_in_one_line_not_a_crash(tmp_path):
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert proc.stderr.count("\n") == 1 and "damaged or hostile" in proc.stderr
     assert "levels deep" in proc.stderr
+
+
+def test_lesson10_orders_checkpoints_by_step_across_the_padding_width(tiny, tmp_path):
+    """``step_{step:06d}`` grows a digit at step 1,000,000; sorted as text it came first, so each
+    new save was pruned at once and --resume picked step 999,999."""
+    model, opt = tiny
+    train = _lesson10()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpts = tmp_path / "checkpoints"
+    for step in (999_998, 999_999, 1_000_000, 1_000_001):
+        train.save_checkpoint(ckpts, model, opt, sched, step=step, batches=step, keep_last=2)
+    assert sorted(os.listdir(ckpts)) == ["step_1000000", "step_1000001"]
+    assert train.latest_checkpoint(ckpts).name == "step_1000001"
+    assert train.load_checkpoint(train.latest_checkpoint(ckpts), model, opt, sched)[0] == 1_000_001
+    (ckpts / "step_1000000").rename(ckpts / ".step_1000000.tmp")  # a save killed mid-publish
+    shutil.rmtree(ckpts / "step_1000001")
+    (ckpts / "step_999999").mkdir()  # an incomplete older one never wins either
+    assert train.latest_checkpoint(ckpts).name == ".step_1000000.tmp"
+    assert [p.name for p in D.recover_checkpoints(ckpts)] == ["step_999999", "step_1000000"]

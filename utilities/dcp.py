@@ -669,16 +669,28 @@ def recover_checkpoint(path: str | os.PathLike) -> Path | None:
     return p if best is not None else None
 
 
+def step_order(name: str | os.PathLike) -> tuple[int, str]:
+    """Sort key of a checkpoint name by the number it ends in (``step_999999`` before
+    ``step_1000000``, which a sort by text gets wrong once the number outgrows its zero padding);
+    names without a number sort first."""
+    import re
+
+    text = Path(name).name
+    number = re.search(r"(\d+)$", text)
+    return (int(number.group(1)) if number else -1, text)
+
+
 def latest_checkpoint(directory: str | os.PathLike, pattern: str = "step_*") -> Path | None:
-    """The newest complete checkpoint among ``directory/pattern`` (names sort by step), including
-    one a kill left as ``.NAME.tmp`` / ``.NAME.old``; only reads, so every rank gets the same."""
+    """The newest complete checkpoint among ``directory/pattern`` (by the step number the names
+    end in, ``step_order``), including one a kill left as ``.NAME.tmp`` / ``.NAME.old``; only reads,
+    so every rank gets the same."""
     d = Path(directory)
     if not d.is_dir():
         return None
     names = {q.name for q in d.glob(pattern)}
     names |= {q.name[1:-len(".tmp")] for q in d.glob(f".{pattern}.tmp")}
     names |= {q.name[1:-len(".old")] for q in d.glob(f".{pattern}.old")}
-    for name in sorted(names, reverse=True):
+    for name in sorted(names, key=step_order, reverse=True):
         found = resolve_checkpoint(d / name)
         if found is not None:
             return found
@@ -694,7 +706,7 @@ def recover_checkpoints(directory: str | os.PathLike, pattern: str = "step_*") -
     names = {q.name[1:-4] for q in [*d.glob(f".{pattern}.tmp"), *d.glob(f".{pattern}.old")]}
     for name in sorted(names):
         recover_checkpoint(d / name)
-    return sorted(d.glob(pattern))
+    return sorted(d.glob(pattern), key=step_order)
 
 
 def check_checkpoint(path: str | os.PathLike) -> Path:

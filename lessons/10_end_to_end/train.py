@@ -62,6 +62,7 @@ from utilities.dcp import (
     prepare_save,
     publish_save,
     recover_checkpoints,
+    step_order,
     training_state,
 )
 from utilities.models import META_INIT_THRESHOLD, get_model_spec, init_weights
@@ -157,7 +158,9 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
     dcp.save(state, checkpoint_id=str(tmp))
     publish_save(tmp, final)  # a fresh run in an old directory replaces the same step's checkpoint
     if dist.get_rank() == 0:
-        for old in sorted(ckpt_dir.glob("step_*"))[:-keep_last]:
+        # by the number, not the text: "step_1000000" sorts before "step_999999" as text
+        saved = sorted((q for q in ckpt_dir.glob("step_*") if q.name[5:].isdigit()), key=step_order)
+        for old in saved[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)  # half-deleted, it is older and incomplete: skipped
     dist.barrier()
     return final
