@@ -221,3 +221,97 @@ def test_only_a_launching_process_skips_its_final_collections(monkeypatch):
             lesson_parser(None).parse_args(["--steps", "0"])
         assert e.value.code == 2
         assert (len(gc.get_objects()) < before // 2) == frozen, mode
+
+
+def _parsers_of_every_lesson_and_the_cli():
+    """(name, parser) for every lesson's own parser (caught as its ``parse_args`` uses it) and for
+    each ``fsdp-course`` command and ``fsdp-course plan``: new flags are covered without a list."""
+    import argparse
+
+    from conftest import lesson_module
+
+    from utilities.course.catalog import LESSONS
+    from utilities.course.cli import _parser
+    from utilities.errors import OneLineParser
+    from utilities.measure.planner import add_plan_arguments
+
+    class Caught(Exception):
+        pass
+
+    found = []
+    real = OneLineParser.parse_known_args
+
+    def catch(self, *args, **kwargs):
+        found.append((number, self))
+        raise Caught
+
+    for info in LESSONS.values():
+        if not info.script_path.is_file():
+            continue
+        number = info.number
+        OneLineParser.parse_known_args = catch
+        try:
+            lesson_module(number).parse_args(["--device", "cpu", "--quick"])
+        except Caught:
+            pass
+        finally:
+            OneLineParser.parse_known_args = real
+    top = _parser()
+    for action in top._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found += [(f"cli {name}", sub) for name, sub in action.choices.items()]
+    found.append(("cli plan", add_plan_arguments(OneLineParser(prog="fsdp-course plan"))))
+    return found
+
+
+def _float_flags(parser) -> list[str]:
+    flags = []
+    for action in parser._actions:
+        if not action.option_strings or not callable(action.type):
+            continue
+        try:
+            probe = action.type("0.5")
+        except Exception:  # noqa: BLE001 - an int, a name, ...: not a float flag
+            continue
+        if isinstance(probe, float):
+            flags.append(action.option_strings[-1])
+    return flags
+
+
+def test_every_float_flag_refuses_nan_and_inf_in_one_line():
+    """NaN passes every range check (its comparisons are false): ``--lr nan`` trained to a 64-line
+    traceback, ``--lr inf`` to NaN losses and exit 0."""
+    from conftest import flag_error
+
+    parsers = _parsers_of_every_lesson_and_the_cli()
+    assert len({name for name, _ in parsers if not name.startswith("cli")}) >= 10
+    checked = []
+    for name, parser in parsers:
+        for flag in _float_flags(parser):
+            for value in ("nan", "inf", "-inf", "NaN", "1e999"):
+                given = f"{flag}={value}"  # "--lr -inf" would read -inf as a flag
+                if name.startswith("cli"):
+                    code, err = _parse_exit(parser, [given])
+                else:
+                    code, err = 2, flag_error(name, given)
+                assert code == 2 and err.startswith("error:") and "\n" not in err, (name, flag, err)
+                assert flag in err and value in err and "finite" in err, (name, flag, err)
+            checked.append(f"{name} {flag}")
+    for expected in ("10 --lr", "10 --min-lr-ratio", "10 --grad-clip", "10 --weight-decay",
+                     "06 --activation-gb", "01 --lr"):
+        assert expected in checked, checked
+    for value in ("1e999", "nan", "inf"):  # the planner reads its sizes itself
+        proc = cli_here("plan", "--gpu-memory", value)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def _parse_exit(parser, argv) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            parser.parse_args(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue().strip()
