@@ -190,3 +190,23 @@ def test_checkpoint_of_another_model_is_one_line(tmp_path):
 
 def test_bad_flag_value_exits_2_with_one_line():
     assert "fsdp3" in flag_error("03", "--variants", "fsdp3")
+
+
+def test_rank0_failing_to_save_stops_every_rank_in_one_line(tmp_path):
+    """Only rank 0 writes; when it cannot (here a folder under /proc, as a full disk would), rank 1
+    used to wait for its answer for ever. Two real ranks: the run must end within seconds, with
+    rank 0's error as the one line and exit 2."""
+    import time
+
+    from conftest import cli
+
+    started = time.monotonic()
+    proc = cli("run", "03", "--device", "cpu", "--nproc", "2", "--quick", "--out", str(tmp_path),
+               "--", "--variants", "fsdp2", "--no-export", "--checkpoint-dir", "/proc/no/such/dir",
+               timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert took < 90, took
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: saving /proc/no/such/dir/fsdp2.pt"), errors
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from utilities.distributed import world_size
+from utilities.distributed import fail_together, world_size
 from utilities.errors import UsageError
 from utilities.state_dict import safe_torch_load
 
@@ -93,20 +93,20 @@ def prepare_save(path: Path) -> Path:
     """Every rank calls it before writing ``path``: rank 0 recovers what a killed earlier save of
     ``path`` left, then makes an empty ``.NAME.tmp``; returns it (write there, then ``publish_save``)."""
     tmp = _tmp_dir(path)
-    if _rank() == 0:
-        recover_checkpoint(path)  # first finish or undo what a killed earlier save left
-        shutil.rmtree(tmp, ignore_errors=True)  # an unfinished save's leftovers
-        tmp.mkdir(parents=True)
-    _barrier()
+    with fail_together(f"preparing {tmp}"):  # also the barrier: rank 0 failing stops every rank
+        if _rank() == 0:
+            recover_checkpoint(path)  # first finish or undo what a killed earlier save left
+            shutil.rmtree(tmp, ignore_errors=True)  # an unfinished save's leftovers
+            tmp.mkdir(parents=True)
     return tmp
 
 
 def publish_save(tmp: Path, path: Path) -> None:
     """Every rank has finished writing into ``tmp``: rank 0 swaps it in (``swap_in``)."""
     _barrier()
-    if _rank() == 0:
-        swap_in(tmp, path)
-    _barrier()
+    with fail_together(f"publishing {path}"):  # also the barrier after the swap
+        if _rank() == 0:
+            swap_in(tmp, path)
 
 
 def swap_in(tmp: Path, path: Path) -> None:

@@ -149,6 +149,63 @@ def teardown() -> None:
             dist.destroy_process_group()
 
 
+class fail_together:
+    """``with fail_together("saving X"):`` around a step that not every rank does the same way
+    (rank 0 writes a file, the others wait for it): every rank enters, and on leaving, the ranks
+    compare notes (one small all-gather), so a failure on any rank becomes the same one-line
+    ``UsageError`` on every rank. Without it, rank 0 fails alone and the others wait for ever in
+    their next collective (a full disk, an unwritable ``--out``).
+
+    ``KeyboardInterrupt`` and other ``BaseException``s pass through untouched: every rank gets the
+    signal itself."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> fail_together:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, Exception):
+            return False
+        error = None if exc is None else one_line_error(self.what, exc)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errors: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise UsageError(error) from None
+        return False
+
+
+def one_line_error(what: str, exc: BaseException) -> str:
+    """``exc`` as one line: a ``UsageError`` as it is, an ``OSError`` by its reason and file,
+    anything else by its type and the first 200 characters of its message."""
+    if isinstance(exc, UsageError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{what} failed: {exc.strerror}{where}; the other ranks stopped too"
+    reason = " ".join(str(exc).split())[:200]
+    return f"{what} failed: {type(exc).__name__}: {reason}; the other ranks stopped too"
+
+
+def exit_on_error(exc: BaseException) -> None:
+    """End a rank after an error every rank raised the same way: rank 0 prints it as one line,
+    then every rank exits 2 at once, skipping the collective tear-down (the others are gone or
+    going)."""
+    import sys
+
+    if is_main():
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    if world_size() > 1:
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(2)
+    teardown()
+    raise SystemExit(2)
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 

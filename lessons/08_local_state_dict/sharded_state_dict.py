@@ -63,7 +63,7 @@ from utilities.dcp import (
     publish_save,
     to_torch_save,
 )
-from utilities.distributed import reduce_scalar
+from utilities.distributed import fail_together, reduce_scalar
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
 from utilities.training import train
@@ -235,9 +235,10 @@ def fsdp2_dcp(L: Lesson) -> None:
     per_rank = {f["file"]: f["bytes"] for f in layout(ckpt)}
     saved_outputs = outputs(model, L)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if L.dist.is_main:  # for the tests: the outputs, and every tensor whole (lesson 03's way)
-        torch.save(saved_outputs, L.out / "outputs_saved.pt")
-        torch.save(full, L.out / "reference_full_model.pt")
+    with fail_together(f"writing to {L.out}"):  # rank 0 failing alone would hang the others
+        if L.dist.is_main:  # for the tests: the outputs, and every tensor whole (lesson 03's way)
+            torch.save(saved_outputs, L.out / "outputs_saved.pt")
+            torch.save(full, L.out / "reference_full_model.pt")
 
     t0 = time.perf_counter()
     finish, blocked_s = timed(async_save, L.out / "checkpoint_async", model, opt, k, k)
@@ -260,14 +261,14 @@ def fsdp2_dcp(L: Lesson) -> None:
 
 def convert(L: Lesson) -> None:
     """One torch.save file and back, with PyTorch's format_utils (rank 0 only: no process group)."""
-    if L.dist.is_main:
-        single, to_s = timed(to_torch_save, L.out / "checkpoint", L.out / "converted.pt")
-        shutil.rmtree(L.out / "converted_dcp", ignore_errors=True)  # a rerun replaces it
-        back, from_s = timed(from_torch_save, single, L.out / "converted_dcp")
-        L.results.add("convert", None, dcp_to_torch_save_s=round(to_s, 4),
-                      torch_save_to_dcp_s=round(from_s, 4), torch_save_bytes=single.stat().st_size,
-                      back_to_dcp_bytes=dir_bytes(back))
-    dist.barrier()
+    with fail_together("converting the checkpoint"):  # also the barrier: a failure stops all
+        if L.dist.is_main:
+            single, to_s = timed(to_torch_save, L.out / "checkpoint", L.out / "converted.pt")
+            shutil.rmtree(L.out / "converted_dcp", ignore_errors=True)  # a rerun replaces it
+            back, from_s = timed(from_torch_save, single, L.out / "converted_dcp")
+            L.results.add("convert", None, dcp_to_torch_save_s=round(to_s, 4),
+                          torch_save_to_dcp_s=round(from_s, 4),
+                          torch_save_bytes=single.stat().st_size, back_to_dcp_bytes=dir_bytes(back))
 
 
 def fsdp1_formats(L: Lesson) -> None:
@@ -324,9 +325,11 @@ def resume_check(L: Lesson, k: int) -> None:
     diff = max(abs(a - b) for a, b in zip(whole, got))
     L.results.add("resume-check", None, uninterrupted_losses=whole, resumed_losses=got,
                   resumed_at_step=step, max_abs_loss_diff=diff)
-    if L.dist.is_main:
-        write_json(L.out / "resume_check.json", {"uninterrupted": whole, "resumed": got,
-                                                 "resumed_at_step": step, "max_abs_loss_diff": diff})
+    with fail_together(f"writing {L.out / 'resume_check.json'}"):
+        if L.dist.is_main:
+            write_json(L.out / "resume_check.json", {"uninterrupted": whole, "resumed": got,
+                                                     "resumed_at_step": step,
+                                                     "max_abs_loss_diff": diff})
     L.print(f"  resume check: {2 * k} uninterrupted vs {k} + save/load + {k}: max |loss diff| {diff:.2e}")
 
 
@@ -339,8 +342,9 @@ def load_elsewhere(L: Lesson, src: Path) -> None:
     logits = outputs(model, L)
     resaved = L.out / "checkpoint"
     _, save_s = timed(save, resaved, model, opt, resumed.step, resumed.batches_consumed)
-    if L.dist.is_main:
-        torch.save(logits, L.out / "outputs_loaded.pt")
+    with fail_together(f"writing {L.out / 'outputs_loaded.pt'}"):
+        if L.dist.is_main:
+            torch.save(logits, L.out / "outputs_loaded.pt")
     L.results.add("dcp-load-resharded", None, loaded_from=str(src), world_size=L.dist.world_size,
                   load_s=round(resumed.seconds, 4), step=resumed.step,
                   batches_consumed=resumed.batches_consumed, resave_s=round(save_s, 4),

@@ -57,7 +57,7 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from utilities.child_tuning import global_topk_threshold, local
 from utilities.course.lesson import Lesson, bounded, lesson_parser, positive_int
 from utilities.data import LETTERS, LetterTask, batches, make_loader
-from utilities.distributed import reduce_scalar
+from utilities.distributed import fail_together, reduce_scalar
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
 from utilities.training import train
@@ -368,9 +368,10 @@ def pretrained_state(L: Lesson, args: argparse.Namespace) -> dict[str, torch.Ten
             f"in {args.pretrain_steps} steps")
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     state = {k: v.detach().clone() for k, v in sd.items()}
-    if L.dist.is_main:
-        L.out.mkdir(parents=True, exist_ok=True)
-        torch.save(state, L.out / "pretrained.pt")
+    with fail_together(f"writing {L.out / 'pretrained.pt'}"):  # rank 0 failing stops every rank
+        if L.dist.is_main:
+            L.out.mkdir(parents=True, exist_ok=True)
+            torch.save(state, L.out / "pretrained.pt")
     return state
 
 

@@ -65,6 +65,7 @@ from utilities.dcp import (
     step_order,
     training_state,
 )
+from utilities.errors import UsageError
 from utilities.models import META_INIT_THRESHOLD, get_model_spec, init_weights
 
 # --precision: the dtype FSDP all-gathers parameters in (compute), and the one it reduces gradients in
@@ -152,17 +153,19 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
     final = ckpt_dir / f"step_{step:06d}"
     state = training_state(model, optimizer, step, batches)  # model + optimizer + step + data position
     state["scheduler"] = scheduler
-    if dist.get_rank() == 0:
-        recover_checkpoints(ckpt_dir)  # finish or undo what a kill left of earlier saves
+    with D.fail_together(f"saving into {ckpt_dir}"):  # rank 0 failing alone would hang the others
+        if dist.get_rank() == 0:
+            recover_checkpoints(ckpt_dir)  # finish or undo what a kill left of earlier saves
     tmp = prepare_save(final)
     dcp.save(state, checkpoint_id=str(tmp))
     publish_save(tmp, final)  # a fresh run in an old directory replaces the same step's checkpoint
-    if dist.get_rank() == 0:
-        # by the number, not the text: "step_1000000" sorts before "step_999999" as text
-        saved = sorted((q for q in ckpt_dir.glob("step_*") if q.name[5:].isdigit()), key=step_order)
-        for old in saved[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)  # half-deleted, it is older and incomplete: skipped
-    dist.barrier()
+    with D.fail_together(f"pruning {ckpt_dir}"):  # also the barrier
+        if dist.get_rank() == 0:
+            # by the number, not the text: "step_1000000" sorts before "step_999999" as text
+            saved = sorted((q for q in ckpt_dir.glob("step_*") if q.name[5:].isdigit()),
+                           key=step_order)
+            for old in saved[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)  # half-deleted: older, incomplete, skipped
     return final
 
 
@@ -360,4 +363,7 @@ def make_optimizer(model: nn.Module, cfg: Config,
 
 
 if __name__ == "__main__":
-    main(parse_args(description=__doc__))
+    try:
+        main(parse_args(description=__doc__))
+    except UsageError as e:  # every rank raises the same one (a damaged checkpoint, a failed save)
+        D.exit_on_error(e)

@@ -289,13 +289,7 @@ class Lesson:
         return False
 
     def _fail(self, e: Exception) -> None:
-        if D.is_main():
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        if D.world_size() > 1:
-            sys.stderr.flush()
-            os._exit(2)  # every rank hits the same error: skip the collective tear-down
-        D.teardown()
-        raise SystemExit(2)
+        D.exit_on_error(e)  # every rank hits the same error: one line, no collective tear-down
 
     # -- the pieces a lesson uses ------------------------------------------------------------
     def print(self, *a: Any) -> None:

@@ -13,14 +13,23 @@ from utilities.course.lesson import skip_final_collections
 
 
 def run(argv: list[str]) -> NoReturn:
-    """torchrun on ``argv``, then exit: 0, or 1 after printing which ranks failed and how."""
+    """torchrun on ``argv``, then exit: 0; or 2 when every failed rank exited 2, the course's
+    one-line error that rank 0 has printed already (``utilities.distributed.exit_on_error``: a
+    failed save, a damaged checkpoint); or 1 after printing which ranks failed and how."""
+    import logging
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
     skip_final_collections()
+    # torchrun logs each failed rank as it sees it; a rank that exits 2 has said why in one line
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: "(exitcode: 2)" not in record.getMessage())
     try:
         main(argv)
     except ChildFailedError as e:
+        if {failure.exitcode for failure in e.failures.values()} == {2}:
+            raise SystemExit(2) from None
         print(e, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     raise SystemExit(0)
