@@ -527,3 +527,34 @@ def test_lesson10_orders_checkpoints_by_step_across_the_padding_width(tiny, tmp_
     (ckpts / "step_999999").mkdir()  # an incomplete older one never wins either
     assert train.latest_checkpoint(ckpts).name == ".step_1000000.tmp"
     assert [p.name for p in D.recover_checkpoints(ckpts)] == ["step_999999", "step_1000000"]
+
+
+def test_publish_syncs_the_new_folder_before_renaming_it(tiny, tmp_path, monkeypatch):
+    """DCP renames ``.metadata`` into place inside ``.NAME.tmp`` without syncing that folder; the
+    publish syncs it before the renames and the parent after them."""
+    model, opt = tiny
+    events = []
+    real_replace = os.replace
+    monkeypatch.setattr(D, "_fsync_dir", lambda d: events.append(("fsync", Path(d).name)))
+    monkeypatch.setattr(D.os, "replace", lambda a, b: (events.append(("replace", Path(a).name)),
+                                                       real_replace(a, b)))
+    D.save_checkpoint(tmp_path / "ckpt", model, opt, step=1)
+    assert events == [("fsync", ".ckpt.tmp"), ("replace", ".ckpt.tmp"), ("fsync", tmp_path.name)]
+
+
+def test_planted_tmp_file_and_old_symlink_neither_crash_nor_get_followed(tiny, tmp_path):
+    """A file where ``.NAME.tmp`` goes crashed the save (mkdir), a symlink where ``.NAME.old`` goes
+    crashed it too (rmtree refuses links), and a linked ``.old`` was taken for a checkpoint."""
+    model, opt = tiny
+    elsewhere = tmp_path / "elsewhere"
+    D.save_checkpoint(elsewhere, model, opt, step=9)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    (ckpts / ".ckpt.tmp").write_text("planted")
+    (ckpts / ".ckpt.old").symlink_to(elsewhere)
+    assert D.resolve_checkpoint(ckpts / "ckpt") is None  # the link is never followed
+    D.save_checkpoint(ckpts / "ckpt", model, opt, step=1)
+    D.save_checkpoint(ckpts / "ckpt", model, opt, step=2)  # an overwrite, through .old
+    assert sorted(os.listdir(ckpts)) == ["ckpt"] and not (ckpts / "ckpt").is_symlink()
+    assert D.load_checkpoint(ckpts / "ckpt", model, opt).step == 2
+    assert D.load_checkpoint(elsewhere, model, opt).step == 9  # what the link pointed at is intact

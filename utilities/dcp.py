@@ -96,7 +96,7 @@ def prepare_save(path: Path) -> Path:
     with fail_together(f"preparing {tmp}"):  # also the barrier: rank 0 failing stops every rank
         if _rank() == 0:
             recover_checkpoint(path)  # first finish or undo what a killed earlier save left
-            shutil.rmtree(tmp, ignore_errors=True)  # an unfinished save's leftovers
+            _remove(tmp)  # an unfinished save's leftovers, or a file planted in its place
             tmp.mkdir(parents=True)
     return tmp
 
@@ -112,19 +112,33 @@ def publish_save(tmp: Path, path: Path) -> None:
 def swap_in(tmp: Path, path: Path) -> None:
     """Replace ``path`` by the complete checkpoint ``tmp`` so that a kill at any instant leaves one.
 
+    0. sync ``tmp`` (its files are synced by DCP, their names in it not);
     1. ``path`` -> ``.NAME.old`` (after deleting an ``.old`` left by an earlier kill: ``path`` is
        complete then); 2. ``tmp`` -> ``path``; 3. delete ``.NAME.old``. Between 1 and 2 only
     ``.old`` and the complete ``tmp`` exist; ``resolve_checkpoint`` picks ``tmp``, the newer one.
     Never ``rmtree(path)`` before the rename: a kill in between would leave no published copy.
     """
     old = _old_dir(path)
+    _fsync_dir(tmp)  # DCP renames .metadata into place inside tmp without syncing the folder
     if path.exists():
-        if old.exists():
-            shutil.rmtree(old)
+        _remove(old)
         os.replace(path, old)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old, ignore_errors=True)
+
+
+def _remove(path: Path, ignore_errors: bool = False) -> None:
+    """Delete ``.NAME.tmp`` / ``.NAME.old``: the folder a save made, or a file or symlink found in
+    its place (``rmtree`` refuses a symlink, and ``mkdir`` a name that a file holds)."""
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+    except OSError:
+        if not ignore_errors:
+            raise
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -649,6 +663,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path | None:
     """
     p = Path(path)
     for candidate in (_tmp_dir(p), p, _old_dir(p)):
+        if candidate != p and candidate.is_symlink():
+            continue  # the course never makes .tmp / .old a link: planted, never followed
         if _complete(candidate):
             return candidate
     return None
@@ -665,7 +681,7 @@ def recover_checkpoint(path: str | os.PathLike) -> Path | None:
     elif best == old:
         os.replace(old, p)  # only the previous checkpoint survived: put it back
     for leftover in (tmp, old):
-        shutil.rmtree(leftover, ignore_errors=True)  # incomplete, or superseded by ``path``
+        _remove(leftover, ignore_errors=True)  # incomplete, or superseded by ``path``
     return p if best is not None else None
 
 
