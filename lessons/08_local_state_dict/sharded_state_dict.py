@@ -55,6 +55,7 @@ from utilities.course.results import write_json
 from utilities.data import ReverseTask
 from utilities.dcp import (
     check_checkpoint,
+    dcp_load,
     from_torch_save,
     layout,
     load_checkpoint,
@@ -118,11 +119,12 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     batches consumed).
 
     The target is built from *this* run's shards; ``dcp.load`` reads exactly the slices they cover,
-    from whichever files hold them, and ``set_state_dict`` puts them in place. For a checkpoint
-    from elsewhere use ``utilities.dcp.load_checkpoint``: PyTorch unpickles ``.metadata`` as is.
+    from whichever files hold them, and ``set_state_dict`` puts them in place. ``dcp_load`` is
+    ``dcp.load`` with the checks of ``utilities.dcp``: PyTorch's own reader unpickles ``.metadata``
+    and the non-tensor entries with plain ``pickle``, so a file planted in the folder could run code.
     """
     state = training_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp_load(state, path)  # dcp.load(state, checkpoint_id=str(path)), read safely
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["trainer"]["step"]), int(state["trainer"]["batches_consumed"])
 
@@ -356,12 +358,18 @@ def load_elsewhere(L: Lesson, src: Path) -> None:
 def local_on_this_world(L: Lesson, src: Path) -> str | None:
     """The same run's FSDP1 LOCAL_STATE_DICT files, loaded here: on another number of ranks they
     fail (flat shards know their world size); DCP, above, reshards. Returns the error, if any."""
-    files = sorted((src.parent / "fsdp1_local").glob("rank*_of_*.pt"))
-    if not files:
+    import re
+
+    named = [re.fullmatch(r"rank(\d+)_of_(\d+)\.pt", f.name)
+             for f in sorted((src.parent / "fsdp1_local").glob("rank*_of_*.pt"))]
+    worlds = sorted({int(m.group(2)) for m in named if m and int(m.group(2)) > 0})
+    if not worlds:  # none, or only stray files such as rank0_of_x.pt
         return None
-    saved_world = int(files[0].stem.split("_of_")[1])
+    saved_world = worlds[0]
     model, _ = sharded(L, api="fsdp1")
-    path = files[0].parent / f"rank{min(L.dist.rank, saved_world - 1)}_of_{saved_world}.pt"
+    path = src.parent / "fsdp1_local" / f"rank{min(L.dist.rank, saved_world - 1)}_of_{saved_world}.pt"
+    if not path.is_file():
+        return f"{path} is missing"
     try:
         load_fsdp1_local(model, path)
     except UsageError as e:
