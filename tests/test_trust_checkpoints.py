@@ -208,11 +208,11 @@ class _Killed(BaseException):
     """What a SIGKILL looks like from inside: nothing after it runs."""
 
 
-def _fs_ops(monkeypatch, kill_at: int | None, how: str = "before", also=()) -> list[str]:
+def _fs_ops(monkeypatch, kill_at: int | None, how: str = "before") -> list[str]:
     """Route utilities.dcp's os.replace / shutil.rmtree / mkdir / dcp.save through a counter that
     raises ``_Killed`` at op number ``kill_at``: before the op, or (``how="half"``) after doing
     half of it (half a directory deleted; a DCP save's data written but not its ``.metadata``).
-    ``also``: other modules whose ``dcp.save`` counts (lesson 10 calls it itself)."""
+    Lesson 10 saves through ``utilities.dcp.dcp_save``, so its ``dcp.save`` counts too."""
     ops: list[str] = []
 
     def op(name, real, *args, **kwargs):
@@ -233,8 +233,7 @@ def _fs_ops(monkeypatch, kill_at: int | None, how: str = "before", also=()) -> l
     real_mkdir = Path.mkdir
     monkeypatch.setattr(D, "os", fake_os)
     monkeypatch.setattr(D, "shutil", fake_shutil)
-    for module in (D, *also):
-        monkeypatch.setattr(module, "dcp", fake_dcp)
+    monkeypatch.setattr(D, "dcp", fake_dcp)
 
     def mkdir(self, *a, **k):  # only utilities.dcp's own mkdir is an operation of ours, not DCP's
         if sys._getframe(1).f_globals.get("__name__") == D.__name__:
@@ -317,12 +316,12 @@ def test_lesson10_resumes_from_a_save_killed_mid_publish(tiny, tmp_path, monkeyp
     train.save_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
     _step(model, opt)
     b = _weights(model)
-    ops = _fs_ops(monkeypatch, None, also=[train])
+    ops = _fs_ops(monkeypatch, None)
     train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
     monkeypatch.undo()
     shutil.rmtree(ckpts / "step_000020")
     for k in range(ops.index("dcp.save") + 1, len(ops)):  # every kill after the data is written
-        _fs_ops(monkeypatch, k, also=[train])
+        _fs_ops(monkeypatch, k)
         with pytest.raises(_Killed):
             train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
         monkeypatch.undo()
@@ -335,7 +334,7 @@ def test_lesson10_resumes_from_a_save_killed_mid_publish(tiny, tmp_path, monkeyp
         _step(model, opt)
         b = _weights(model)
     # an unfinished save (no .metadata) is never picked: step 10 is
-    _fs_ops(monkeypatch, ops.index("dcp.save"), "half", also=[train])
+    _fs_ops(monkeypatch, ops.index("dcp.save"), "half")
     with pytest.raises(_Killed):
         train.save_checkpoint(ckpts, model, opt, sched, step=30, batches=30, keep_last=2)
     monkeypatch.undo()
@@ -558,3 +557,36 @@ def test_planted_tmp_file_and_old_symlink_neither_crash_nor_get_followed(tiny, t
     assert sorted(os.listdir(ckpts)) == ["ckpt"] and not (ckpts / "ckpt").is_symlink()
     assert D.load_checkpoint(ckpts / "ckpt", model, opt).step == 2
     assert D.load_checkpoint(elsewhere, model, opt).step == 9  # what the link pointed at is intact
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tiny, tmp_path,
+                                                                                monkeypatch):
+    """ENOSPC inside dcp.save was 160 lines and 6 tracebacks, and left a partial ``.tmp``."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    model, opt = tiny
+    train = _lesson10()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpts = tmp_path / "checkpoints"
+    train.save_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
+    real_open = filesystem.FileSystem.create_stream
+
+    def full(self, path, mode):
+        if "w" in mode and str(path).endswith(".distcp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(self, path, mode)
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", full)
+    for save in (lambda: train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20,
+                                               keep_last=2),
+                 lambda: D.save_checkpoint(ckpts / "step_000020", model, opt, step=20)):
+        with pytest.raises(UsageError) as e:
+            save()
+        msg = str(e.value)
+        assert "\n" not in msg and "No space left on device" in msg, msg
+        assert "step_000020" in msg and "previous checkpoint" in msg
+        assert sorted(os.listdir(ckpts)) == ["step_000010"]  # no partial .tmp is left
+    monkeypatch.undo()
+    assert train.load_checkpoint(train.latest_checkpoint(ckpts), model, opt, sched) == (10, 10)

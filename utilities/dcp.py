@@ -165,9 +165,47 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, s
     t0 = time.perf_counter()
     state = training_state(model, optimizer, step, batches_consumed)
     tmp = prepare_save(path)
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp_save(state, tmp)
     publish_save(tmp, path)
     return time.perf_counter() - t0
+
+
+def dcp_save(state: dict[str, Any], tmp: Path) -> None:
+    """``dcp.save(state, checkpoint_id=tmp)`` (``tmp`` from ``prepare_save``), where a failure (a
+    full disk, a folder gone) is one ``UsageError`` line on every rank, not DCP's exception with
+    every rank's traceback (DCP raises it on every rank). Rank 0 then removes the unfinished
+    ``tmp``; the published checkpoint was never touched."""
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        _save_failed(e, tmp)
+
+
+def _save_failed(exc: BaseException, tmp: Path) -> None:
+    """Raise ``exc`` of a save into ``tmp`` as one line (rank 0 removes ``tmp``); a
+    ``KeyboardInterrupt`` or ``SystemExit`` passes through as it is."""
+    from utilities.distributed import one_line_error
+
+    inner = _inner_failure(exc)
+    if not isinstance(inner, Exception):
+        raise exc
+    if _rank() == 0:
+        _remove(tmp, ignore_errors=True)
+    name = tmp.name[1:-len(".tmp")] if tmp.name.endswith(".tmp") else tmp.name
+    raise UsageError(one_line_error(f"saving checkpoint {tmp.parent / name}", inner)
+                     .replace("; the other ranks stopped too", "")
+                     + "; the previous checkpoint, if any, is kept") from None
+
+
+def _inner_failure(exc: BaseException) -> BaseException:
+    """The error inside DCP's ``CheckpointException`` (a ``UsageError`` of ours first, else the
+    first rank's), or ``exc`` itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(exc, CheckpointException):
+        return exc
+    failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+    return next((f for f in failures if isinstance(f, UsageError)), failures[0] if failures else exc)
 
 
 class PendingSave:
@@ -183,7 +221,10 @@ class PendingSave:
         if self.total_s is None:
             fut = self._future
             fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse or plain Future
-            fut.result()
+            try:
+                fut.result()
+            except BaseException as e:  # noqa: BLE001 - as dcp_save: one line
+                _save_failed(e, self._tmp)
             publish_save(self._tmp, self.path)
             self.total_s = time.perf_counter() - self._started
         return self.total_s
@@ -787,15 +828,11 @@ class _one_line_failure:
         return None
 
     def __exit__(self, kind, exc, tb) -> bool:
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        if exc is None or not isinstance(exc, (Exception, CheckpointException)):
+        if exc is None:
             return False
-        inner: BaseException = exc
-        if isinstance(exc, CheckpointException):
-            failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
-            inner = next((f for f in failures if isinstance(f, UsageError)),
-                         failures[0] if failures else exc)
+        inner = _inner_failure(exc)
+        if not isinstance(inner, Exception):
+            return False
         if isinstance(inner, UsageError):
             raise UsageError(str(inner)) from None
         reason = " ".join(str(inner).split())[:160]

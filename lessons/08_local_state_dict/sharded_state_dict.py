@@ -56,6 +56,7 @@ from utilities.data import ReverseTask
 from utilities.dcp import (
     check_checkpoint,
     dcp_load,
+    dcp_save,
     from_torch_save,
     layout,
     load_checkpoint,
@@ -94,7 +95,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     publish keeps the previous checkpoint until then), so a crash never leaves a half-written one.
     """
     tmp = prepare_save(Path(path))
-    dcp.save(training_state(model, optimizer, step, batches_consumed), checkpoint_id=str(tmp))
+    # dcp.save(state, checkpoint_id=tmp), with a failure (a full disk) in one line, tmp removed
+    dcp_save(training_state(model, optimizer, step, batches_consumed), tmp)
     publish_save(tmp, Path(path))
 
 

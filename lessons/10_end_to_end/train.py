@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_config, train_
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -58,6 +57,7 @@ from utilities.data import ReverseTask, make_loader
 from utilities.dcp import (
     check_checkpoint,
     dcp_load,
+    dcp_save,
     latest_checkpoint,
     prepare_save,
     publish_save,
@@ -157,7 +157,7 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
         if dist.get_rank() == 0:
             recover_checkpoints(ckpt_dir)  # finish or undo what a kill left of earlier saves
     tmp = prepare_save(final)
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp_save(state, tmp)  # dcp.save(state, checkpoint_id=tmp); a full disk is one line, tmp removed
     publish_save(tmp, final)  # a fresh run in an old directory replaces the same step's checkpoint
     with D.fail_together(f"pruning {ckpt_dir}"):  # also the barrier
         if dist.get_rank() == 0:
