@@ -590,3 +590,20 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
         assert sorted(os.listdir(ckpts)) == ["step_000010"]  # no partial .tmp is left
     monkeypatch.undo()
     assert train.load_checkpoint(train.latest_checkpoint(ckpts), model, opt, sched) == (10, 10)
+
+
+def test_from_torch_save_replaces_an_earlier_conversion_whole(tiny, tmp_path):
+    model, opt = tiny
+    D.save_checkpoint(tmp_path / "ckpt", model, opt, step=3)
+    one = D.to_torch_save(tmp_path / "ckpt", tmp_path / "one.pt")
+    back = tmp_path / "back"
+    D.from_torch_save(one, back)
+    (back / "__7_0.distcp").write_bytes(b"left by an earlier conversion")
+    D.from_torch_save(one, back)
+    assert sorted(os.listdir(back)) == [".metadata", "__0_0.distcp"]
+    assert not (tmp_path / ".back.tmp").exists() and not (tmp_path / ".back.old").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(UsageError, match="not a DCP checkpoint"):
+        D.from_torch_save(one, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"

@@ -141,6 +141,17 @@ def _remove(path: Path, ignore_errors: bool = False) -> None:
             raise
 
 
+def _fsync_files(directory: Path) -> None:
+    """Sync every file directly in ``directory`` (for writers that do not, e.g. ``save_pretrained``)."""
+    for f in directory.iterdir():
+        if f.is_file() and not f.is_symlink():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 def _fsync_dir(directory: Path) -> None:
     """Make the renames durable (a power cut, not only a kill); a no-op where not supported."""
     try:
@@ -878,10 +889,16 @@ def from_torch_save(file: str | os.PathLike, dcp_dir: str | os.PathLike) -> Path
     """A DCP directory (one file, one writer) from a ``torch.save`` file; any world size loads it.
 
     Not PyTorch's ``torch_save_to_dcp``: it reads the file with ``weights_only=False``. We read it
-    with ``weights_only=True`` (one line naming what it refused) and write it with ``dcp.save``.
+    with ``weights_only=True`` (one line naming what it refused) and write it with ``dcp.save``,
+    into ``.NAME.tmp``, then rename it over ``dcp_dir`` (``swap_in``): an earlier conversion there is
+    replaced whole, never mixed with the new files. A folder there that is not a DCP checkpoint
+    (no ``.metadata``) and not empty is refused, not replaced.
     """
     from torch.distributed.checkpoint import FileSystemWriter
 
+    target = Path(dcp_dir)
+    if target.is_dir() and any(target.iterdir()) and not (target / METADATA).is_file():
+        raise UsageError(f"{str(target)!r} exists and is not a DCP checkpoint: not replaced")
     if not Path(file).is_file():
         raise UsageError(f"torch.save file {str(file)!r} does not exist")
     state = safe_torch_load(Path(file), f"torch.save file {str(file)!r}")
@@ -892,8 +909,15 @@ def from_torch_save(file: str | os.PathLike, dcp_dir: str | os.PathLike) -> Path
 
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.save(state, storage_writer=FileSystemWriter(str(dcp_dir)), no_dist=True)
-    return Path(dcp_dir)
+        tmp = _tmp_dir(target)
+        _remove(tmp)
+        tmp.mkdir(parents=True)
+        try:
+            dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
+        except BaseException as e:  # noqa: BLE001 - as dcp_save: one line, tmp removed
+            _save_failed(e, tmp)
+    swap_in(tmp, target)
+    return target
 
 
 # -- FSDP1's own state dict types, for comparison --------------------------------------------------

@@ -348,8 +348,23 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory:
                          f"({_first(result.unexpected_keys, 3)})")
     model.tie_weights()
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    if directory.is_dir() and any(directory.iterdir()) and not (directory / "config.json").is_file():
+        raise UsageError(f"cannot export to {directory}: it exists and is not an export (no "
+                         "config.json); not replaced")
+    # written beside it, then renamed over it: an earlier export is replaced whole (no stale
+    # shard of it stays beside the new files), and a crash mid-write leaves the earlier one
+    from utilities.dcp import _fsync_files, _remove, _tmp_dir, swap_in
+
+    tmp = _tmp_dir(directory)
+    _remove(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        _fsync_files(tmp)
+    except BaseException:
+        _remove(tmp, ignore_errors=True)
+        raise
+    swap_in(tmp, directory)
     return directory
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -68,6 +67,7 @@ from utilities.dcp import (
 from utilities.distributed import fail_together, reduce_scalar
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
+from utilities.state_dict import atomic_torch_save
 from utilities.training import train
 from utilities.wrapping import shard_model
 
@@ -145,20 +145,18 @@ def save_fsdp1_local(directory: str | os.PathLike, model: FSDP) -> tuple[Path, i
     """``LOCAL_STATE_DICT`` + ``torch.save``: every rank writes its flat shards to its own file,
     named by its rank and the world size it is bound to; returns the file and its flat shards."""
     path = Path(directory) / f"rank{dist.get_rank()}_of_{dist.get_world_size()}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
     local = fsdp1_state_dict(model, StateDictType.LOCAL_STATE_DICT)
-    torch.save(local, path)
+    atomic_torch_save(local, path)  # torch.save through a synced temporary file and a rename
     return path, sum(1 for key in local if key.endswith("flat_param"))
 
 
 def save_fsdp1_sharded(path: str | os.PathLike, model: FSDP) -> None:
-    """``SHARDED_STATE_DICT`` + ``dcp.save`` (model only): reshardable, like ``save``'s. A rerun
-    replaces the folder (dcp.save would write over the old files, with a warning)."""
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
-    dcp.save({"model": fsdp1_state_dict(model, StateDictType.SHARDED_STATE_DICT)},
-             checkpoint_id=str(path))
+    """``SHARDED_STATE_DICT`` + ``dcp.save`` (model only): reshardable, like ``save``'s, and
+    published like it: written into ``.NAME.tmp``, renamed over ``NAME`` once complete, so a rerun
+    killed mid-save still leaves the previous folder (deleting it first would not)."""
+    tmp = prepare_save(Path(path))
+    dcp_save({"model": fsdp1_state_dict(model, StateDictType.SHARDED_STATE_DICT)}, tmp)
+    publish_save(tmp, Path(path))
 
 
 # -- the experiment -------------------------------------------------------------------------------
@@ -268,7 +266,6 @@ def convert(L: Lesson) -> None:
     with fail_together("converting the checkpoint"):  # also the barrier: a failure stops all
         if L.dist.is_main:
             single, to_s = timed(to_torch_save, L.out / "checkpoint", L.out / "converted.pt")
-            shutil.rmtree(L.out / "converted_dcp", ignore_errors=True)  # a rerun replaces it
             back, from_s = timed(from_torch_save, single, L.out / "converted_dcp")
             L.results.add("convert", None, dcp_to_torch_save_s=round(to_s, 4),
                           torch_save_to_dcp_s=round(from_s, 4),
