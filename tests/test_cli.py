@@ -315,3 +315,58 @@ def _parse_exit(parser, argv) -> tuple[int, str]:
         except SystemExit as e:
             code = e.code
     return code, err.getvalue().strip()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Ctrl-C mid-run gave up to 118 lines and 3 tracebacks: the launcher's SignalException, and a
+    KeyboardInterrupt from every rank. The launcher now says it in one line and exits 130, the ranks
+    end silently, and the CLI waits for the launcher instead of killing it."""
+    import signal
+    import subprocess
+
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from utilities import distributed as D
+    from utilities.course import cli as cli_module
+    from utilities.course.torchrun import run
+
+    for error in (SignalException("got signal: 2", sigval=signal.SIGINT), KeyboardInterrupt()):
+        def interrupted(argv, error=error):
+            raise error
+
+        monkeypatch.setattr(torch.distributed.run, "main", interrupted)
+        with pytest.raises(SystemExit) as e:
+            run(["--nproc-per-node=2", "x.py"])
+        assert e.value.code == 130
+        assert capsys.readouterr().err == "error: interrupted by SIGINT: every rank was stopped\n"
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # a rank: Ctrl-C ends it at once, silently
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        D.quiet_on_interrupt()
+        handler = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    handler(signal.SIGINT, None)
+    assert exits == [130]
+
+    class Launcher:  # gets the Ctrl-C too, stops the ranks, exits 130
+        def __init__(self):
+            self.waits, self.signals = 0, []
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            if self.waits == 1:
+                raise KeyboardInterrupt
+            if self.waits == 2 and not self.signals:
+                raise subprocess.TimeoutExpired("launcher", timeout)
+            return 130
+
+        def send_signal(self, number):
+            self.signals.append(number)
+
+    launcher = Launcher()
+    assert cli_module.wait_for_launcher(launcher) == 130 and launcher.signals == [signal.SIGINT]

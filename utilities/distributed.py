@@ -74,6 +74,7 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
     visible GPUs, the ranks share them: every rank takes the same decision from the same numbers,
     so all of them ask for the same backend.
     """
+    quiet_on_interrupt()
     dev = resolve_device(device)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -147,6 +148,19 @@ def teardown() -> None:
             gc.collect()
         finally:
             dist.destroy_process_group()
+
+
+def quiet_on_interrupt() -> None:
+    """In a rank torchrun started: Ctrl-C ends this process at once, silently, with 130. The
+    launcher gets the same signal, stops every rank and prints the one line that says so; without
+    this, every rank adds a KeyboardInterrupt traceback from wherever it was (a collective, mostly).
+    A save cut short this way is one a kill would leave: the previous checkpoint stays complete.
+    Elsewhere (a notebook, a test, one plain process) Ctrl-C is left as it is."""
+    import signal
+    import threading
+
+    if os.environ.get("TORCHELASTIC_RUN_ID") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda number, frame: os._exit(128 + number))
 
 
 class fail_together:

@@ -372,7 +372,32 @@ def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
     run = prepare_launch(info, device, nproc, out, quick, model, flags, check_then_launch=True)
     for line in run.header:
         print(line, flush=True)
-    return subprocess.call(run.cmd, env=run.env)
+    return wait_for_launcher(subprocess.Popen(run.cmd, env=run.env))
+
+
+def wait_for_launcher(proc: subprocess.Popen, grace_s: float = 60.0) -> int:
+    """The launcher's exit code. On Ctrl-C the launcher (same process group) gets the signal too:
+    torchrun stops the ranks and the launcher says so in one line (exit 130). We wait for that,
+    instead of killing it as ``subprocess.call`` does (a killed launcher can leave ranks running);
+    if the signal reached only us, we pass it on. Killed only if still there after ``grace_s``."""
+    import signal
+
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        pass
+    try:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+        return proc.wait(timeout=grace_s)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        proc.kill()
+        proc.wait()
+        print("error: interrupted: the launcher did not stop in time and was killed",
+              file=sys.stderr, flush=True)
+        return 130
 
 
 def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
