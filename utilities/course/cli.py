@@ -11,6 +11,7 @@ and refused in one line if they would not fit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -372,32 +373,28 @@ def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
     run = prepare_launch(info, device, nproc, out, quick, model, flags, check_then_launch=True)
     for line in run.header:
         print(line, flush=True)
-    return wait_for_launcher(subprocess.Popen(run.cmd, env=run.env))
+    with ctrl_c_left_to_the_launcher():
+        return subprocess.call(run.cmd, env=run.env)
 
 
-def wait_for_launcher(proc: subprocess.Popen, grace_s: float = 60.0) -> int:
-    """The launcher's exit code. On Ctrl-C the launcher (same process group) gets the signal too:
-    torchrun stops the ranks and the launcher says so in one line (exit 130). We wait for that,
-    instead of killing it as ``subprocess.call`` does (a killed launcher can leave ranks running);
-    if the signal reached only us, we pass it on. Killed only if still there after ``grace_s``."""
+@contextlib.contextmanager
+def ctrl_c_left_to_the_launcher():
+    """While the launcher runs, Ctrl-C does nothing here. The launcher is in our process group, so
+    it gets the signal too: torchrun stops the ranks and it says so in one line (exit 130), which
+    ``subprocess.call`` then returns. Without this, ``subprocess.call`` would kill the launcher a
+    quarter of a second into its shutdown. A handler, not ``SIG_IGN``: ``exec`` resets a handler to
+    the default, so the launcher still gets its KeyboardInterrupt."""
     import signal
+    import threading
 
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, lambda number, frame: None)
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        pass
-    try:
-        try:
-            return proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-        return proc.wait(timeout=grace_s)
-    except (subprocess.TimeoutExpired, KeyboardInterrupt):
-        proc.kill()
-        proc.wait()
-        print("error: interrupted: the launcher did not stop in time and was killed",
-              file=sys.stderr, flush=True)
-        return 130
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
