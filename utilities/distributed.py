@@ -75,6 +75,7 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
     so all of them ask for the same backend.
     """
     quiet_on_interrupt()
+    die_with_the_launcher()
     dev = resolve_device(device)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -161,6 +162,29 @@ def quiet_on_interrupt() -> None:
 
     if os.environ.get("TORCHELASTIC_RUN_ID") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, lambda number, frame: os._exit(128 + number))
+
+
+def die_with_the_launcher() -> None:
+    """In a rank torchrun started (Linux): be killed when the launcher dies. torchrun starts each
+    rank in its own session, so a ``kill -9`` of the launcher (or of its process group) used to
+    leave the ranks training and writing checkpoints on their own, racing a restarted ``--resume``.
+    The kernel's parent-death signal ends them instead. Armed in ``setup()``: a launcher killed
+    while its ranks are still importing torch leaves them to finish that first."""
+    import ctypes
+    import signal
+    import sys
+
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died while the signal was being armed
+        os._exit(128 + int(signal.SIGKILL))
 
 
 class fail_together:
