@@ -607,3 +607,17 @@ def test_from_torch_save_replaces_an_earlier_conversion_whole(tiny, tmp_path):
     with pytest.raises(UsageError, match="not a DCP checkpoint"):
         D.from_torch_save(one, tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_a_checkpoint_folder_takes_one_run_at_a_time(tmp_path):
+    """Two `run 10` on one --out: one's recovery deleted the other's .tmp. The second is refused in
+    one line naming the holder; the lock goes with the process that held it."""
+    first = D.lock_checkpoints(tmp_path / "checkpoints")
+    with pytest.raises(UsageError) as e:
+        D.lock_checkpoints(tmp_path / "checkpoints")
+    msg = str(e.value)
+    assert "\n" not in msg and "in use by pid" in msg and str(os.getpid()) in msg, msg
+    assert os.listdir(tmp_path / "checkpoints") == []  # nothing inside the folder itself
+    first.close()  # as the process ending does
+    D.lock_checkpoints(tmp_path / "checkpoints").close()
+    assert "lock_checkpoints(cfg.ckpt_dir)" in (REPO / "lessons/10_end_to_end/train.py").read_text()

@@ -765,6 +765,37 @@ def latest_checkpoint(directory: str | os.PathLike, pattern: str = "step_*") -> 
     return None
 
 
+def lock_checkpoints(directory: str | os.PathLike) -> Any:
+    """Take ``directory``'s lock for as long as this process lives (keep the returned file open):
+    one run at a time saves into a checkpoint folder. A second run into the same folder would
+    recover, prune and overwrite under the first one's feet (its recovery deleted the other's
+    ``.tmp``); it is refused in one ``UsageError`` line naming the holder. The lock is the file
+    ``.NAME.lock`` beside the folder, held with ``flock``: the kernel releases it when the process
+    ends, however it ends, so a killed run never leaves it taken. (On a network filesystem whose
+    ``flock`` is local to each host, runs on two hosts are not kept apart.)"""
+    import fcntl
+    import socket
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    lock = open(d.parent / f".{d.name}.lock", "a+")  # noqa: SIM115 - held open until exit
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise UsageError(f"checkpoint folder {str(d)!r} is in use by {holder}: one run at a time "
+                         "may save there; wait for it to end, or give another --out / --ckpt-dir"
+                         ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    return lock
+
+
 def recover_checkpoints(directory: str | os.PathLike, pattern: str = "step_*") -> list[Path]:
     """``recover_checkpoint`` for every name in ``directory`` that a kill left a ``.tmp`` or ``.old``
     of (rank 0 only); returns the checkpoints that exist afterwards under their own names."""

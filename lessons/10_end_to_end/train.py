@@ -59,6 +59,7 @@ from utilities.dcp import (
     dcp_load,
     dcp_save,
     latest_checkpoint,
+    lock_checkpoints,
     prepare_save,
     publish_save,
     recover_checkpoints,
@@ -203,6 +204,8 @@ def main(cfg: Config) -> None:
     exit_if_only_checking_flags()
     info = setup(cfg)  # the process group, and the defaults of this rank's hardware
     device, rank, world = info.device, info.rank, info.world_size
+    with D.fail_together(f"locking {cfg.ckpt_dir}"):  # a second run into this folder: one line
+        lock = lock_checkpoints(cfg.ckpt_dir) if rank == 0 else None  # noqa: F841 - held until exit
     spec = get_model_spec(cfg.model)
     model = parallelize(build_model(cfg, device), cfg, device)
     log = TrainingLog(cfg, spec, info)
