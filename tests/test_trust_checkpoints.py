@@ -621,3 +621,16 @@ def test_a_checkpoint_folder_takes_one_run_at_a_time(tmp_path):
     first.close()  # as the process ending does
     D.lock_checkpoints(tmp_path / "checkpoints").close()
     assert "lock_checkpoints(cfg.ckpt_dir)" in (REPO / "lessons/10_end_to_end/train.py").read_text()
+
+
+def test_a_size_whose_element_count_overflows_int64_is_refused(tiny, tmp_path):
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=4)
+
+    def change(metadata):
+        entry = metadata.state_dict_metadata["model.0.weight"]
+        entry.size = torch.Size([2 ** 62, 2 ** 62])  # numel wraps around in int64
+    _rewrite_metadata(ckpt, change)
+    with pytest.raises(UsageError, match="larger than its data files"):
+        D.to_torch_save(ckpt, tmp_path / "one.pt")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import io
+import math
 import os
 import pickle
 import shutil
@@ -555,7 +556,7 @@ def _check_metadata(p: Path, md: Any) -> None:
         need(is_size(entry.size), f"entry {fqn} has a malformed size")
         need(type(entry.chunks) is list, f"entry {fqn} has malformed chunks")
         itemsize = props.dtype.itemsize
-        tensor_bytes += entry.size.numel() * itemsize
+        tensor_bytes += math.prod(entry.size) * itemsize
         for chunk in entry.chunks:
             need(type(chunk) is ChunkStorageMetadata and is_size(chunk.offsets)
                  and is_size(chunk.sizes) and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
@@ -596,7 +597,7 @@ def _check_metadata(p: Path, md: Any) -> None:
         for chunk in entry.chunks:
             info = storage.get(MetadataIndex(fqn, chunk.offsets))
             need(info is not None, f"a chunk of {fqn} has no storage")
-            need(info.length >= chunk.sizes.numel() * entry.properties.dtype.itemsize,
+            need(info.length >= math.prod(chunk.sizes) * entry.properties.dtype.itemsize,
                  f"a chunk of {fqn} is stored in fewer bytes than it holds")
     files = sorted({info.relative_path for info in storage.values()})
     root = os.path.realpath(p)
