@@ -609,7 +609,8 @@ def _check_metadata(p: Path, md: Any) -> None:
     missing = [f for f in files if not (p / f).is_file()]
     if missing:
         raise UsageError(f"checkpoint {str(p)!r} is missing {missing[0]} (listed in {METADATA}; "
-                         f"{len(missing)} of {len(files)} data files missing)")
+                         f"{len(missing)} of {len(files)} data files missing); nothing was "
+                         "loaded")
     sizes = {name: (p / name).stat().st_size for name in files}
     need(tensor_bytes <= sum(sizes.values()),
          f"its tensors ({tensor_bytes} bytes) are larger than its data files")
