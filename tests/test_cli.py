@@ -364,3 +364,13 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
     assert cli_module.main(["run", "01", "--device", "cpu", "--nproc", "2", "--out",
                             str(tmp_path)]) == 130
     assert seen == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    launched = []
+
+    def interrupted_launch(info, *args):  # `run all`: Ctrl-C in the first lesson stops the rest
+        launched.append(info.number)
+        return 130
+
+    monkeypatch.setattr(cli_module, "launch", interrupted_launch)
+    assert cli_module.main(["run", "all", "--quick", "--device", "cpu", "--out",
+                            str(tmp_path / "all")]) == 130
+    assert launched == ["01"]

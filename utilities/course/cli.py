@@ -414,6 +414,8 @@ def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
         except UsageError as e:  # e.g. ranks that would not fit: this lesson fails, the rest run
             print(f"error: lesson {num}: {e}", file=sys.stderr, flush=True)
             rc = 2
+        if rc > 128:  # interrupted (Ctrl-C: 130): the launcher has said so; the rest do not run
+            return rc
         if rc != 0:
             failed.append(num)
             summary.append((num, info.title, "FAILED", "", ""))
