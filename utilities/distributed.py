@@ -218,14 +218,16 @@ class fail_together:
 
 def one_line_error(what: str, exc: BaseException) -> str:
     """``exc`` as one line: a ``UsageError`` as it is, an ``OSError`` by its reason and file,
-    anything else by its type and the first 200 characters of its message."""
+    anything else by its type and the first 200 characters of its message (and, with several
+    ranks, that the others stopped too)."""
     if isinstance(exc, UsageError):
         return str(exc)
+    others = "; the other ranks stopped too" if world_size() > 1 else ""
     if isinstance(exc, OSError) and exc.strerror:
         where = f" ({exc.filename})" if exc.filename else ""
-        return f"{what} failed: {exc.strerror}{where}; the other ranks stopped too"
+        return f"{what} failed: {exc.strerror}{where}{others}"
     reason = " ".join(str(exc).split())[:200]
-    return f"{what} failed: {type(exc).__name__}: {reason}; the other ranks stopped too"
+    return f"{what} failed: {type(exc).__name__}: {reason}{others}"
 
 
 def exit_on_error(exc: BaseException) -> None:
