@@ -238,3 +238,156 @@ def test_tables_fit_the_terminal_and_never_split_a_value(monkeypatch, columns):
     assert max(len(line) for line in text.splitlines()) <= columns
     for v in results["variants"]:
         assert any(line.startswith(v["name"]) for line in text.splitlines()), v["name"]
+
+
+def _parsers_of_every_lesson_and_the_cli():
+    """(name, parser) for every lesson's own parser (caught as its ``parse_args`` uses it) and for
+    each ``fsdp-course`` command and ``fsdp-course plan``: new flags are covered without a list."""
+    import argparse
+
+    from conftest import lesson_module
+
+    from utilities.course.catalog import LESSONS
+    from utilities.course.cli import _parser
+    from utilities.errors import OneLineParser
+    from utilities.measure.planner import add_plan_arguments
+
+    class Caught(Exception):
+        pass
+
+    found = []
+    real = OneLineParser.parse_known_args
+
+    def catch(self, *args, **kwargs):
+        found.append((number, self))
+        raise Caught
+
+    for info in LESSONS.values():
+        if not info.script_path.is_file():
+            continue
+        number = info.number
+        OneLineParser.parse_known_args = catch
+        try:
+            lesson_module(number).parse_args(["--device", "cpu", "--quick"])
+        except Caught:
+            pass
+        finally:
+            OneLineParser.parse_known_args = real
+    top = _parser()
+    for action in top._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found += [(f"cli {name}", sub) for name, sub in action.choices.items()]
+    found.append(("cli plan", add_plan_arguments(OneLineParser(prog="fsdp-course plan"))))
+    return found
+
+
+def _float_flags(parser) -> list[str]:
+    flags = []
+    for action in parser._actions:
+        if not action.option_strings or not callable(action.type):
+            continue
+        try:
+            probe = action.type("0.5")
+        except Exception:  # noqa: BLE001 - an int, a name, ...: not a float flag
+            continue
+        if isinstance(probe, float):
+            flags.append(action.option_strings[-1])
+    return flags
+
+
+def test_every_float_flag_refuses_nan_and_inf_in_one_line():
+    """NaN passes every range check (its comparisons are false): ``--lr nan`` trained to a 64-line
+    traceback, ``--lr inf`` to NaN losses and exit 0."""
+    from conftest import flag_error
+
+    parsers = _parsers_of_every_lesson_and_the_cli()
+    assert len({name for name, _ in parsers if not name.startswith("cli")}) >= 10
+    checked = []
+    for name, parser in parsers:
+        for flag in _float_flags(parser):
+            for value in ("nan", "inf", "-inf", "NaN", "1e999"):
+                given = f"{flag}={value}"  # "--lr -inf" would read -inf as a flag
+                if name.startswith("cli"):
+                    code, err = _parse_exit(parser, [given])
+                else:
+                    code, err = 2, flag_error(name, given)
+                assert code == 2 and err.startswith("error:") and "\n" not in err, (name, flag, err)
+                assert flag in err and value in err and "finite" in err, (name, flag, err)
+            checked.append(f"{name} {flag}")
+    for expected in ("10 --lr", "10 --min-lr-ratio", "10 --grad-clip", "10 --weight-decay",
+                     "06 --activation-gb", "01 --lr"):
+        assert expected in checked, checked
+    for value in ("1e999", "nan", "inf"):  # the planner reads its sizes itself
+        proc = cli_here("plan", "--gpu-memory", value)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def _parse_exit(parser, argv) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            parser.parse_args(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue().strip()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
+    """Ctrl-C mid-run gave up to 118 lines and 3 tracebacks: the launcher's SignalException, and a
+    KeyboardInterrupt from every rank. The launcher now says it in one line and exits 130, the ranks
+    end silently, and the CLI waits for the launcher instead of killing it."""
+    import signal
+
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from utilities import distributed as D
+    from utilities.course import cli as cli_module
+    from utilities.course.torchrun import run
+
+    for error in (SignalException("got signal: 2", sigval=signal.SIGINT), KeyboardInterrupt()):
+        def interrupted(argv, error=error):
+            raise error
+
+        monkeypatch.setattr(torch.distributed.run, "main", interrupted)
+        with pytest.raises(SystemExit) as e:
+            run(["--nproc-per-node=2", "x.py"])
+        assert e.value.code == 130
+        assert capsys.readouterr().err == "error: interrupted by SIGINT: every rank was stopped\n"
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # a rank: Ctrl-C ends it at once, silently
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        D.quiet_on_interrupt()
+        handler = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    handler(signal.SIGINT, None)
+    assert exits == [130]
+
+    seen = []
+
+    def launcher(cmd, env=None):  # gets the Ctrl-C too (one process group): stops, exits 130
+        handler = signal.getsignal(signal.SIGINT)
+        seen.append(handler is not signal.default_int_handler)
+        handler(signal.SIGINT, None)  # the CLI's own Ctrl-C: nothing happens, it keeps waiting
+        return 130
+
+    monkeypatch.setattr(cli_module.subprocess, "call", launcher)
+    assert cli_module.main(["run", "01", "--device", "cpu", "--nproc", "2", "--out",
+                            str(tmp_path)]) == 130
+    assert seen == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    launched = []
+
+    def interrupted_launch(info, *args):  # `run all`: Ctrl-C in the first lesson stops the rest
+        launched.append(info.number)
+        return 130
+
+    monkeypatch.setattr(cli_module, "launch", interrupted_launch)
+    assert cli_module.main(["run", "all", "--quick", "--device", "cpu", "--out",
+                            str(tmp_path / "all")]) == 130
+    assert launched == ["01"]

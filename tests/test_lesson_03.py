@@ -190,3 +190,58 @@ def test_checkpoint_of_another_model_is_one_line(tmp_path):
 
 def test_bad_flag_value_exits_2_with_one_line():
     assert "fsdp3" in flag_error("03", "--variants", "fsdp3")
+
+
+def test_rank0_failing_to_save_stops_every_rank_in_one_line(tmp_path):
+    """Only rank 0 writes; when it cannot (here a folder under /proc, as a full disk would), rank 1
+    used to wait for its answer for ever. Two real ranks: the run must end within seconds, with
+    rank 0's error as the one line and exit 2."""
+    import time
+
+    from conftest import cli
+
+    started = time.monotonic()
+    proc = cli("run", "03", "--device", "cpu", "--nproc", "2", "--quick", "--out", str(tmp_path),
+               "--", "--variants", "fsdp2", "--no-export", "--checkpoint-dir", "/proc/no/such/dir",
+               timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert took < 90, took
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: saving /proc/no/such/dir/fsdp2.pt"), errors
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_hf_export_replaces_an_earlier_one_whole_and_survives_a_crash(tmp_path, monkeypatch):
+    """export_hf wrote into the folder: files of an earlier export stayed beside the new ones, and
+    a crash mid-write left a mix. It now writes beside it and renames it into place."""
+    from utilities.models import get_model_spec
+    from utilities.state_dict import export_hf
+
+    spec = get_model_spec("llama-tiny")
+    torch.manual_seed(0)
+    model = spec.build(device="cpu").eval()
+    hf = tmp_path / "hf"
+    export_hf(model.state_dict(), spec.config(), hf)
+    (hf / "pytorch_model.bin").write_bytes(b"an earlier export in the older format")
+    before = sorted(p.name for p in hf.iterdir())
+    import transformers
+
+    def crash(self, *args, **kwargs):
+        raise KeyboardInterrupt  # as a kill mid-write
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", crash)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(model.state_dict(), spec.config(), hf)
+    monkeypatch.undo()
+    assert sorted(p.name for p in hf.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    export_hf(model.state_dict(), spec.config(), hf)
+    assert "pytorch_model.bin" not in {p.name for p in hf.iterdir()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not an export")
+    with pytest.raises(UsageError, match="not an export"):
+        export_hf(model.state_dict(), spec.config(), mine)
+    assert (mine / "notes.txt").read_text() == "not an export"

@@ -213,3 +213,36 @@ def test_global_threshold_is_the_exact_kth_largest():
 @pytest.mark.parametrize("flags", [["--reserve-p", "1.5"], ["--variants", "lora"]])
 def test_bad_flag_is_one_line_exit_2(flags):
     assert flags[1] in flag_error("09", *flags)
+
+
+def test_pretrained_that_is_truncated_hostile_or_not_weights_is_one_line(tmp_path):
+    """--pretrained was read with a bare torch.load: a truncated or code-carrying file ended the
+    run in 54-58 lines on every rank."""
+    import argparse
+    import os
+
+    import fine_tuning
+
+    from utilities.errors import UsageError
+
+    class Quiet:
+        @staticmethod
+        def print(*args, **kwargs):
+            pass
+
+    class Touch:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.zeros(2)}, good)
+    assert fine_tuning.pretrained_state(Quiet, argparse.Namespace(pretrained=str(good)))["w"].shape == (2,)
+    (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:200])
+    torch.save({"w": Touch()}, tmp_path / "hostile.pt")
+    torch.save([torch.zeros(2)], tmp_path / "list.pt")
+    for name, says in (("cut.pt", "not readable"), ("hostile.pt", "asks to run code"),
+                       ("list.pt", "not a state dict")):
+        with pytest.raises(UsageError, match=says) as e:
+            fine_tuning.pretrained_state(Quiet, argparse.Namespace(pretrained=str(tmp_path / name)))
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "ran").exists()

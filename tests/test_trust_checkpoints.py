@@ -208,11 +208,11 @@ class _Killed(BaseException):
     """What a SIGKILL looks like from inside: nothing after it runs."""
 
 
-def _fs_ops(monkeypatch, kill_at: int | None, how: str = "before", also=()) -> list[str]:
+def _fs_ops(monkeypatch, kill_at: int | None, how: str = "before") -> list[str]:
     """Route utilities.dcp's os.replace / shutil.rmtree / mkdir / dcp.save through a counter that
     raises ``_Killed`` at op number ``kill_at``: before the op, or (``how="half"``) after doing
     half of it (half a directory deleted; a DCP save's data written but not its ``.metadata``).
-    ``also``: other modules whose ``dcp.save`` counts (lesson 10 calls it itself)."""
+    Lesson 10 saves through ``utilities.dcp.dcp_save``, so its ``dcp.save`` counts too."""
     ops: list[str] = []
 
     def op(name, real, *args, **kwargs):
@@ -233,8 +233,7 @@ def _fs_ops(monkeypatch, kill_at: int | None, how: str = "before", also=()) -> l
     real_mkdir = Path.mkdir
     monkeypatch.setattr(D, "os", fake_os)
     monkeypatch.setattr(D, "shutil", fake_shutil)
-    for module in (D, *also):
-        monkeypatch.setattr(module, "dcp", fake_dcp)
+    monkeypatch.setattr(D, "dcp", fake_dcp)
 
     def mkdir(self, *a, **k):  # only utilities.dcp's own mkdir is an operation of ours, not DCP's
         if sys._getframe(1).f_globals.get("__name__") == D.__name__:
@@ -317,12 +316,12 @@ def test_lesson10_resumes_from_a_save_killed_mid_publish(tiny, tmp_path, monkeyp
     train.save_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
     _step(model, opt)
     b = _weights(model)
-    ops = _fs_ops(monkeypatch, None, also=[train])
+    ops = _fs_ops(monkeypatch, None)
     train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
     monkeypatch.undo()
     shutil.rmtree(ckpts / "step_000020")
     for k in range(ops.index("dcp.save") + 1, len(ops)):  # every kill after the data is written
-        _fs_ops(monkeypatch, k, also=[train])
+        _fs_ops(monkeypatch, k)
         with pytest.raises(_Killed):
             train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
         monkeypatch.undo()
@@ -335,7 +334,7 @@ def test_lesson10_resumes_from_a_save_killed_mid_publish(tiny, tmp_path, monkeyp
         _step(model, opt)
         b = _weights(model)
     # an unfinished save (no .metadata) is never picked: step 10 is
-    _fs_ops(monkeypatch, ops.index("dcp.save"), "half", also=[train])
+    _fs_ops(monkeypatch, ops.index("dcp.save"), "half")
     with pytest.raises(_Killed):
         train.save_checkpoint(ckpts, model, opt, sched, step=30, batches=30, keep_last=2)
     monkeypatch.undo()
@@ -349,3 +348,289 @@ def test_unfinished_tmp_alone_is_still_reported_as_unfinished(tmp_path):
     (tmp_path / ".ckpt.tmp" / "__0_0.distcp").write_bytes(b"half")
     with pytest.raises(UsageError, match="never completed"):
         D.check_checkpoint(tmp_path / "ckpt")
+
+
+# -- a .metadata swapped after it was checked is never read again -----------------------------------
+def test_metadata_swapped_after_any_read_never_runs_code(tiny, tmp_path, monkeypatch):
+    """Whoever can write the folder replaces ``.metadata`` by a payload right after the n-th time it
+    is opened, for every n: the load either succeeds on the checked object or is refused in one
+    line; the payload never runs (PyTorch's own reader would unpickle it with ``pickle.load``)."""
+    import builtins
+    import io
+    import time
+
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=4)
+    good = (ckpt / ".metadata").read_bytes()
+    marker = tmp_path / "ran"
+    payload = tmp_path / "payload"
+    payload.write_bytes(pickle.dumps(_Touch(marker)))
+    real_open = builtins.open
+    started = time.monotonic()
+    for call in (lambda: D.load_checkpoint(ckpt, model, opt),
+                 lambda: D.to_torch_save(ckpt, tmp_path / "one.pt")):
+        for swap_after in range(1, 12):
+            (ckpt / ".metadata").write_bytes(good)
+            opened = []
+
+            def spying_open(file, *args, opened=opened, swap_after=swap_after, **kwargs):
+                f = real_open(file, *args, **kwargs)
+                if str(file).endswith(".metadata") and Path(file).parent == ckpt:
+                    opened.append(file)
+                    if len(opened) == swap_after:  # the open file keeps the old contents
+                        shutil.copyfile(payload, tmp_path / "swap")
+                        os.replace(tmp_path / "swap", ckpt / ".metadata")
+                return f
+
+            monkeypatch.setattr(builtins, "open", spying_open)
+            monkeypatch.setattr(io, "open", spying_open)  # pathlib.Path.open goes through io.open
+            try:
+                call()
+            except UsageError as e:
+                assert "\n" not in str(e) and "asks to run code" in str(e), e
+            finally:
+                monkeypatch.setattr(builtins, "open", real_open)
+                monkeypatch.setattr(io, "open", real_open)
+            assert not marker.exists(), f"the payload ran after swap at open {swap_after}"
+            if len(opened) < swap_after:
+                break  # every interleaving of this call was tried
+    assert time.monotonic() - started < 60
+
+
+# -- crafted metadata of DCP's own classes: one line, damaged or hostile, nothing loaded ----------
+def _rewrite_metadata(ckpt: Path, change) -> None:
+    metadata = D.read_metadata(ckpt)
+    change(metadata)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _first_storage(metadata, fqn: str = "trainer.step"):
+    return next(k for k in metadata.storage_data if k.fqn == fqn)
+
+
+def _set_storage(fqn: str, **fields):
+    import dataclasses
+
+    def change(metadata):
+        key = _first_storage(metadata, fqn)
+        metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], **fields)
+    return change
+
+
+def _storage_of_wrong_type(metadata):
+    metadata.storage_data[_first_storage(metadata)] = ("__0_0.distcp", 0, 10)
+
+
+def _huge_tensor(metadata):
+    metadata.state_dict_metadata["model.1.bias"].size = torch.Size([2 ** 40])
+
+
+def _deep_path(metadata):
+    deep = "__0_0.distcp"
+    for _ in range(40):
+        deep = (deep,)
+    _set_storage("trainer.step", relative_path=deep)(metadata)
+
+
+@pytest.mark.parametrize("change,says", [
+    (_storage_of_wrong_type, "storage of trainer.step is malformed"),
+    (_set_storage("trainer.step", offset=-1), "storage of trainer.step is malformed"),
+    (_set_storage("trainer.step", length=2 ** 62), "shorter than .metadata says"),
+    (_set_storage("optim.param_groups.0.lr", length=2 ** 62), "shorter than .metadata says"),
+    (_set_storage("trainer.step", relative_path="/etc/hostname"), "outside the checkpoint folder"),
+    (_set_storage("trainer.step", relative_path="../outside/__0_0.distcp"), "outside the checkpoint"),
+    (_set_storage("trainer.step", relative_path=""), "outside the checkpoint folder"),
+    (_deep_path, "storage of trainer.step is malformed"),
+    (_huge_tensor, "larger than its data files"),
+], ids=["wrong-type", "offset-1", "length-2^62", "bytes-length-2^62", "absolute", "dotdot", "empty",
+        "deep-path", "huge-size"])
+def test_crafted_metadata_of_allowed_classes_is_one_line(tiny, tmp_path, change, says):
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=4)
+    shutil.copytree(ckpt, tmp_path / "outside")  # a real shard that a '..' path would reach
+    _rewrite_metadata(ckpt, change)
+    for call in (D.check_checkpoint, lambda p: D.load_checkpoint(p, model, opt),
+                 lambda p: D.to_torch_save(p, tmp_path / "one.pt"),
+                 lambda p: D.dcp_load(D.training_state(model, opt), p)):
+        with pytest.raises(UsageError) as e:
+            call(ckpt)
+        msg = str(e.value)
+        assert "\n" not in msg and "damaged or hostile" in msg and says in msg, msg
+        assert "nothing was loaded" in msg and "run code" not in msg
+    assert not (tmp_path / "one.pt").exists()
+
+
+def test_truncated_shard_and_random_metadata_are_damaged(tiny, tmp_path):
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=4)
+    shard = ckpt / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(UsageError, match="damaged or hostile.*truncated.*nothing was loaded"):
+        D.load_checkpoint(ckpt, model, opt)
+    rng = __import__("random").Random(0)
+    for _ in range(50):
+        (ckpt / ".metadata").write_bytes(bytes(rng.randrange(256) for _ in range(400)))
+        with pytest.raises(UsageError) as e:
+            D.check_checkpoint(ckpt)
+        assert "\n" not in str(e.value) and "damaged" in str(e.value), e.value
+        assert "run code" not in str(e.value)
+
+
+def test_shard_cut_short_after_the_check_is_one_line(tiny, tmp_path):
+    """The data files change between the check and DCP's read: still one line, no traceback."""
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=4)
+    p, metadata = D._checked(ckpt)
+    shard = ckpt / "__0_0.distcp"
+    shard.write_bytes(b"\0" * shard.stat().st_size)
+    with pytest.raises(UsageError, match="is damaged: reading its data failed") as e:
+        D.dcp_load(D.training_state(model, opt), p, metadata)
+    assert "\n" not in str(e.value)
+
+
+def test_a_300000_deep_metadata_pickle_ends_in_one_line_not_a_crash(tmp_path):
+    """Hashing a deeply nested dict key recurses in C: plain pickle.load dies of SIGSEGV on this."""
+    import subprocess
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(b"\x80\x04}K\x01" + b"\x85" * 300_000 + b"K\x02s.")
+    code = ("import sys\nimport utilities.dcp as D\nfrom utilities.errors import UsageError\n"
+            "try:\n    D.check_checkpoint(sys.argv[1])\n"
+            "except UsageError as e:\n    print(f'error: {e}', file=sys.stderr)\n    sys.exit(2)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.count("\n") == 1 and "damaged or hostile" in proc.stderr
+    assert "levels deep" in proc.stderr
+
+
+def test_lesson10_orders_checkpoints_by_step_across_the_padding_width(tiny, tmp_path):
+    """``step_{step:06d}`` grows a digit at step 1,000,000; sorted as text it came first, so each
+    new save was pruned at once and --resume picked step 999,999."""
+    model, opt = tiny
+    train = _lesson10()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpts = tmp_path / "checkpoints"
+    for step in (999_998, 999_999, 1_000_000, 1_000_001):
+        train.save_checkpoint(ckpts, model, opt, sched, step=step, batches=step, keep_last=2)
+    assert sorted(os.listdir(ckpts)) == ["step_1000000", "step_1000001"]
+    assert train.latest_checkpoint(ckpts).name == "step_1000001"
+    assert train.load_checkpoint(train.latest_checkpoint(ckpts), model, opt, sched)[0] == 1_000_001
+    (ckpts / "step_1000000").rename(ckpts / ".step_1000000.tmp")  # a save killed mid-publish
+    shutil.rmtree(ckpts / "step_1000001")
+    (ckpts / "step_999999").mkdir()  # an incomplete older one never wins either
+    assert train.latest_checkpoint(ckpts).name == ".step_1000000.tmp"
+    assert [p.name for p in D.recover_checkpoints(ckpts)] == ["step_999999", "step_1000000"]
+
+
+def test_publish_syncs_the_new_folder_before_renaming_it(tiny, tmp_path, monkeypatch):
+    """DCP renames ``.metadata`` into place inside ``.NAME.tmp`` without syncing that folder; the
+    publish syncs it before the renames and the parent after them."""
+    model, opt = tiny
+    events = []
+    real_replace = os.replace
+    monkeypatch.setattr(D, "_fsync_dir", lambda d: events.append(("fsync", Path(d).name)))
+    monkeypatch.setattr(D.os, "replace", lambda a, b: (events.append(("replace", Path(a).name)),
+                                                       real_replace(a, b)))
+    D.save_checkpoint(tmp_path / "ckpt", model, opt, step=1)
+    assert events == [("fsync", ".ckpt.tmp"), ("replace", ".ckpt.tmp"), ("fsync", tmp_path.name)]
+
+
+def test_planted_tmp_file_and_old_symlink_neither_crash_nor_get_followed(tiny, tmp_path):
+    """A file where ``.NAME.tmp`` goes crashed the save (mkdir), a symlink where ``.NAME.old`` goes
+    crashed it too (rmtree refuses links), and a linked ``.old`` was taken for a checkpoint."""
+    model, opt = tiny
+    elsewhere = tmp_path / "elsewhere"
+    D.save_checkpoint(elsewhere, model, opt, step=9)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    (ckpts / ".ckpt.tmp").write_text("planted")
+    (ckpts / ".ckpt.old").symlink_to(elsewhere)
+    assert D.resolve_checkpoint(ckpts / "ckpt") is None  # the link is never followed
+    D.save_checkpoint(ckpts / "ckpt", model, opt, step=1)
+    D.save_checkpoint(ckpts / "ckpt", model, opt, step=2)  # an overwrite, through .old
+    assert sorted(os.listdir(ckpts)) == ["ckpt"] and not (ckpts / "ckpt").is_symlink()
+    assert D.load_checkpoint(ckpts / "ckpt", model, opt).step == 2
+    assert D.load_checkpoint(elsewhere, model, opt).step == 9  # what the link pointed at is intact
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tiny, tmp_path,
+                                                                                monkeypatch):
+    """ENOSPC inside dcp.save was 160 lines and 6 tracebacks, and left a partial ``.tmp``."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    model, opt = tiny
+    train = _lesson10()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpts = tmp_path / "checkpoints"
+    train.save_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
+    real_open = filesystem.FileSystem.create_stream
+
+    def full(self, path, mode):
+        if "w" in mode and str(path).endswith(".distcp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(self, path, mode)
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", full)
+    for save in (lambda: train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20,
+                                               keep_last=2),
+                 lambda: D.save_checkpoint(ckpts / "step_000020", model, opt, step=20)):
+        with pytest.raises(UsageError) as e:
+            save()
+        msg = str(e.value)
+        assert "\n" not in msg and "No space left on device" in msg, msg
+        assert "step_000020" in msg and "previous checkpoint" in msg
+        assert sorted(os.listdir(ckpts)) == ["step_000010"]  # no partial .tmp is left
+    monkeypatch.undo()
+    assert train.load_checkpoint(train.latest_checkpoint(ckpts), model, opt, sched) == (10, 10)
+
+
+def test_from_torch_save_replaces_an_earlier_conversion_whole(tiny, tmp_path):
+    model, opt = tiny
+    D.save_checkpoint(tmp_path / "ckpt", model, opt, step=3)
+    one = D.to_torch_save(tmp_path / "ckpt", tmp_path / "one.pt")
+    back = tmp_path / "back"
+    D.from_torch_save(one, back)
+    (back / "__7_0.distcp").write_bytes(b"left by an earlier conversion")
+    D.from_torch_save(one, back)
+    assert sorted(os.listdir(back)) == [".metadata", "__0_0.distcp"]
+    assert not (tmp_path / ".back.tmp").exists() and not (tmp_path / ".back.old").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(UsageError, match="not a DCP checkpoint"):
+        D.from_torch_save(one, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_a_checkpoint_folder_takes_one_run_at_a_time(tmp_path):
+    """Two `run 10` on one --out: one's recovery deleted the other's .tmp. The second is refused in
+    one line naming the holder; the lock goes with the process that held it."""
+    first = D.lock_checkpoints(tmp_path / "checkpoints")
+    with pytest.raises(UsageError) as e:
+        D.lock_checkpoints(tmp_path / "checkpoints")
+    msg = str(e.value)
+    assert "\n" not in msg and "in use by pid" in msg and str(os.getpid()) in msg, msg
+    assert os.listdir(tmp_path / "checkpoints") == []  # nothing inside the folder itself
+    first.close()  # as the process ending does
+    D.lock_checkpoints(tmp_path / "checkpoints").close()
+    assert "lock_checkpoints(cfg.ckpt_dir)" in (REPO / "lessons/10_end_to_end/train.py").read_text()
+
+
+def test_a_size_whose_element_count_overflows_int64_is_refused(tiny, tmp_path):
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=4)
+
+    def change(metadata):
+        entry = metadata.state_dict_metadata["model.0.weight"]
+        entry.size = torch.Size([2 ** 62, 2 ** 62])  # numel wraps around in int64
+    _rewrite_metadata(ckpt, change)
+    with pytest.raises(UsageError, match="larger than its data files"):
+        D.to_torch_save(ckpt, tmp_path / "one.pt")

@@ -246,3 +246,59 @@ def test_the_library_never_imports_the_course():
             offenders += [f"{path.relative_to(root)}: {n}" for n in names
                           if n == "utilities.course" or n.startswith("utilities.course.")]
     assert offenders == []
+
+
+def test_ranks_die_with_their_launcher(tmp_path):
+    """torchrun starts each rank in its own session: a kill -9 of the launcher left them running
+    (and writing checkpoints 28 s later). Two real ranks that arm the guard as setup() does."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        "from utilities.distributed import die_with_the_launcher\n"
+        "die_with_the_launcher()\n"
+        f"pathlib.Path({str(tmp_path)!r}, os.environ['RANK']).write_text(str(os.getpid()))\n"
+        "time.sleep(120)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "utilities.course.torchrun", "--standalone",
+                                 "--nproc-per-node=2", str(script)], env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        deadline = time.monotonic() + 90
+        while len(pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = [int((tmp_path / r).read_text()) for r in ("0", "1") if (tmp_path / r).is_file()
+                    and (tmp_path / r).read_text()]
+        assert len(pids) == 2, "the ranks did not start"
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [pid for pid in pids if _running(pid)]
+        assert not alive, f"ranks {alive} outlived their launcher"
+    finally:
+        launcher.kill()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import io
+import math
 import os
 import pickle
 import shutil
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from utilities.distributed import world_size
+from utilities.distributed import fail_together, world_size
 from utilities.errors import UsageError
 from utilities.state_dict import safe_torch_load
 
@@ -93,38 +94,63 @@ def prepare_save(path: Path) -> Path:
     """Every rank calls it before writing ``path``: rank 0 recovers what a killed earlier save of
     ``path`` left, then makes an empty ``.NAME.tmp``; returns it (write there, then ``publish_save``)."""
     tmp = _tmp_dir(path)
-    if _rank() == 0:
-        recover_checkpoint(path)  # first finish or undo what a killed earlier save left
-        shutil.rmtree(tmp, ignore_errors=True)  # an unfinished save's leftovers
-        tmp.mkdir(parents=True)
-    _barrier()
+    with fail_together(f"preparing {tmp}"):  # also the barrier: rank 0 failing stops every rank
+        if _rank() == 0:
+            recover_checkpoint(path)  # first finish or undo what a killed earlier save left
+            _remove(tmp)  # an unfinished save's leftovers, or a file planted in its place
+            tmp.mkdir(parents=True)
     return tmp
 
 
 def publish_save(tmp: Path, path: Path) -> None:
     """Every rank has finished writing into ``tmp``: rank 0 swaps it in (``swap_in``)."""
     _barrier()
-    if _rank() == 0:
-        swap_in(tmp, path)
-    _barrier()
+    with fail_together(f"publishing {path}"):  # also the barrier after the swap
+        if _rank() == 0:
+            swap_in(tmp, path)
 
 
 def swap_in(tmp: Path, path: Path) -> None:
     """Replace ``path`` by the complete checkpoint ``tmp`` so that a kill at any instant leaves one.
 
+    0. sync ``tmp`` (its files are synced by DCP, their names in it not);
     1. ``path`` -> ``.NAME.old`` (after deleting an ``.old`` left by an earlier kill: ``path`` is
        complete then); 2. ``tmp`` -> ``path``; 3. delete ``.NAME.old``. Between 1 and 2 only
     ``.old`` and the complete ``tmp`` exist; ``resolve_checkpoint`` picks ``tmp``, the newer one.
     Never ``rmtree(path)`` before the rename: a kill in between would leave no published copy.
     """
     old = _old_dir(path)
+    _fsync_dir(tmp)  # DCP renames .metadata into place inside tmp without syncing the folder
     if path.exists():
-        if old.exists():
-            shutil.rmtree(old)
+        _remove(old)
         os.replace(path, old)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old, ignore_errors=True)
+
+
+def _remove(path: Path, ignore_errors: bool = False) -> None:
+    """Delete ``.NAME.tmp`` / ``.NAME.old``: the folder a save made, or a file or symlink found in
+    its place (``rmtree`` refuses a symlink, and ``mkdir`` a name that a file holds)."""
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+    except OSError:
+        if not ignore_errors:
+            raise
+
+
+def _fsync_files(directory: Path) -> None:
+    """Sync every file directly in ``directory`` (for writers that do not, e.g. ``save_pretrained``)."""
+    for f in directory.iterdir():
+        if f.is_file() and not f.is_symlink():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -151,9 +177,47 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, s
     t0 = time.perf_counter()
     state = training_state(model, optimizer, step, batches_consumed)
     tmp = prepare_save(path)
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp_save(state, tmp)
     publish_save(tmp, path)
     return time.perf_counter() - t0
+
+
+def dcp_save(state: dict[str, Any], tmp: Path) -> None:
+    """``dcp.save(state, checkpoint_id=tmp)`` (``tmp`` from ``prepare_save``), where a failure (a
+    full disk, a folder gone) is one ``UsageError`` line on every rank, not DCP's exception with
+    every rank's traceback (DCP raises it on every rank). Rank 0 then removes the unfinished
+    ``tmp``; the published checkpoint was never touched."""
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        _save_failed(e, tmp)
+
+
+def _save_failed(exc: BaseException, tmp: Path) -> None:
+    """Raise ``exc`` of a save into ``tmp`` as one line (rank 0 removes ``tmp``); a
+    ``KeyboardInterrupt`` or ``SystemExit`` passes through as it is."""
+    from utilities.distributed import one_line_error
+
+    inner = _inner_failure(exc)
+    if not isinstance(inner, Exception):
+        raise exc
+    if _rank() == 0:
+        _remove(tmp, ignore_errors=True)
+    name = tmp.name[1:-len(".tmp")] if tmp.name.endswith(".tmp") else tmp.name
+    raise UsageError(one_line_error(f"saving checkpoint {tmp.parent / name}", inner)
+                     .replace("; the other ranks stopped too", "")
+                     + "; the previous checkpoint, if any, is kept") from None
+
+
+def _inner_failure(exc: BaseException) -> BaseException:
+    """The error inside DCP's ``CheckpointException`` (a ``UsageError`` of ours first, else the
+    first rank's), or ``exc`` itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(exc, CheckpointException):
+        return exc
+    failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+    return next((f for f in failures if isinstance(f, UsageError)), failures[0] if failures else exc)
 
 
 class PendingSave:
@@ -169,7 +233,10 @@ class PendingSave:
         if self.total_s is None:
             fut = self._future
             fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse or plain Future
-            fut.result()
+            try:
+                fut.result()
+            except BaseException as e:  # noqa: BLE001 - as dcp_save: one line
+                _save_failed(e, self._tmp)
             publish_save(self._tmp, self.path)
             self.total_s = time.perf_counter() - self._started
         return self.total_s
@@ -255,32 +322,309 @@ class _RefusedGlobal(pickle.UnpicklingError):
     pass
 
 
+_MAX_METADATA_BYTES = 1 << 30  # DCP's metadata of a model with thousands of tensors is megabytes
+_MAX_DEPTH = 48  # DCP's metadata nests about a dozen levels; a crafted pickle may nest millions
+
+
+def _damaged(p: Path, reason: str) -> UsageError:
+    return UsageError(f"checkpoint {str(p)!r} is damaged or hostile: {reason}; refused, nothing "
+                      "was loaded")
+
+
 def read_metadata(path: str | os.PathLike) -> Any:
-    """The ``Metadata`` of a DCP checkpoint directory, read without running code from it.
+    """The ``Metadata`` of a DCP checkpoint directory, read without running code from it and
+    checked completely before anything uses it (``_check_metadata``).
 
-    One ``UsageError`` line for a missing, damaged or code-carrying ``.metadata``.
+    The file is read once, into memory; the bytes are checked and unpickled from memory, and the
+    object returned is what DCP is handed (``_safe_reader``), so a file swapped after the check
+    is never read. One ``UsageError`` line for a missing, damaged, hostile or code-carrying file.
     """
-    from torch.distributed.checkpoint.metadata import Metadata
-
     p = Path(path)
     file = p / METADATA
     try:
         with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f, _metadata_globals()).load()
+            data = f.read(_MAX_METADATA_BYTES + 1)
+    except OSError as e:
+        raise UsageError(f"checkpoint {str(p)!r}: cannot read {METADATA} ({e.strerror})") from None
+    if len(data) > _MAX_METADATA_BYTES:
+        raise _damaged(p, f"{METADATA} is larger than {_MAX_METADATA_BYTES >> 20} MiB")
+    metadata = _unpickle_metadata(p, data)
+    _check_metadata(p, metadata)
+    return metadata
+
+
+def _unpickle_metadata(p: Path, data: bytes) -> Any:
+    """Unpickle ``data`` with ``_MetadataUnpickler`` after ``_check_pickle`` read every opcode."""
+    allowed = _metadata_globals()
+    try:
+        _check_pickle(data, _MAX_DEPTH, lambda module, name: (module, name) in allowed)
+        return _MetadataUnpickler(io.BytesIO(data), allowed).load()
     except _RefusedGlobal as e:
         raise UsageError(f"checkpoint {str(p)!r}: {METADATA} asks to run code when loaded: it names "
                          f"{e}, which is not one of DCP's metadata classes; refused, nothing was "
                          "loaded") from None
-    except OSError as e:
-        raise UsageError(f"checkpoint {str(p)!r}: cannot read {METADATA} ({e.strerror})") from None
-    except Exception as e:  # noqa: BLE001 - a damaged metadata file, in one line
-        reason = str(e).splitlines()[0] if str(e) else ""
-        raise UsageError(f"checkpoint {str(p)!r}: cannot read {METADATA} "
-                         f"({type(e).__name__}: {reason})") from None
-    if not isinstance(metadata, Metadata):
-        raise UsageError(f"checkpoint {str(p)!r}: {METADATA} holds a {type(metadata).__name__}, "
-                         "not DCP metadata")
-    return metadata
+    except _DamagedPickle as e:
+        raise _damaged(p, f"{METADATA} is not a readable pickle ({e})") from None
+    except Exception as e:  # noqa: BLE001 - an admitted class refusing its arguments, in one line
+        reason = " ".join(str(e).split())[:160]
+        raise _damaged(p, f"{METADATA} does not unpickle ({type(e).__name__}: {reason})") from None
+
+
+class _DamagedPickle(Exception):
+    pass
+
+
+class _Node:
+    """What ``_check_pickle`` knows of one object the pickle builds: how deeply it nests, and
+    whether it already sits inside another object (then it may no longer grow)."""
+
+    __slots__ = ("depth", "inside", "text")
+
+    def __init__(self, depth: int = 0, text: Any = None):
+        self.depth, self.inside, self.text = depth, False, text
+
+
+_MARK = object()
+_GROWS = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}  # change the object below
+
+
+def _check_pickle(data: bytes, max_depth: int, admitted: Any) -> None:
+    """Read every opcode of ``data`` (nothing is built or called) and follow the unpickler's stack,
+    to refuse a pickle that is truncated, malformed, or builds objects nested deeper than
+    ``max_depth`` (``_DamagedPickle``), or that names a global ``admitted(module, name)`` refuses
+    (``_RefusedGlobal``, even when the pickle is also malformed further on: it was written to run
+    code, not damaged by chance: random bytes almost never spell two dotted identifiers).
+
+    Deep nesting must be refused before unpickling: hashing a dict key or set item recurses in C
+    once per level, and a few hundred thousand levels crash the interpreter.
+
+    An object that is already inside another may not grow (``APPEND`` to a list that is an item of
+    a tuple): it would deepen its container after the container's depth was counted. Pickles of
+    cyclic objects need that; DCP's metadata has none.
+    """
+    import pickletools
+
+    stack: list[Any] = []
+    memo: dict[Any, _Node] = {}
+
+    def pop() -> Any:
+        if not stack:
+            raise _DamagedPickle("pops an empty stack")
+        return stack.pop()
+
+    def pop_node() -> _Node:
+        node = pop()
+        if node is _MARK:
+            raise _DamagedPickle("finds a mark where an object belongs")
+        return node
+
+    def pop_to_mark() -> list[_Node]:
+        items = []
+        while True:
+            item = pop()
+            if item is _MARK:
+                return items
+            items.append(item)
+
+    def nested(children: list[_Node]) -> int:
+        for child in children:
+            child.inside = True
+        depth = 1 + max((c.depth for c in children), default=-1)
+        if depth > max_depth:
+            raise _DamagedPickle(f"nests objects more than {max_depth} levels deep")
+        return depth
+
+    import re
+
+    identifier = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+    refused: list[str] = []
+
+    def named(module: Any, name: Any) -> None:
+        if isinstance(module, str) and isinstance(name, str) and identifier.match(module) \
+                and identifier.match(name) and not admitted(module, name):
+            refused.append(f"{module}.{name}")
+
+    stopped = False
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            name = op.name
+            if name == "STOP":
+                pop_node()
+                stopped = True
+            elif name in ("PROTO", "FRAME"):
+                continue
+            elif name == "MARK":
+                stack.append(_MARK)
+            elif name == "POP":
+                pop()
+            elif name == "POP_MARK":
+                pop_to_mark()
+            elif name == "DUP":
+                node = pop_node()
+                stack += [node, node]
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                if not stack or stack[-1] is _MARK:
+                    raise _DamagedPickle("memoizes nothing")
+                memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
+            elif name == "GLOBAL" or name == "INST":
+                named(*(arg.split(" ", 1) if " " in arg else (arg, None)))
+                if name == "GLOBAL":
+                    stack.append(_Node())
+                else:
+                    stack.append(_Node(nested(pop_to_mark())))
+            elif name == "STACK_GLOBAL":
+                module_node, name_node = [pop_node() for _ in range(2)][::-1]
+                named(module_node.text, name_node.text)
+                stack.append(_Node())
+            elif isinstance(arg, str) and not op.stack_before and len(op.stack_after) == 1:
+                stack.append(_Node(text=arg))  # a string: STACK_GLOBAL may take it as a name
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                if arg not in memo:
+                    raise _DamagedPickle(f"refers to memo entry {arg!r} that was never stored")
+                stack.append(memo[arg])
+            else:
+                before = op.stack_before
+                if pickletools.stackslice in before:  # the objects down to the last mark
+                    sliced, fixed = pop_to_mark(), before.index(pickletools.markobject)
+                else:
+                    sliced, fixed = [], len(before)
+                operands = [pop_node() for _ in range(fixed)][::-1]
+                if name in _GROWS:
+                    target, children = operands[0], operands[1:] + sliced
+                    if target.inside:
+                        raise _DamagedPickle("changes an object after placing it in another")
+                    target.depth = max(target.depth, nested(children))
+                    stack.append(target)
+                else:
+                    children = operands + sliced
+                    for _ in op.stack_after:
+                        stack.append(_Node(nested(children) if children else 0))
+    except Exception as e:  # noqa: BLE001 - pickletools on a truncated or foreign stream
+        if refused:
+            raise _RefusedGlobal(refused[0]) from None
+        if isinstance(e, _DamagedPickle):
+            raise
+        reason = " ".join(str(e).split())[:120]
+        raise _DamagedPickle(reason or type(e).__name__) from None
+    if refused:
+        raise _RefusedGlobal(refused[0])
+    if not stopped:
+        raise _DamagedPickle("ends before its STOP opcode")
+
+
+def _check_metadata(p: Path, md: Any) -> None:
+    """Refuse, in one line, metadata whose structure is not what DCP writes, before anything reads
+    it: every field of the type DCP gives it, every tensor chunk inside its tensor and stored in a
+    byte range of a file that exists inside ``p`` and is long enough, no two ranges overlapping,
+    and the tensors together no larger than the files (a crafted size would make a converter
+    allocate it)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def need(ok: bool, reason: str) -> None:
+        if not ok:
+            raise _damaged(p, reason)
+
+    def is_int(x: Any) -> bool:
+        return type(x) is int
+
+    def is_size(x: Any) -> bool:
+        return type(x) is torch.Size and len(x) <= 64 and all(is_int(d) and d >= 0 for d in x)
+
+    need(type(md) is Metadata, f"{METADATA} holds a {type(md).__name__}, not DCP metadata")
+    sdm = md.state_dict_metadata
+    need(type(sdm) is dict, "its entries are not a dict")
+    tensor_bytes = 0
+    for fqn, entry in sdm.items():
+        need(type(fqn) is str, f"an entry is named by a {type(fqn).__name__}")
+        if type(entry) is BytesStorageMetadata:
+            continue
+        need(type(entry) is TensorStorageMetadata, f"entry {fqn} is a {type(entry).__name__}")
+        props = entry.properties
+        need(type(props) is TensorProperties and isinstance(props.dtype, torch.dtype)
+             and isinstance(props.layout, torch.layout) and type(props.requires_grad) is bool
+             and isinstance(props.memory_format, torch.memory_format)
+             and type(props.pin_memory) is bool, f"entry {fqn} has malformed tensor properties")
+        need(is_size(entry.size), f"entry {fqn} has a malformed size")
+        need(type(entry.chunks) is list, f"entry {fqn} has malformed chunks")
+        itemsize = props.dtype.itemsize
+        tensor_bytes += math.prod(entry.size) * itemsize
+        for chunk in entry.chunks:
+            need(type(chunk) is ChunkStorageMetadata and is_size(chunk.offsets)
+                 and is_size(chunk.sizes) and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
+                 and all(o + n <= d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size)),
+                 f"entry {fqn} has a chunk outside its size {list(entry.size)}")
+    planner = md.planner_data
+    need(planner is None or type(planner) is dict, "its planner data is not a dict")
+    limit = 16 * len(sdm) + 1024
+    for fqn, keys in (planner or {}).items():
+        need(type(fqn) is str and type(keys) in (tuple, list) and 0 < len(keys) <= 64
+             and all(type(k) is str or (is_int(k) and 0 <= k < limit) for k in keys),
+             f"the planner data of {fqn!r} is malformed")
+    meta = md.storage_meta
+    need(meta is None or (type(meta) is StorageMeta
+                          and isinstance(meta.checkpoint_id, (str, os.PathLike, type(None)))
+                          and all(isinstance(x, (str, type(None))) for x in (meta.save_id,
+                                                                              meta.load_id))
+                          and type(meta.modules) is list
+                          and all(type(m) is str for m in meta.modules)),
+         "its storage meta is malformed")
+    need(isinstance(getattr(md, "version", None), (str, type(None))), "its version is malformed")
+    storage = md.storage_data
+    need(type(storage) is dict, "its storage data is not a dict")
+    for index, info in storage.items():
+        need(type(index) is MetadataIndex and type(index.fqn) is str
+             and (index.offset is None or is_size(index.offset))
+             and (index.index is None or is_int(index.index)), "a storage index is malformed")
+        need(type(info) is _StorageInfo and type(info.relative_path) is str
+             and is_int(info.offset) and is_int(info.length) and info.offset >= 0
+             and info.length >= 0, f"the storage of {index.fqn} is malformed")
+        need(not getattr(info, "transform_descriptors", None),
+             f"entry {index.fqn} is stored with transforms {info.transform_descriptors!r} that this "
+             "course cannot check")
+    for fqn, entry in sdm.items():  # every chunk has its bytes, and they are long enough
+        if type(entry) is BytesStorageMetadata:
+            need(MetadataIndex(fqn) in storage, f"entry {fqn} has no storage")
+            continue
+        for chunk in entry.chunks:
+            info = storage.get(MetadataIndex(fqn, chunk.offsets))
+            need(info is not None, f"a chunk of {fqn} has no storage")
+            need(info.length >= math.prod(chunk.sizes) * entry.properties.dtype.itemsize,
+                 f"a chunk of {fqn} is stored in fewer bytes than it holds")
+    files = sorted({info.relative_path for info in storage.values()})
+    root = os.path.realpath(p)
+    for name in files:
+        parts = Path(name).parts
+        need(bool(name) and "\0" not in name and not os.path.isabs(name) and ".." not in parts
+             and os.path.realpath(p / name).startswith(root + os.sep),
+             f"data file {name!r} lies outside the checkpoint folder")
+    missing = [f for f in files if not (p / f).is_file()]
+    if missing:
+        raise UsageError(f"checkpoint {str(p)!r} is missing {missing[0]} (listed in {METADATA}; "
+                         f"{len(missing)} of {len(files)} data files missing); nothing was "
+                         "loaded")
+    sizes = {name: (p / name).stat().st_size for name in files}
+    need(tensor_bytes <= sum(sizes.values()),
+         f"its tensors ({tensor_bytes} bytes) are larger than its data files")
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in storage.items():
+        need(info.offset + info.length <= sizes[info.relative_path],
+             f"{info.relative_path} is {sizes[info.relative_path]} bytes, shorter than "
+             f"{METADATA} says (entry {index.fqn} ends at byte {info.offset + info.length}): "
+             "truncated")
+        ranges.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+    for name, spans in ranges.items():
+        spans.sort()
+        for (o1, n1, f1), (o2, _n2, f2) in zip(spans, spans[1:]):
+            need(o1 + n1 <= o2, f"entries {f1} and {f2} overlap in {name}")
 
 
 def _check_bytes_entries(p: Path, metadata: Any) -> None:
@@ -291,24 +635,27 @@ def _check_bytes_entries(p: Path, metadata: Any) -> None:
     for index, info in (metadata.storage_data or {}).items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
-        if getattr(info, "transform_descriptors", None):
-            raise UsageError(f"checkpoint {str(p)!r}: entry {index.fqn} is stored with transforms "
-                             f"{list(info.transform_descriptors)} that this course cannot check "
-                             "safely; refused, nothing was loaded")
         with open(p / info.relative_path, "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
         safe_torch_load(io.BytesIO(data), f"checkpoint {str(p)!r}: entry {index.fqn}")
 
 
-def _safe_reader(path: Path):
-    """A ``FileSystemReader`` that refuses a ``.metadata`` naming anything but DCP's classes."""
+def _safe_reader(path: Path, metadata: Any):
+    """A ``FileSystemReader`` that never opens ``.metadata``: it hands DCP ``metadata``, the object
+    ``read_metadata`` checked. (PyTorch's own reader opens the file again and unpickles it with a
+    plain ``pickle.load``: a file swapped after our check would run code there.)"""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            read_metadata(self.path)  # raises before the plain pickle.load below sees the file
-            return super().read_metadata(*args, **kwargs)
+            if kwargs.get("rank") is not None:  # per-rank metadata files: the course writes none
+                raise UsageError(f"checkpoint {str(path)!r}: per-rank metadata is not supported")
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
     return SafeFileSystemReader(str(path))
 
@@ -335,7 +682,8 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
 
 
 def _check_dir(p: Path, entries: bool = True) -> None:
-    """Refuse, in one line, a directory that is not a complete, safe DCP checkpoint."""
+    """Refuse, in one line, a directory that is not a complete, safe DCP checkpoint; else the
+    metadata it was checked with."""
     if not p.is_dir():
         if _tmp_dir(p).is_dir():
             raise UsageError(f"checkpoint {str(p)!r} was never completed (only {_tmp_dir(p).name} "
@@ -344,14 +692,10 @@ def _check_dir(p: Path, entries: bool = True) -> None:
     if not (p / METADATA).is_file():
         raise UsageError(f"checkpoint {str(p)!r} has no {METADATA} file: not a complete DCP "
                          "checkpoint")
-    metadata = read_metadata(p)
-    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-    missing = [f for f in files if not (p / f).is_file()]
-    if missing:
-        raise UsageError(f"checkpoint {str(p)!r} is missing {missing[0]} (listed in {METADATA}; "
-                         f"{len(missing)} of {len(files)} data files missing)")
+    metadata = read_metadata(p)  # also: every file it names is there, long enough, inside p
     if entries:
         _check_bytes_entries(p, metadata)
+    return metadata
 
 
 def _complete(p: Path) -> bool:
@@ -373,6 +717,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path | None:
     """
     p = Path(path)
     for candidate in (_tmp_dir(p), p, _old_dir(p)):
+        if candidate != p and candidate.is_symlink():
+            continue  # the course never makes .tmp / .old a link: planted, never followed
         if _complete(candidate):
             return candidate
     return None
@@ -389,24 +735,67 @@ def recover_checkpoint(path: str | os.PathLike) -> Path | None:
     elif best == old:
         os.replace(old, p)  # only the previous checkpoint survived: put it back
     for leftover in (tmp, old):
-        shutil.rmtree(leftover, ignore_errors=True)  # incomplete, or superseded by ``path``
+        _remove(leftover, ignore_errors=True)  # incomplete, or superseded by ``path``
     return p if best is not None else None
 
 
+def step_order(name: str | os.PathLike) -> tuple[int, str]:
+    """Sort key of a checkpoint name by the number it ends in (``step_999999`` before
+    ``step_1000000``, which a sort by text gets wrong once the number outgrows its zero padding);
+    names without a number sort first."""
+    import re
+
+    text = Path(name).name
+    number = re.search(r"(\d+)$", text)
+    return (int(number.group(1)) if number else -1, text)
+
+
 def latest_checkpoint(directory: str | os.PathLike, pattern: str = "step_*") -> Path | None:
-    """The newest complete checkpoint among ``directory/pattern`` (names sort by step), including
-    one a kill left as ``.NAME.tmp`` / ``.NAME.old``; only reads, so every rank gets the same."""
+    """The newest complete checkpoint among ``directory/pattern`` (by the step number the names
+    end in, ``step_order``), including one a kill left as ``.NAME.tmp`` / ``.NAME.old``; only reads,
+    so every rank gets the same."""
     d = Path(directory)
     if not d.is_dir():
         return None
     names = {q.name for q in d.glob(pattern)}
     names |= {q.name[1:-len(".tmp")] for q in d.glob(f".{pattern}.tmp")}
     names |= {q.name[1:-len(".old")] for q in d.glob(f".{pattern}.old")}
-    for name in sorted(names, reverse=True):
+    for name in sorted(names, key=step_order, reverse=True):
         found = resolve_checkpoint(d / name)
         if found is not None:
             return found
     return None
+
+
+def lock_checkpoints(directory: str | os.PathLike) -> Any:
+    """Take ``directory``'s lock for as long as this process lives (keep the returned file open):
+    one run at a time saves into a checkpoint folder. A second run into the same folder would
+    recover, prune and overwrite under the first one's feet (its recovery deleted the other's
+    ``.tmp``); it is refused in one ``UsageError`` line naming the holder. The lock is the file
+    ``.NAME.lock`` beside the folder, held with ``flock``: the kernel releases it when the process
+    ends, however it ends, so a killed run never leaves it taken. (On a network filesystem whose
+    ``flock`` is local to each host, runs on two hosts are not kept apart.)"""
+    import fcntl
+    import socket
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    lock = open(d.parent / f".{d.name}.lock", "a+")  # noqa: SIM115 - held open until exit
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise UsageError(f"checkpoint folder {str(d)!r} is in use by {holder}: one run at a time "
+                         "may save there; wait for it to end, or give another --out / --ckpt-dir"
+                         ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    return lock
 
 
 def recover_checkpoints(directory: str | os.PathLike, pattern: str = "step_*") -> list[Path]:
@@ -418,16 +807,21 @@ def recover_checkpoints(directory: str | os.PathLike, pattern: str = "step_*") -
     names = {q.name[1:-4] for q in [*d.glob(f".{pattern}.tmp"), *d.glob(f".{pattern}.old")]}
     for name in sorted(names):
         recover_checkpoint(d / name)
-    return sorted(d.glob(pattern))
+    return sorted(d.glob(pattern), key=step_order)
 
 
 def check_checkpoint(path: str | os.PathLike) -> Path:
     """The directory to load for ``path`` (see ``resolve_checkpoint``), checked: complete, every file
     there, nothing in it that would run code. Else one ``UsageError`` line saying what is wrong."""
+    return _checked(path)[0]
+
+
+def _checked(path: str | os.PathLike) -> tuple[Path, Any]:
+    """``check_checkpoint``'s directory and the metadata it was checked with."""
     p = Path(path)
     found = resolve_checkpoint(p)
-    _check_dir(found if found is not None else p)
-    return found if found is not None else p
+    target = found if found is not None else p
+    return target, _check_dir(target)
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None) -> Resumed:
@@ -438,12 +832,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None) -
     """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    p = check_checkpoint(path)
+    p, metadata = _checked(path)
     t0 = time.perf_counter()
     state = training_state(model, optimizer)
     if optimizer is None:
         state.pop("optim", None)
-    dcp_load(state, p)
+    dcp_load(state, p, metadata)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -453,21 +847,41 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None) -
     return Resumed(int(trainer["step"]), int(trainer["batches_consumed"]), time.perf_counter() - t0)
 
 
-def dcp_load(state: dict[str, Any], path: str | os.PathLike) -> None:
+def dcp_load(state: dict[str, Any], path: str | os.PathLike, metadata: Any = None) -> None:
     """``dcp.load`` through the safe reader and planner (``path`` already passed ``check_checkpoint``).
 
-    A refusal inside DCP reaches us wrapped in a ``CheckpointException`` (a ``BaseException``, with
-    each rank's traceback); we give back its one ``UsageError`` line instead."""
-    from torch.distributed.checkpoint.api import CheckpointException
+    DCP is handed ``metadata`` (read and checked here when not given), never the file.
+    A failure inside DCP reaches us wrapped in a ``CheckpointException`` (a ``BaseException``, with
+    each rank's traceback); we give back one ``UsageError`` line instead."""
+    p = Path(path)
+    if metadata is None:
+        metadata = read_metadata(p)
+    with _one_line_failure(p):
+        dcp.load(state, storage_reader=_safe_reader(p, metadata), planner=_safe_planner())
 
-    try:
-        dcp.load(state, storage_reader=_safe_reader(Path(path)), planner=_safe_planner())
-    except CheckpointException as e:
-        for failure in e.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, UsageError):
-                raise UsageError(str(inner)) from None
-        raise
+
+class _one_line_failure:
+    """Turn a failure of DCP reading checkpoint ``p`` into one ``UsageError`` line: a refusal of
+    ours as it is, anything else (a data file changed or cut short since it was checked) as
+    damage."""
+
+    def __init__(self, p: Path):
+        self.p = p
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None:
+            return False
+        inner = _inner_failure(exc)
+        if not isinstance(inner, Exception):
+            return False
+        if isinstance(inner, UsageError):
+            raise UsageError(str(inner)) from None
+        reason = " ".join(str(inner).split())[:160]
+        raise UsageError(f"checkpoint {str(self.p)!r} is damaged: reading its data failed "
+                         f"({type(inner).__name__}: {reason})") from None
 
 
 # -- layout and conversion -----------------------------------------------------------------------
@@ -480,13 +894,27 @@ def layout(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def to_torch_save(dcp_dir: str | os.PathLike, file: str | os.PathLike) -> Path:
     """One ``torch.save`` file holding the full (unsharded) tensors; no process group needed."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    # PyTorch's converter reads with a plain pickle.load and weights_only=False: it only ever sees
-    # a directory whose metadata and non-tensor entries check_checkpoint has just read safely.
-    source = check_checkpoint(dcp_dir)
-    Path(file).parent.mkdir(parents=True, exist_ok=True)
-    dcp_to_torch_save(str(source), str(file))
+    from utilities.state_dict import atomic_torch_save
+
+    # Not PyTorch's dcp_to_torch_save: its reader opens .metadata again with a plain pickle.load
+    # and its planner reads non-tensor entries with weights_only=False. The same steps here with
+    # the metadata checked once and handed over, and every non-tensor entry read weights_only.
+    source, metadata = _checked(dcp_dir)
+
+    class SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            safe_torch_load(value, f"checkpoint entry {read_item.dest_index.fqn}")
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    state: dict[str, Any] = {}
+    with _one_line_failure(source):
+        _load_state_dict(state, storage_reader=_safe_reader(source, metadata),
+                         planner=SafeEmptyPlanner(), no_dist=True)
+    atomic_torch_save(state, Path(file))
     return Path(file)
 
 
@@ -494,10 +922,16 @@ def from_torch_save(file: str | os.PathLike, dcp_dir: str | os.PathLike) -> Path
     """A DCP directory (one file, one writer) from a ``torch.save`` file; any world size loads it.
 
     Not PyTorch's ``torch_save_to_dcp``: it reads the file with ``weights_only=False``. We read it
-    with ``weights_only=True`` (one line naming what it refused) and write it with ``dcp.save``.
+    with ``weights_only=True`` (one line naming what it refused) and write it with ``dcp.save``,
+    into ``.NAME.tmp``, then rename it over ``dcp_dir`` (``swap_in``): an earlier conversion there is
+    replaced whole, never mixed with the new files. A folder there that is not a DCP checkpoint
+    (no ``.metadata``) and not empty is refused, not replaced.
     """
     from torch.distributed.checkpoint import FileSystemWriter
 
+    target = Path(dcp_dir)
+    if target.is_dir() and any(target.iterdir()) and not (target / METADATA).is_file():
+        raise UsageError(f"{str(target)!r} exists and is not a DCP checkpoint: not replaced")
     if not Path(file).is_file():
         raise UsageError(f"torch.save file {str(file)!r} does not exist")
     state = safe_torch_load(Path(file), f"torch.save file {str(file)!r}")
@@ -508,8 +942,15 @@ def from_torch_save(file: str | os.PathLike, dcp_dir: str | os.PathLike) -> Path
 
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.save(state, storage_writer=FileSystemWriter(str(dcp_dir)), no_dist=True)
-    return Path(dcp_dir)
+        tmp = _tmp_dir(target)
+        _remove(tmp)
+        tmp.mkdir(parents=True)
+        try:
+            dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
+        except BaseException as e:  # noqa: BLE001 - as dcp_save: one line, tmp removed
+            _save_failed(e, tmp)
+    swap_in(tmp, target)
+    return target
 
 
 # -- FSDP1's own state dict types, for comparison --------------------------------------------------

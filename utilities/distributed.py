@@ -85,6 +85,8 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
     visible GPUs, the ranks share them: every rank takes the same decision from the same numbers,
     so all of them ask for the same backend.
     """
+    quiet_on_interrupt()
+    die_with_the_launcher()
     dev = resolve_device(device)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -200,6 +202,101 @@ def teardown() -> None:
             gc.collect()
         finally:
             dist.destroy_process_group()
+
+
+def quiet_on_interrupt() -> None:
+    """In a rank torchrun started: Ctrl-C ends this process at once, silently, with 130. The
+    launcher gets the same signal, stops every rank and prints the one line that says so; without
+    this, every rank adds a KeyboardInterrupt traceback from wherever it was (a collective, mostly).
+    A save cut short this way is one a kill would leave: the previous checkpoint stays complete.
+    Elsewhere (a notebook, a test, one plain process) Ctrl-C is left as it is."""
+    import signal
+    import threading
+
+    if os.environ.get("TORCHELASTIC_RUN_ID") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda number, frame: os._exit(128 + number))
+
+
+def die_with_the_launcher() -> None:
+    """In a rank torchrun started (Linux): be killed when the launcher dies. torchrun starts each
+    rank in its own session, so a ``kill -9`` of the launcher (or of its process group) used to
+    leave the ranks training and writing checkpoints on their own, racing a restarted ``--resume``.
+    The kernel's parent-death signal ends them instead. Armed in ``setup()``: a launcher killed
+    while its ranks are still importing torch leaves them to finish that first."""
+    import ctypes
+    import signal
+    import sys
+
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died while the signal was being armed
+        os._exit(128 + int(signal.SIGKILL))
+
+
+class fail_together:
+    """``with fail_together("saving X"):`` around a step that not every rank does the same way
+    (rank 0 writes a file, the others wait for it): every rank enters, and on leaving, the ranks
+    compare notes (one small all-gather), so a failure on any rank becomes the same one-line
+    ``UsageError`` on every rank. Without it, rank 0 fails alone and the others wait for ever in
+    their next collective (a full disk, an unwritable ``--out``).
+
+    ``KeyboardInterrupt`` and other ``BaseException``s pass through untouched: every rank gets the
+    signal itself."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> fail_together:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, Exception):
+            return False
+        error = None if exc is None else one_line_error(self.what, exc)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errors: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise UsageError(error) from None
+        return False
+
+
+def one_line_error(what: str, exc: BaseException) -> str:
+    """``exc`` as one line: a ``UsageError`` as it is, an ``OSError`` by its reason and file,
+    anything else by its type and the first 200 characters of its message (and, with several
+    ranks, that the others stopped too)."""
+    if isinstance(exc, UsageError):
+        return str(exc)
+    others = "; the other ranks stopped too" if world_size() > 1 else ""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{what} failed: {exc.strerror}{where}{others}"
+    reason = " ".join(str(exc).split())[:200]
+    return f"{what} failed: {type(exc).__name__}: {reason}{others}"
+
+
+def exit_on_error(exc: BaseException) -> None:
+    """End a rank after an error every rank raised the same way: rank 0 prints it as one line,
+    then every rank exits 2 at once, skipping the collective tear-down (the others are gone or
+    going)."""
+    import sys
+
+    if is_main():
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    if world_size() > 1:
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(2)
+    teardown()
+    raise SystemExit(2)
 
 
 def rank() -> int:

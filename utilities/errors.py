@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Iterable
 from typing import NoReturn
@@ -28,7 +29,16 @@ def exit_on_usage_error(exc: UsageError, code: int = 2) -> NoReturn:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that answers a bad flag with one line and exit 2, not a usage dump."""
+    """argparse that answers a bad flag with one line and exit 2, not a usage dump; a number that
+    is not finite (``nan``, ``inf``: ``float()`` accepts both) is refused for every flag whose type
+    gives a float, whatever that type checks itself (every comparison with NaN is false)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message} (see --help)\n")
+
+    def _get_value(self, action: argparse.Action, arg_string: str):
+        value = super()._get_value(action, arg_string)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentError(action, f"{arg_string!r} is not allowed; allowed: finite "
+                                                 "numbers")
+        return value

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from utilities.distributed import fail_together, one_line_error
 from utilities.errors import UsageError
 
 FORMAT = "fsdp-course-full-state-dict-v1"
@@ -92,10 +93,11 @@ def save_full(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
     """
     msd, osd = gather_full(model, optimizer, how)
     size = 0
-    if _rank() == 0:
-        payload = {"format": FORMAT, "step": int(step), "model": msd, "optimizer": osd,
-                   "extra": dict(extra or {})}
-        size = atomic_torch_save(payload, Path(path))
+    with fail_together(f"saving {path}"):  # rank 0 failing alone would leave the others waiting
+        if _rank() == 0:
+            payload = {"format": FORMAT, "step": int(step), "model": msd, "optimizer": osd,
+                       "extra": dict(extra or {})}
+            size = atomic_torch_save(payload, Path(path))
     return int(_broadcast_object(size))
 
 
@@ -247,8 +249,8 @@ def read_on_rank0(path: str | os.PathLike, model: nn.Module,
                 if not osd.get("param_groups"):
                     raise UsageError(f"checkpoint {path} holds no optimizer state")
                 check_optimizer_keys(path, osd, expected)
-        except UsageError as e:
-            error = str(e)
+        except Exception as e:  # noqa: BLE001 - any failure here must reach the waiting ranks
+            error = one_line_error(f"reading {path}", e)
     error = _broadcast_object(error)
     if error is not None:
         raise UsageError(error)
@@ -346,8 +348,23 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory:
                          f"({_first(result.unexpected_keys, 3)})")
     model.tie_weights()
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    if directory.is_dir() and any(directory.iterdir()) and not (directory / "config.json").is_file():
+        raise UsageError(f"cannot export to {directory}: it exists and is not an export (no "
+                         "config.json); not replaced")
+    # written beside it, then renamed over it: an earlier export is replaced whole (no stale
+    # shard of it stays beside the new files), and a crash mid-write leaves the earlier one
+    from utilities.dcp import _fsync_files, _remove, _tmp_dir, swap_in
+
+    tmp = _tmp_dir(directory)
+    _remove(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        _fsync_files(tmp)
+    except BaseException:
+        _remove(tmp, ignore_errors=True)
+        raise
+    swap_in(tmp, directory)
     return directory
 
 

@@ -45,7 +45,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities.course.lesson import Lesson, lesson_parser
-from utilities.distributed import reduce_scalar
+from utilities.distributed import fail_together, reduce_scalar
 from utilities.measure import fmt_bytes
 from utilities.models import META_INIT_THRESHOLD
 from utilities.state_dict import FORMAT, export_hf, read_on_rank0
@@ -104,20 +104,26 @@ def save_on_rank0(path: str | os.PathLike, model_sd: dict[str, Any], optim_sd: d
 
     It writes to a temporary name in the same directory, flushes it to disk, and renames it over
     ``path`` (``os.replace`` is atomic), so a crash mid-write leaves the previous checkpoint whole.
+
+    Only rank 0 writes, so only rank 0 can fail (a full disk, a folder it may not write): the other
+    ranks would wait for its answer for ever. ``fail_together`` shares the outcome, and every rank
+    raises the same one-line error.
     """
     path, size = Path(path), [0]
-    if dist.get_rank() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save({"format": FORMAT, "step": step, "model": model_sd, "optimizer": optim_sd}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        size = [path.stat().st_size]
+    with fail_together(f"saving {path}"):
+        if dist.get_rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            try:
+                with open(tmp, "wb") as f:
+                    torch.save({"format": FORMAT, "step": step, "model": model_sd,
+                                "optimizer": optim_sd}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            size = [path.stat().st_size]
     dist.broadcast_object_list(size, src=0)
     return size[0]
 
@@ -264,19 +270,19 @@ def check_export(L: Lesson, model_sd: dict, directory: Path, probe: dict,
                  expected: torch.Tensor) -> dict[str, Any]:
     """Rank 0 writes a safetensors folder and reloads it with plain ``from_pretrained``."""
     result: dict[str, Any] = {}
-    if L.dist.is_main:
-        from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    with fail_together(f"exporting to {directory}"):  # rank 0 failing stops every rank
+        if L.dist.is_main:
+            from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-        t0 = time.perf_counter()
-        export_hf(model_sd, L.spec.config(), directory)
-        export_s = time.perf_counter() - t0
-        auto = AutoModelForSeq2SeqLM if L.spec.is_seq2seq else AutoModelForCausalLM
-        reloaded = auto.from_pretrained(directory).to(L.device).eval()
-        diff = (logits(reloaded, probe) - expected).abs().max().item()
-        size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
-        result = dict(hf_export_s=round(export_s, 4), hf_export_bytes=size, hf_max_abs_diff=diff,
-                      hf_identical=diff == 0.0, hf_dir=str(directory))
-    dist.barrier()
+            t0 = time.perf_counter()
+            export_hf(model_sd, L.spec.config(), directory)
+            export_s = time.perf_counter() - t0
+            auto = AutoModelForSeq2SeqLM if L.spec.is_seq2seq else AutoModelForCausalLM
+            reloaded = auto.from_pretrained(directory).to(L.device).eval()
+            diff = (logits(reloaded, probe) - expected).abs().max().item()
+            size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+            result = dict(hf_export_s=round(export_s, 4), hf_export_bytes=size,
+                          hf_max_abs_diff=diff, hf_identical=diff == 0.0, hf_dir=str(directory))
     return result
 
 

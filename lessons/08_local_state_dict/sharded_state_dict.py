@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -55,6 +54,8 @@ from utilities.course.results import write_json
 from utilities.data import ReverseTask
 from utilities.dcp import (
     check_checkpoint,
+    dcp_load,
+    dcp_save,
     from_torch_save,
     layout,
     load_checkpoint,
@@ -63,9 +64,10 @@ from utilities.dcp import (
     publish_save,
     to_torch_save,
 )
-from utilities.distributed import reduce_scalar
+from utilities.distributed import fail_together, reduce_scalar
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
+from utilities.state_dict import atomic_torch_save
 from utilities.training import train
 from utilities.wrapping import shard_model
 
@@ -93,7 +95,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     publish keeps the previous checkpoint until then), so a crash never leaves a half-written one.
     """
     tmp = prepare_save(Path(path))
-    dcp.save(training_state(model, optimizer, step, batches_consumed), checkpoint_id=str(tmp))
+    # dcp.save(state, checkpoint_id=tmp), with a failure (a full disk) in one line, tmp removed
+    dcp_save(training_state(model, optimizer, step, batches_consumed), tmp)
     publish_save(tmp, Path(path))
 
 
@@ -118,11 +121,12 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     batches consumed).
 
     The target is built from *this* run's shards; ``dcp.load`` reads exactly the slices they cover,
-    from whichever files hold them, and ``set_state_dict`` puts them in place. For a checkpoint
-    from elsewhere use ``utilities.dcp.load_checkpoint``: PyTorch unpickles ``.metadata`` as is.
+    from whichever files hold them, and ``set_state_dict`` puts them in place. ``dcp_load`` is
+    ``dcp.load`` with the checks of ``utilities.dcp``: PyTorch's own reader unpickles ``.metadata``
+    and the non-tensor entries with plain ``pickle``, so a file planted in the folder could run code.
     """
     state = training_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp_load(state, path)  # dcp.load(state, checkpoint_id=str(path)), read safely
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["trainer"]["step"]), int(state["trainer"]["batches_consumed"])
 
@@ -141,20 +145,18 @@ def save_fsdp1_local(directory: str | os.PathLike, model: FSDP) -> tuple[Path, i
     """``LOCAL_STATE_DICT`` + ``torch.save``: every rank writes its flat shards to its own file,
     named by its rank and the world size it is bound to; returns the file and its flat shards."""
     path = Path(directory) / f"rank{dist.get_rank()}_of_{dist.get_world_size()}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
     local = fsdp1_state_dict(model, StateDictType.LOCAL_STATE_DICT)
-    torch.save(local, path)
+    atomic_torch_save(local, path)  # torch.save through a synced temporary file and a rename
     return path, sum(1 for key in local if key.endswith("flat_param"))
 
 
 def save_fsdp1_sharded(path: str | os.PathLike, model: FSDP) -> None:
-    """``SHARDED_STATE_DICT`` + ``dcp.save`` (model only): reshardable, like ``save``'s. A rerun
-    replaces the folder (dcp.save would write over the old files, with a warning)."""
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
-    dcp.save({"model": fsdp1_state_dict(model, StateDictType.SHARDED_STATE_DICT)},
-             checkpoint_id=str(path))
+    """``SHARDED_STATE_DICT`` + ``dcp.save`` (model only): reshardable, like ``save``'s, and
+    published like it: written into ``.NAME.tmp``, renamed over ``NAME`` once complete, so a rerun
+    killed mid-save still leaves the previous folder (deleting it first would not)."""
+    tmp = prepare_save(Path(path))
+    dcp_save({"model": fsdp1_state_dict(model, StateDictType.SHARDED_STATE_DICT)}, tmp)
+    publish_save(tmp, Path(path))
 
 
 # -- the experiment -------------------------------------------------------------------------------
@@ -235,9 +237,10 @@ def fsdp2_dcp(L: Lesson) -> None:
     per_rank = {f["file"]: f["bytes"] for f in layout(ckpt)}
     saved_outputs = outputs(model, L)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if L.dist.is_main:  # for the tests: the outputs, and every tensor whole (lesson 03's way)
-        torch.save(saved_outputs, L.out / "outputs_saved.pt")
-        torch.save(full, L.out / "reference_full_model.pt")
+    with fail_together(f"writing to {L.out}"):  # rank 0 failing alone would hang the others
+        if L.dist.is_main:  # for the tests: the outputs, and every tensor whole (lesson 03's way)
+            torch.save(saved_outputs, L.out / "outputs_saved.pt")
+            torch.save(full, L.out / "reference_full_model.pt")
 
     t0 = time.perf_counter()
     finish, blocked_s = timed(async_save, L.out / "checkpoint_async", model, opt, k, k)
@@ -260,14 +263,13 @@ def fsdp2_dcp(L: Lesson) -> None:
 
 def convert(L: Lesson) -> None:
     """One torch.save file and back, with PyTorch's format_utils (rank 0 only: no process group)."""
-    if L.dist.is_main:
-        single, to_s = timed(to_torch_save, L.out / "checkpoint", L.out / "converted.pt")
-        shutil.rmtree(L.out / "converted_dcp", ignore_errors=True)  # a rerun replaces it
-        back, from_s = timed(from_torch_save, single, L.out / "converted_dcp")
-        L.results.add("convert", None, dcp_to_torch_save_s=round(to_s, 4),
-                      torch_save_to_dcp_s=round(from_s, 4), torch_save_bytes=single.stat().st_size,
-                      back_to_dcp_bytes=dir_bytes(back))
-    dist.barrier()
+    with fail_together("converting the checkpoint"):  # also the barrier: a failure stops all
+        if L.dist.is_main:
+            single, to_s = timed(to_torch_save, L.out / "checkpoint", L.out / "converted.pt")
+            back, from_s = timed(from_torch_save, single, L.out / "converted_dcp")
+            L.results.add("convert", None, dcp_to_torch_save_s=round(to_s, 4),
+                          torch_save_to_dcp_s=round(from_s, 4),
+                          torch_save_bytes=single.stat().st_size, back_to_dcp_bytes=dir_bytes(back))
 
 
 def fsdp1_formats(L: Lesson) -> None:
@@ -324,9 +326,11 @@ def resume_check(L: Lesson, k: int) -> None:
     diff = max(abs(a - b) for a, b in zip(whole, got))
     L.results.add("resume-check", None, uninterrupted_losses=whole, resumed_losses=got,
                   resumed_at_step=step, max_abs_loss_diff=diff)
-    if L.dist.is_main:
-        write_json(L.out / "resume_check.json", {"uninterrupted": whole, "resumed": got,
-                                                 "resumed_at_step": step, "max_abs_loss_diff": diff})
+    with fail_together(f"writing {L.out / 'resume_check.json'}"):
+        if L.dist.is_main:
+            write_json(L.out / "resume_check.json", {"uninterrupted": whole, "resumed": got,
+                                                     "resumed_at_step": step,
+                                                     "max_abs_loss_diff": diff})
     L.print(f"  resume check: {2 * k} uninterrupted vs {k} + save/load + {k}: max |loss diff| {diff:.2e}")
 
 
@@ -339,8 +343,9 @@ def load_elsewhere(L: Lesson, src: Path) -> None:
     logits = outputs(model, L)
     resaved = L.out / "checkpoint"
     _, save_s = timed(save, resaved, model, opt, resumed.step, resumed.batches_consumed)
-    if L.dist.is_main:
-        torch.save(logits, L.out / "outputs_loaded.pt")
+    with fail_together(f"writing {L.out / 'outputs_loaded.pt'}"):
+        if L.dist.is_main:
+            torch.save(logits, L.out / "outputs_loaded.pt")
     L.results.add("dcp-load-resharded", None, loaded_from=str(src), world_size=L.dist.world_size,
                   load_s=round(resumed.seconds, 4), step=resumed.step,
                   batches_consumed=resumed.batches_consumed, resave_s=round(save_s, 4),
@@ -352,12 +357,18 @@ def load_elsewhere(L: Lesson, src: Path) -> None:
 def local_on_this_world(L: Lesson, src: Path) -> str | None:
     """The same run's FSDP1 LOCAL_STATE_DICT files, loaded here: on another number of ranks they
     fail (flat shards know their world size); DCP, above, reshards. Returns the error, if any."""
-    files = sorted((src.parent / "fsdp1_local").glob("rank*_of_*.pt"))
-    if not files:
+    import re
+
+    named = [re.fullmatch(r"rank(\d+)_of_(\d+)\.pt", f.name)
+             for f in sorted((src.parent / "fsdp1_local").glob("rank*_of_*.pt"))]
+    worlds = sorted({int(m.group(2)) for m in named if m and int(m.group(2)) > 0})
+    if not worlds:  # none, or only stray files such as rank0_of_x.pt
         return None
-    saved_world = int(files[0].stem.split("_of_")[1])
+    saved_world = worlds[0]
     model, _ = sharded(L, api="fsdp1")
-    path = files[0].parent / f"rank{min(L.dist.rank, saved_world - 1)}_of_{saved_world}.pt"
+    path = src.parent / "fsdp1_local" / f"rank{min(L.dist.rank, saved_world - 1)}_of_{saved_world}.pt"
+    if not path.is_file():
+        return f"{path} is missing"
     try:
         load_fsdp1_local(model, path)
     except UsageError as e:

@@ -57,9 +57,10 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from utilities.child_tuning import global_topk_threshold, local
 from utilities.course.lesson import Lesson, bounded, lesson_parser, positive_int
 from utilities.data import LETTERS, LetterTask, batches, make_loader
-from utilities.distributed import reduce_scalar, world_mesh
+from utilities.distributed import fail_together, reduce_scalar, world_mesh
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
+from utilities.state_dict import safe_torch_load
 from utilities.training import train
 
 ENCODER = ("encoder.block.", "encoder.final_layer_norm.")  # the lower half of a t5
@@ -358,7 +359,11 @@ def pretrained_state(L: Lesson, args: argparse.Namespace) -> dict[str, torch.Ten
         if not Path(args.pretrained).is_file():
             raise UsageError(f"--pretrained {args.pretrained!r} is not a file")
         L.print(f"  pre-trained weights from {args.pretrained}")
-        return torch.load(args.pretrained, map_location="cpu", weights_only=True)
+        # weights_only, and a truncated or code-carrying file is one line (the same on every rank)
+        state = safe_torch_load(args.pretrained, f"--pretrained {args.pretrained!r}")
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise UsageError(f"--pretrained {args.pretrained!r} is not a state dict of tensors")
+        return state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model = wrap_fsdp2(L.build_model(), L.spec.block_class())
@@ -369,9 +374,10 @@ def pretrained_state(L: Lesson, args: argparse.Namespace) -> dict[str, torch.Ten
             f"in {args.pretrain_steps} steps")
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     state = {k: v.detach().clone() for k, v in sd.items()}
-    if L.dist.is_main:
-        L.out.mkdir(parents=True, exist_ok=True)
-        torch.save(state, L.out / "pretrained.pt")
+    with fail_together(f"writing {L.out / 'pretrained.pt'}"):  # rank 0 failing stops every rank
+        if L.dist.is_main:
+            L.out.mkdir(parents=True, exist_ok=True)
+            torch.save(state, L.out / "pretrained.pt")
     return state
 
 

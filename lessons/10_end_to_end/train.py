@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_config, train_
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -58,12 +57,16 @@ from utilities.data import ReverseTask, make_loader
 from utilities.dcp import (
     check_checkpoint,
     dcp_load,
+    dcp_save,
     latest_checkpoint,
+    lock_checkpoints,
     prepare_save,
     publish_save,
     recover_checkpoints,
+    step_order,
     training_state,
 )
+from utilities.errors import UsageError
 from utilities.models import META_INIT_THRESHOLD, get_model_spec, init_weights
 
 # --precision: the dtype FSDP all-gathers parameters in (compute), and the one it reduces gradients in
@@ -151,15 +154,19 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
     final = ckpt_dir / f"step_{step:06d}"
     state = training_state(model, optimizer, step, batches)  # model + optimizer + step + data position
     state["scheduler"] = scheduler
-    if dist.get_rank() == 0:
-        recover_checkpoints(ckpt_dir)  # finish or undo what a kill left of earlier saves
+    with D.fail_together(f"saving into {ckpt_dir}"):  # rank 0 failing alone would hang the others
+        if dist.get_rank() == 0:
+            recover_checkpoints(ckpt_dir)  # finish or undo what a kill left of earlier saves
     tmp = prepare_save(final)
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp_save(state, tmp)  # dcp.save(state, checkpoint_id=tmp); a full disk is one line, tmp removed
     publish_save(tmp, final)  # a fresh run in an old directory replaces the same step's checkpoint
-    if dist.get_rank() == 0:
-        for old in sorted(ckpt_dir.glob("step_*"))[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)  # half-deleted, it is older and incomplete: skipped
-    dist.barrier()
+    with D.fail_together(f"pruning {ckpt_dir}"):  # also the barrier
+        if dist.get_rank() == 0:
+            # by the number, not the text: "step_1000000" sorts before "step_999999" as text
+            saved = sorted((q for q in ckpt_dir.glob("step_*") if q.name[5:].isdigit()),
+                           key=step_order)
+            for old in saved[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)  # half-deleted: older, incomplete, skipped
     return final
 
 
@@ -197,6 +204,8 @@ def main(cfg: Config) -> None:
     exit_if_only_checking_flags()
     info = setup(cfg)  # the process group, and the defaults of this rank's hardware
     device, rank, world = info.device, info.rank, info.world_size
+    with D.fail_together(f"locking {cfg.ckpt_dir}"):  # a second run into this folder: one line
+        lock = lock_checkpoints(cfg.ckpt_dir) if rank == 0 else None  # noqa: F841 - held until exit
     spec = get_model_spec(cfg.model)
     model = parallelize(build_model(cfg, device), cfg, device)
     log = TrainingLog(cfg, spec, info)
@@ -357,4 +366,7 @@ def make_optimizer(model: nn.Module, cfg: Config,
 
 
 if __name__ == "__main__":
-    main(parse_args(description=__doc__))
+    try:
+        main(parse_args(description=__doc__))
+    except UsageError as e:  # every rank raises the same one (a damaged checkpoint, a failed save)
+        D.exit_on_error(e)

@@ -11,6 +11,7 @@ and refused in one line if they would not fit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -387,7 +388,28 @@ def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
     run = prepare_launch(info, device, nproc, out, quick, model, flags, check_then_launch=True)
     for line in run.header:
         print(line, flush=True)
-    return subprocess.call(run.cmd, env=run.env)
+    with ctrl_c_left_to_the_launcher():
+        return subprocess.call(run.cmd, env=run.env)
+
+
+@contextlib.contextmanager
+def ctrl_c_left_to_the_launcher():
+    """While the launcher runs, Ctrl-C does nothing here. The launcher is in our process group, so
+    it gets the signal too: torchrun stops the ranks and it says so in one line (exit 130), which
+    ``subprocess.call`` then returns. Without this, ``subprocess.call`` would kill the launcher a
+    quarter of a second into its shutdown. A handler, not ``SIG_IGN``: ``exec`` resets a handler to
+    the default, so the launcher still gets its KeyboardInterrupt."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, lambda number, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
@@ -407,6 +429,8 @@ def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
         except UsageError as e:  # e.g. ranks that would not fit: this lesson fails, the rest run
             print(f"error: lesson {num}: {e}", file=sys.stderr, flush=True)
             rc = 2
+        if rc > 128:  # interrupted (Ctrl-C: 130): the launcher has said so; the rest do not run
+            return rc
         if rc != 0:
             failed.append(num)
             summary.append((num, info.title, "FAILED", "", ""))

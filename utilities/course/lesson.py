@@ -19,6 +19,7 @@ import contextlib
 import gc
 import io
 import json
+import math
 import os
 import random
 import sys
@@ -115,8 +116,9 @@ def parse_flags_here(parse_args: Callable[[list[str]], Any], argv: list[str]) ->
 def bounded(kind: type = int, low: float | None = None, high: float | None = None,
             low_open: bool = False) -> Callable[[str], Any]:
     """An argparse ``type``: a number of ``kind`` within bounds. A bad value is refused in one
-    line naming it and the allowed range ("integers >= 1", "numbers in (0, 1]", ...)."""
-    noun = "integers" if kind is int else "numbers"
+    line naming it and the allowed range ("integers >= 1", "finite numbers in (0, 1]", ...);
+    ``nan`` and ``inf`` too, which ``float()`` accepts and NaN passes every comparison."""
+    noun = "integers" if kind is int else "finite numbers"
     if low is not None and high is not None:
         allowed = f"{noun} in {'(' if low_open else '['}{low}, {high}]"
     elif low is not None:
@@ -127,8 +129,10 @@ def bounded(kind: type = int, low: float | None = None, high: float | None = Non
     def parse(text: str):
         try:
             value = kind(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: {allowed}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: {allowed}")
         too_low = low is not None and (value <= low if low_open else value < low)
         if too_low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: {allowed}")
@@ -324,13 +328,7 @@ class Lesson:
         return False
 
     def _fail(self, e: Exception) -> None:
-        if D.is_main():
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        if D.world_size() > 1:
-            sys.stderr.flush()
-            os._exit(2)  # every rank hits the same error: skip the collective tear-down
-        D.teardown()
-        raise SystemExit(2)
+        D.exit_on_error(e)  # every rank hits the same error: one line, no collective tear-down
 
     # -- the pieces a lesson uses ------------------------------------------------------------
     def print(self, *a: Any) -> None:

@@ -13,17 +13,72 @@ from utilities.course.lesson import skip_final_collections
 
 
 def run(argv: list[str]) -> NoReturn:
-    """torchrun on ``argv``, then exit: 0, or 1 after printing which ranks failed and how."""
+    """torchrun on ``argv``, then exit: 0; or 2 when the first rank to fail exited 2 (the course's
+    one-line error, which rank 0 has printed: ``utilities.distributed.exit_on_error``, a failed
+    save, a damaged checkpoint) and the others exited 2 too or were stopped by torchrun; or 1 after
+    printing which ranks failed and how. Interrupted (Ctrl-C, ``kill``): torchrun stops every rank,
+    then one line says so, and the exit code is 128 + the signal (130 for Ctrl-C)."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
     skip_final_collections()
+    # torchrun logs each failed rank, and the signal it sends the rest, as it sees them: held back
+    # until the outcome is known, and printed unless it is the one line already printed
+    held = _HeldBack("failed (exitcode:", "closing signal", "death signal")
+    loggers = [logging.getLogger(f"torch.distributed.elastic.{name}")
+               for name in ("multiprocessing.api", "agent.server.api")]
+    for logger in loggers:
+        logger.addFilter(held)
+    usage_exit = False
     try:
         main(argv)
+    except (SignalException, KeyboardInterrupt) as e:
+        usage_exit = True  # what torchrun logged while stopping the ranks is not news
+        number = getattr(e, "sigval", signal.SIGINT)
+        print(f"error: interrupted by {signal.Signals(number).name}: every rank was stopped",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + int(number)) from None
     except ChildFailedError as e:
+        failures = list(e.failures.values())
+        first = min(failures, key=lambda f: f.timestamp)
+        stopped = {2, -signal.SIGTERM, -signal.SIGKILL}
+        usage_exit = first.exitcode == 2 and all(f.exitcode in stopped for f in failures)
+        if usage_exit:
+            raise SystemExit(2) from None
+        held.release(loggers)
         print(e, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    finally:
+        if not usage_exit:
+            held.release(loggers)
     raise SystemExit(0)
+
+
+class _HeldBack:
+    """A logging filter that keeps the records whose message contains one of ``texts``."""
+
+    def __init__(self, *texts: str):
+        self.texts, self.records = texts, []
+
+    def filter(self, record) -> bool:
+        if any(text in record.getMessage() for text in self.texts):
+            self.records.append(record)
+            return False
+        return True
+
+    def release(self, loggers) -> None:
+        """Log what was kept, once, each record through its own logger."""
+        import logging
+
+        for logger in loggers:
+            logger.removeFilter(self)
+        records, self.records = self.records, []
+        for record in records:
+            logging.getLogger(record.name).handle(record)
 
 
 if __name__ == "__main__":

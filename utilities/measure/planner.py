@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import re
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -101,6 +102,8 @@ def parse_memory(text: str) -> int:
         raise bad_value("--gpu-memory", text, "a GPU name or a size with its unit, such as 80GB, "
                         "80GiB, 24e9B (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value):  # 1e999
+        raise bad_value("--gpu-memory", text, "finite sizes")
     if value < 1:
         raise bad_value("--gpu-memory", text, "sizes > 0")
     return int(value)
