@@ -2,7 +2,7 @@
 
 The rows are the throughput figures of ../shared/reference/anchors.md (torchtitan's Llama 3.1 8B on
 8 H100s, torchtitan PR 165's Llama 7B, torchao's Float8 table, accelerate's FP8 example) and the
-course's own one-H100 measurements (gpu-evidence/2026-11-22-h100: the plain llama-1b loop and
+course's own one-H100 measurements (benchmarks/results/gpu/2026-11-22-h100: the plain llama-1b loop and
 lesson 10's FSDP2 runs). Each row says which settings the source states and which are assumed.
 
 The model has one set of efficiencies (``step_time.CALIBRATED``). ``--fit`` searches them
@@ -39,7 +39,7 @@ from utilities.models import ModelSpec, _llama  # noqa: E402
 NAME = "time_model_check"
 OUT = REPO / "benchmarks" / "results" / f"{NAME}.json"
 TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-EVIDENCE = "course gpu-evidence/2026-11-22-h100"
+EVIDENCE = "course benchmarks/results/gpu/2026-11-22-h100"
 
 
 class _OffCatalogueSpec(ModelSpec):

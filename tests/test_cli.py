@@ -96,7 +96,7 @@ def test_cuda_requests_without_gpu_are_refused():
 
 
 def test_nproc_larger_than_gpus_shares_them(monkeypatch, capsys, tmp_path):
-    """More ranks than GPUs: they share the GPUs over gloo (issue 15; tests/test_shared_gpu_cpu.py
+    """More ranks than GPUs: they share the GPUs over gloo (tests/test_shared_gpu_cpu.py
     has the rest), planned first, and say so on the first line."""
     from utilities.course import cli as cli_module
 
@@ -136,7 +136,7 @@ def test_a_run_with_lesson_flags_checks_them_in_the_process_that_starts_the_rank
 
 
 def test_unwritable_out_is_refused_before_launch(monkeypatch, capsys, tmp_path):
-    """`--out` that cannot be written: one line, exit 2, nothing started (issue 14 item 5). A
+    """`--out` that cannot be written: one line, exit 2, nothing started. A
     folder under a regular file cannot be created even by root."""
     from utilities.course import cli as cli_module
 

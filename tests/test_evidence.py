@@ -80,3 +80,9 @@ def test_the_command_writes_a_manifest_and_renders_the_readme_tables(tmp_path, m
         assert f"| {v['name']} | {v['peak_memory_bytes']['total'] / 2**30:.2f} |" in rendered
     assert "not yet measured" in (lessons / "02_activation_checkpointing" / "README.md").read_text()
     shutil.rmtree(tmp_path / "ev")
+
+
+def test_every_lesson_readme_has_the_block_evidence_renders_into():
+    for readme in sorted((REPO / "lessons").glob("*/README.md")):
+        blocks = [m.group(2) for m in E.GPU_BLOCK.finditer(readme.read_text())]
+        assert blocks == [readme.parent.name[:2]], readme

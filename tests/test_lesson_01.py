@@ -59,7 +59,7 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     """The README's table is rendered from results_cpu.json, the lesson's own `fsdp-course run 01`
     (tests/test_trust_newcomer.py checks the rendering). The quick run must reproduce what that
     table claims about wrapping and memory, exactly: units, largest unit, unsharded parameters and
-    the peak by category (issue 14: the README once explained 1.19 MiB with a wrong block size)."""
+    the peak by category."""
     import json
 
     from utilities.course.readme_tables import claims, lesson_dir

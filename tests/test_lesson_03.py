@@ -72,7 +72,7 @@ def test_pickle_with_code_is_refused_not_run(tmp_path, capsys):
     with pytest.raises(UsageError, match="asks to run code.*builtins.print.*nothing was loaded") as e:
         read_full(path)
     assert "\n" not in str(e.value) and "this pickle ran code" not in capsys.readouterr().out
-    assert "truncated" not in str(e.value)  # issue 14: it is not damaged, it is refused
+    assert "truncated" not in str(e.value)  # not damaged: refused
 
 
 @pytest.mark.parametrize("writer", ["lesson", "utilities"])

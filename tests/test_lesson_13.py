@@ -193,7 +193,7 @@ def _rows(tps: dict[int, tuple[float, float]]) -> list[dict]:
 
 
 def test_crossover_logic():
-    # H100 at hidden 1024 (issue 13): fp8 132k vs compiled 329k tokens/s; wider, made-up numbers
+    # H100 at hidden 1024: fp8 132k vs compiled 329k tokens/s; wider, made-up numbers
     h100 = _rows({1024: (329_172, 132_491), 2048: (150_000, 140_000), 4096: (60_000, 78_000)})
     found = crossover_hidden(h100, "fp8-compiled", "compiled")
     assert found["hidden"] == 4096 and found["ratios"][1024] == pytest.approx(0.4025, abs=1e-4)

@@ -1,4 +1,4 @@
-"""Ranks sharing a GPU (issue 15) and the process group's backends (issue 11), checked on CPU.
+"""Ranks sharing a GPU and the process group's backends, checked on CPU.
 
 The CPU twins of ``tests/gpu/test_shared_gpu.py``: the same launcher decision, backend strings,
 lesson flags and variant names, with ``torch.cuda`` mocked, so a rename or a changed default fails
@@ -106,7 +106,7 @@ def test_every_lesson_has_run_defaults_the_planner_knows(number):
     assert run_defaults(get_lesson("10"), True) == ("llama-tiny", 8)
 
 
-# -- the process group's backend (issue 11 items 1-2; issue 15) ------------------------------------
+# -- the process group's backend -------------------------------------------------------------------
 
 @pytest.fixture
 def init_calls(monkeypatch):

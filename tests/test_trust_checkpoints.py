@@ -1,4 +1,4 @@
-"""Issue 14 items 2-4: no checkpoint the course loads can run code, and a kill at any instant of a
+"""No checkpoint the course loads can run code, and a kill at any instant of a
 save never costs the previous checkpoint.
 
 Everything here runs in this process on a one-rank gloo world (``world1``) with a two-layer model:

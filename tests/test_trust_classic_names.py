@@ -1,4 +1,4 @@
-"""Issue 14 item 1: the names the classic FSDP tutorials had users import behave as that code expects.
+"""The names the classic FSDP tutorials had users import behave as that code expects.
 
 The classic idiom is ``if verify_bfloat_support: mp_policy = bfSixteen`` with ``verify_bfloat_support``
 a module-level bool; the course's first version made it a function, which is always truthy. These

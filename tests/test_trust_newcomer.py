@@ -1,4 +1,4 @@
-"""Issue 14 item 7: a new user's rough edges. All cheap: no lesson launch, no simulated plan.
+"""A new user's rough edges. All cheap: no lesson launch, no simulated plan.
 
 The README set-up block, README results tables rendered from the lesson's own run, the planner's
 "temporaries" and GPU sizes, lesson 07's DTensor warnings, notebook 07's plot labels.

@@ -112,9 +112,10 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], precision: str) -> None
     (param_dtype) and of the gradient reduce-scatter (reduce_dtype)."""
     param_dtype, reduce_dtype = DTYPES[precision]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mesh = D.world_mesh()  # every rank, on the device setup() chose (not the machine's accelerator)
     for unit in units:
-        fully_shard(unit, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(unit, mp_policy=mp, mesh=mesh)
+    fully_shard(model, mp_policy=mp, mesh=mesh)
 
 
 def apply_prefetch(units: list[nn.Module], depth: int) -> None:

@@ -1,4 +1,4 @@
-"""Several ranks on one GPU (issue 15): sharding shown with the allocator's own numbers.
+"""Several ranks on one GPU: sharding shown with the allocator's own numbers.
 
 Each test launches a lesson through ``fsdp-course run NN --device cuda --nproc N`` so that N ranks
 share GPU 0 over gloo, and asserts the lesson's point there. The lesson flags and variant names are

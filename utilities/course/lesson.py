@@ -284,7 +284,7 @@ class Lesson:
                         **self._settings)
         self.results = Results(self.number, self.title, self.device, self.dist.world_size,
                                self.spec.name, self.spec.num_parameters, settings)
-        # -- issue 15 (ranks sharing a GPU; edit by the shared-GPU work): say so first, record it.
+        # -- ranks sharing a GPU: say so first, record it.
         if self.dist.shares_gpu:
             self.results.data["settings"]["ranks_per_gpu"] = self.dist.ranks_per_gpu
             self.results.note(self.dist.shared_gpu_note())

@@ -58,7 +58,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 # What ``nvidia-smi`` reports as total memory, in MiB: what users mean by "an 80GB card". H100:
-# the course's own H100 run read 79.6 GiB through NVML (gpu-evidence/2026-11-22-h100/check.txt).
+# the course's own H100 run read 79.6 GiB through NVML (benchmarks/results/gpu/2026-11-22-h100/check.txt).
 GPU_MEMORY_MIB = {
     "h100": 81559, "h100-80gb": 81559, "h200": 143771, "a100-80gb": 81920, "a100-40gb": 40960,
     "a100": 40960, "l4": 23034, "a10g": 23028, "t4": 15360, "rtx4090": 24564, "a6000": 49140,

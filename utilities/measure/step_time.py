@@ -157,7 +157,7 @@ CALIBRATED = Efficiencies(
         "matmul, memory, compile_memory, fp8_matmul, kernel_floor_s, unit_overhead_s": "fitted "
         "on 2026-11-25 by benchmarks/time_model_check.py --fit (coordinate descent, least "
         "squares of log(predicted / published)) on 5 rows: the course's llama-1b on one H100 "
-        "(gpu-evidence/2026-11-22-h100: the plain loop eager batch 4, compiled batch 4 and 8; "
+        "(benchmarks/results/gpu/2026-11-22-h100: the plain loop eager batch 4, compiled batch 4 and 8; "
         "lesson 10's FSDP2 eager batch 4) and torchao's Float8 row (op-level selective AC, as "
         "torchtitan's); the 10 other rows, "
         "torchtitan's among them, are held out (benchmarks/results/time_model_check.json)",
