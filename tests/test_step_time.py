@@ -5,6 +5,7 @@ does, a timeline whose lanes add up to the step, and the published llama-8b anch
 from __future__ import annotations
 
 import pytest
+import torch
 
 from utilities.errors import UsageError
 from utilities.measure import step_time as st
@@ -203,3 +204,35 @@ def test_the_benchmarks_readme_table_is_rendered_from_the_committed_check():
     for readme in time_model_check.READMES:
         block = time_model_check.README_BLOCK.search(readme.read_text())
         assert block and block.group(2) == time_model_check.render(data), readme
+
+
+def test_calibration_twin_measures_saves_and_is_used(tmp_path):
+    """The --calibrate path on CPU (small sizes, the same code a GPU runs): three efficiencies
+    measured and saved; a plan with --calibration predicts with them (half the GEMM efficiency,
+    a slower step); a file that is not a calibration is one line."""
+    import json
+
+    from conftest import cli_here
+
+    from utilities.measure import calibrate as C
+
+    result = C.measure(st.get_gpu("h100"), torch.device("cpu"),
+                       sizes={"matmul": 128, "attention": (1, 2, 64, 16), "memory": 2**16})
+    assert set(result["efficiencies"]) == {"matmul", "attention", "memory"}
+    assert all(v > 0 for v in result["efficiencies"].values())
+    slow = dict(result, efficiencies={"matmul": st.CALIBRATED.matmul / 2, "attention": 0.35,
+                                      "memory": st.CALIBRATED.memory})
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    assert C.load_efficiencies(tmp_path / "slow.json").matmul == pytest.approx(st.CALIBRATED.matmul / 2)
+    kw = dict(model="llama-1b", gpus=8, batch=1, seq=512)
+    base = st.estimate_step_time(**kw)
+    calibrated = st.estimate_step_time(**kw, efficiencies=C.load_efficiencies(tmp_path / "slow.json"))
+    assert calibrated.compute_s > 1.05 * base.compute_s  # half the GEMM speed: a slower step
+    args = ("plan", "--model", "llama-tiny", "--batch", "2", "--seq", "64", "--json")
+    used = cli_here(*args, "--calibration", str(tmp_path / "slow.json"))
+    assert used.returncode == 0 and json.loads(used.stdout)["time"]["step_s"] > 0
+    (tmp_path / "bad.json").write_text("{}")
+    bad = cli_here(*args, "--calibration", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--calibration" in bad.stderr
+    refused = cli_here("plan", "--calibrate")
+    assert refused.returncode == 2 and "needs a CUDA GPU" in refused.stderr

@@ -93,7 +93,8 @@ def gpu_steps(python: str = sys.executable) -> list[Step]:
                                           "--results-dir", "{out}"),
                        "benchmarks: reference ratio, MFU, FP8 layer, compile"))
     if _planner_can_calibrate():
-        steps.append(Step("calibrate", 1.0, (*course, "plan", "--calibrate"),
+        steps.append(Step("calibrate", 1.0, (*course, "plan", "--calibrate", "--calibration",
+                                             "{out}/calibration.json"),
                           "the time model's efficiencies measured on this GPU"))
     return steps
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import re
 import warnings
@@ -611,6 +612,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="predict the step time with torch.compile per block")
     parser.add_argument("--fp8", action="store_true",
                         help="predict the step time with Float8 linears and FP8 all-gathers")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="on a GPU: measure the time model's efficiencies (a bf16 matmul, "
+                        "attention, a memory-bound op; under a minute) and save them to "
+                        "--calibration (default calibration.json), then stop")
+    parser.add_argument("--calibration", default=None, metavar="FILE",
+                        help="predict with the efficiencies a --calibrate run saved in FILE "
+                        "(default: the committed ones, fitted on published figures)")
     parser.add_argument("--no-time", action="store_true",
                         help="memory only: skip the step-time prediction (one trace fewer)")
     parser.add_argument("--max-batch", action="store_true",
@@ -654,9 +662,14 @@ def time_options(args: argparse.Namespace) -> dict[str, Any] | None:
     gpu = get_gpu(args.gpu or "h100")
     if getattr(args, "no_time", False):
         return None
-    return dict(gpu=gpu.name, gpus_per_node=_int_arg("--gpus-per-node", args.gpus_per_node),
-                network_gbps=_float_arg("--network-gbps", args.network_gbps),
-                compile=bool(args.compile), fp8=bool(args.fp8))
+    options = dict(gpu=gpu.name, gpus_per_node=_int_arg("--gpus-per-node", args.gpus_per_node),
+                   network_gbps=_float_arg("--network-gbps", args.network_gbps),
+                   compile=bool(args.compile), fp8=bool(args.fp8))
+    if getattr(args, "calibration", None):
+        from utilities.measure.calibrate import load_efficiencies
+
+        options["efficiencies"] = load_efficiencies(args.calibration)
+    return options
 
 
 def resolve_memory_for(args: argparse.Namespace) -> tuple[int, str]:
@@ -765,12 +778,19 @@ def temporaries_line(p: Plan) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``fsdp-course plan``: print the table and the verdict; bad values raise ``UsageError``."""
+    if getattr(args, "calibrate", False):
+        from utilities.measure.calibrate import calibrate
+
+        out = args.calibration or "calibration.json"
+        result = calibrate(args.gpu, out)
+        print(json.dumps({k: result[k] for k in ("gpu", "device_name", "measured", "efficiencies")},
+                         indent=2))
+        print(f"saved to {out}; predict with it: fsdp-course plan ... --calibration {out}")
+        return 0
     if getattr(args, "sweep", False):
         return run_sweep(args)
     p, largest = plan_from_args(args)
     if getattr(args, "json", False):
-        import json
-
         print(json.dumps(dict(p.as_dict(), largest_batch=largest), indent=2))
     else:
         print(format_plan(p, largest))
@@ -802,8 +822,6 @@ def run_sweep(args: argparse.Namespace) -> int:
         for p in plans:  # one trace serves every count and strategy (the time model caches it)
             p.time = predict_time(p, options).as_dict()
     if getattr(args, "json", False):
-        import json
-
         print(json.dumps([p.as_dict() for p in plans], indent=2))
     else:
         print(format_sweep(plans))
