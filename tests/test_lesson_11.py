@@ -37,3 +37,21 @@ def test_cpu_run_says_the_effect_is_gpu_only(results):
 def test_bad_variant_is_one_line_exit_2():
     line = flag_error("11", "--variants", "fsdp1-limitless")
     assert "fsdp1-limitless" in line and "fsdp1-unlimited" in line
+
+
+def test_the_prediction_on_a_cluster_is_the_readmes(results):
+    """results.json carries the step-time model's prediction for every variant (labelled as one),
+    the same numbers the README renders from predicted_2x8xh100.json."""
+    import json
+
+    from conftest import REPO
+
+    from utilities.course import readme_tables
+
+    predicted = results["predicted"]
+    assert "PREDICTED" in predicted["what"] and predicted["gpus"] == 16
+    committed = json.loads((REPO / "lessons/11_rate_limiter/predicted_2x8xh100.json").read_text())
+    assert readme_tables.check("11") == []
+    ran = {v["name"]: v for v in predicted["variants"]}
+    for v in committed["variants"]:
+        assert ran[v["name"]]["step_s"] == pytest.approx(v["step_s"], rel=1e-6), v["name"]

@@ -40,7 +40,8 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities import Memory_Maximizer
-from utilities.course.lesson import Lesson, lesson_parser
+from utilities.course.catalog import LESSONS
+from utilities.course.lesson import Lesson, cluster_prediction, lesson_parser
 from utilities.distributed import NOT_MEASURABLE, world_mesh
 from utilities.training import default_step
 
@@ -145,10 +146,22 @@ GLOO_GPU_NOTE = (f"the rate limiter's effect is {NOT_MEASURABLE}: the collective
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
+    p.add_prediction(LESSONS["11"].run.gpu_model, LESSONS["11"].run.gpu_batch_size)
     return p.parse(argv)
 
 
+def predicted_knobs(name: str) -> dict:
+    """Each variant as the step-time model's schedule: FSDP1 with or without the limiter (FSDP1's
+    default BACKWARD_PRE), FSDP2's one-ahead prefetch. The model has no CPU side, so it shows when
+    all-gathers may be issued, not the limiter's cost in host synchronizations."""
+    limit = VARIANTS[name]
+    if limit is None:
+        return dict(prefetch=1)
+    return dict(backward_prefetch="backward_pre", limit_all_gathers=limit)
+
+
 def main(args: argparse.Namespace) -> None:
+    predicted = cluster_prediction(args, {n: predicted_knobs(n) for n in args.variants})
     with Lesson("11", args, needs_ranks="the rate limiter (all-gathers in flight)", notes=NOTES,
                 cpu_note=CPU_NOTE) as L:
         L.results.columns("limit_all_gathers", "max_reserved_gb", "cuda_malloc_retries")
@@ -158,6 +171,7 @@ def main(args: argparse.Namespace) -> None:
         for name in args.variants:
             with L.variant(name):  # everything the variant made is freed before the next one
                 run_variant(L, name)
+        L.results.predicted(predicted)
 
 
 if __name__ == "__main__":

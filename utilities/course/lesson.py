@@ -202,7 +202,8 @@ class LessonParser(OneLineParser):
 
 
 def cluster_prediction(args: argparse.Namespace, variants: dict[str, dict[str, Any]],
-                       precision: str = "bf16") -> dict[str, Any] | None:
+                       precision: str = "bf16", ac: str = "none",
+                       seq: int | None = None) -> dict[str, Any] | None:
     """The lesson's ``predicted`` block (``utilities.measure.step_time.predict_variants``), made on
     rank 0 *before* the lesson joins its process group: the model traces one step on a fake group
     of its own. Other ranks, and ``--predict-on none``, get None."""
@@ -211,7 +212,7 @@ def cluster_prediction(args: argparse.Namespace, variants: dict[str, dict[str, A
     from utilities.measure.step_time import parse_cluster, predict_variants
 
     return predict_variants(args.predict_model, parse_cluster(args.predict_on), variants,
-                            precision=precision, batch=args.predict_batch)
+                            precision=precision, ac=ac, batch=args.predict_batch, seq=seq)
 
 
 def lesson_parser(description: str | None) -> LessonParser:
