@@ -124,7 +124,7 @@ def test_knobs_and_output():
     a100 = st.estimate_step_time(gpus=8, gpu="a100-80gb", fp8=True, **SMALL)
     assert not a100.fp8 and any("no FP8" in a for a in a100.assumptions)
     d = base.as_dict()
-    assert set(d) == {"step_s", "compute_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu",
+    assert set(d) == {"gpu", "step_s", "compute_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu",
                       "mfu", "assumptions"}
     assert 0 < d["mfu"] < 1 and all(isinstance(a, str) for a in d["assumptions"])
     table = st.format_step_time(base, units=5)

@@ -177,6 +177,10 @@ TORCH_INTERNAL_WARNINGS = (
     "Module is None",
     # ... and its memory tracker, which reads .grad of every tensor it sees, non-leaves included.
     "The .grad attribute of a Tensor that is not a leaf Tensor",
+    # ShardedGradScaler.unscale_ checks FSDP2's DTensor gradients with its own one-element
+    # found_inf / inv_scale tensors; DTensor replicates them implicitly (right: every rank holds the
+    # same scale) and says so at every step.
+    "Found a non-scalar tensor with numel=1",
 )
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -104,8 +103,6 @@ def fp16_scaler(device: torch.device) -> ShardedGradScaler:
 def scaled_step(scaler: ShardedGradScaler) -> Callable[[nn.Module, dict], torch.Tensor]:
     """Forward, then backward on the *scaled* loss; ``attach_scaler`` makes ``optimizer.step()``
     do ``scaler.step(optimizer); scaler.update()``."""
-    _quiet_implicit_replication(scaler)
-
     def step(model, batch):
         loss = model(**batch).loss
         scaler.scale(loss).backward()
@@ -119,26 +116,6 @@ def init_unit(root: nn.Module, device: torch.device, module: nn.Module) -> None:
     (with the model's own init) just before it is sharded."""
     module.to_empty(device=device, recurse=False)
     root._init_weights(module)
-
-
-def _quiet_implicit_replication(scaler: ShardedGradScaler) -> None:
-    """Hide one warning, only where it is expected and harmless.
-
-    ``ShardedGradScaler.unscale_`` checks FSDP2's DTensor gradients for inf/NaN with its own
-    ``found_inf`` and ``inv_scale`` tensors, which have shape ``[1]``. DTensor replicates such a
-    one-element tensor implicitly, which is right here: every rank holds the same scale. It warns
-    "Found a non-scalar tensor with numel=1 and ndim!=0" each time (six lines per run). We ignore
-    that message, as a UserWarning from DTensor's dispatcher, during ``unscale_`` only.
-    """
-    unscale = scaler.unscale_
-
-    def quiet_unscale(optimizer):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1",
-                                    category=UserWarning, module=r"torch\.distributed\.tensor")
-            return unscale(optimizer)
-
-    scaler.unscale_ = quiet_unscale  # GradScaler.step calls self.unscale_(optimizer)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -181,9 +158,9 @@ def train_policy(L: Lesson, api: str, policy: str) -> None:
     seen = DtypeProbe()
     stats = L.train(model, f"{api}-{policy}", optimizer=optimizer, step_fn=step_fn,
                     untimed=lambda: observe_dtypes(model, seen))
-    mp = FSDP2_POLICIES[policy]
-    fields = dict(api=api, policy=policy, param_dtype=dtype_name(mp.param_dtype),
-                  reduce_dtype=dtype_name(mp.reduce_dtype), **seen.as_dict())
+    mp = FSDP2_POLICIES[policy] if api == "fsdp2" else FSDP1_POLICIES[policy]  # None: not cast
+    fields = dict(api=api, policy=policy, param_dtype=dtype_name(getattr(mp, "param_dtype", None)),
+                  reduce_dtype=dtype_name(getattr(mp, "reduce_dtype", None)), **seen.as_dict())
     L.results.add(f"{api}-{policy}", stats, **fields, **extra)
     L.print(f"    forward weights {seen.forward_param_dtypes}, reduce-scatter {seen.reduce_dtypes}, zero "
             f"grads {fields['grad_zero_fraction']:.3%}, below fp16 "
