@@ -24,8 +24,8 @@ def test_list_shows_every_lesson_with_status():
 
 def test_run_all_runs_every_lesson_and_summarizes(monkeypatch, tmp_path, capsys):
     """`fsdp-course run all`: every ready lesson launched once, a failure reported and counted,
-    and a summary (table + summary.json) naming each lesson's fastest variant. The launches are
-    stubbed here; each lesson's own test runs it for real."""
+    and a summary (lines + summary.json) giving each lesson's measured takeaway, not a CPU step time.
+    The launches are stubbed here; each lesson's own test runs it for real."""
     import json
 
     import utilities.course.cli as C
@@ -38,7 +38,8 @@ def test_run_all_runs_every_lesson_and_summarizes(monkeypatch, tmp_path, capsys)
             return 1
         out.mkdir(parents=True, exist_ok=True)
         variants = [{"name": "slow", "step_time_s": 0.2}, {"name": "fast", "step_time_s": 0.1}]
-        (out / "results.json").write_text(json.dumps({"variants": variants}))
+        said = f"lesson {info.folder[:2]}'s point"
+        (out / "results.json").write_text(json.dumps({"variants": variants, "takeaway": said}))
         return 0
 
     monkeypatch.setattr(C, "launch", fake_launch)
@@ -47,8 +48,9 @@ def test_run_all_runs_every_lesson_and_summarizes(monkeypatch, tmp_path, capsys)
     assert launched == [info.folder for info in C.LESSONS.values() if info.ready]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [row[0] for row in summary] == list(C.LESSONS)
-    assert summary[4][2] == "FAILED" and summary[0][3:] == ["fast", "0.1000s"]
-    assert "FAILED" in capsys.readouterr().out
+    assert summary[4][2] == "FAILED" and summary[0][3] == "lesson 01's point"
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "lesson 14's point" in out and "fastest" not in out
 
 
 def test_list_models_shows_parameter_counts():
@@ -391,3 +393,19 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
     assert cli_module.main(["run", "all", "--quick", "--device", "cpu", "--out",
                             str(tmp_path / "all")]) == 130
     assert launched == ["01"]
+
+
+def test_every_lesson_has_its_measured_takeaway():
+    """Each lesson's line reads its own run: the committed CPU runs of 01 and 07 give their point
+    (with their numbers); a run without the variants a line reads falls back to the general one."""
+    import json
+
+    from utilities.course.takeaways import TAKEAWAYS, general, takeaway
+
+    assert set(TAKEAWAYS) == {f"{n:02d}" for n in range(1, 15)}
+    r01 = json.loads((REPO / "lessons/01_auto_wrap/results_cpu.json").read_text())
+    assert takeaway(r01).startswith("per-block wrapping: 7.20 MiB -> 1.19 MiB unsharded at the peak")
+    r07 = json.loads((REPO / "lessons/07_mixed_precision/results_cpu.json").read_text())
+    assert "bf16: forward weights bfloat16" in takeaway(r07)
+    partial = dict(r01, variants=[v for v in r01["variants"] if v["name"] != "fsdp2-one-unit"])
+    assert takeaway(partial) == general(partial) and "peak per rank from" in general(partial)

@@ -25,6 +25,7 @@ from train_config import Config, ac_label
 
 from utilities import distributed as D
 from utilities.course.results import Results, table
+from utilities.course.takeaways import takeaway
 from utilities.measure import MemoryProbe, fmt_bytes
 from utilities.models import ModelSpec
 from utilities.training import TrainStats, peak_flops
@@ -208,9 +209,11 @@ class TrainingLog:
             results.note("CPU run: memory from torch.distributed._tools trackers (one step); step times "
                          "on a shared CPU are only indicative; MFU needs a GPU with a known peak.")
         if self.rank == 0:
+            results.takeaway(takeaway(results.data))
             path = results.write(self.out)
             last_eval = f", eval loss {self.evals[-1][1]:.4f}" if self.evals else ""
             print("\n" + table(results.data), flush=True)
             print(f"\ntrain loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}{last_eval}; median step "
                   f"{step_time or 0:.4f}s, {tokens_per_s or 0:,.0f} tokens/s; results written to {path}",
                   flush=True)
+            print(f"\ntakeaway: {results.data['takeaway']}", flush=True)

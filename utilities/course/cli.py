@@ -412,6 +412,13 @@ def ctrl_c_left_to_the_launcher():
         signal.signal(signal.SIGINT, before)
 
 
+def _wrap_line(text: str, columns: int, indent: str) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, columns, subsequent_indent=indent, break_long_words=False,
+                                   break_on_hyphens=False))
+
+
 def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
     from utilities.course.results import load
 
@@ -433,18 +440,15 @@ def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
             return rc
         if rc != 0:
             failed.append(num)
-            summary.append((num, info.title, "FAILED", "", ""))
+            summary.append((num, info.title, "FAILED", ""))
             continue
         res = load(out)
-        best = min((v for v in res["variants"] if v.get("step_time_s")),
-                   key=lambda v: v["step_time_s"], default=None)
-        summary.append((num, info.title, f"{len(res['variants'])} variants",
-                        best["name"] if best else "-",
-                        f"{best['step_time_s']:.4f}s" if best else "-"))
-    print("\nlesson  title                                                 result       "
-          "fastest variant (median step)")
-    for num, title, status, best, t in summary:
-        print(f"{num:7s} {title[:52]:53s} {status:12s} {best} {t}")
+        summary.append((num, info.title, f"{len(res['variants'])} variants", res.get("takeaway", "")))
+    from utilities.course.results import width
+
+    print("\nlesson  title and measured takeaway")
+    for num, title, status, said in summary:
+        print(_wrap_line(f"{num:7s} {title}: {said or status}", width(), " " * 8))
     summary_path = base / "summary.json"
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.write_text(json.dumps(summary, indent=2))

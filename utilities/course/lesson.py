@@ -317,12 +317,16 @@ class Lesson:
                 for text in self._notes + cpu:
                     self.results.note(text)
                 self.results.data["live_parameters_at_exit"] = live_parameters()
+                from utilities.course.takeaways import takeaway
+
+                self.results.takeaway(takeaway(self.results.data))
                 path = self.results.write(self.out)
                 print("\n" + table(self.results.data), flush=True)
                 if "predicted" in self.results.data:
                     from utilities.measure.step_time import format_predicted
 
                     print("\n" + format_predicted(self.results.data["predicted"]), flush=True)
+                self.print(f"\ntakeaway: {self.results.data['takeaway']}")
                 print(f"\nresults written to {path}", flush=True)
         finally:
             D.teardown()

@@ -65,6 +65,10 @@ class Results:
         """A sentence the reader needs next to the numbers (e.g. what only a GPU shows)."""
         self.data["notes"].append(text)
 
+    def takeaway(self, text: str) -> None:
+        """The lesson's point in one line, from what this run measured (printed last)."""
+        self.data["takeaway"] = text
+
     def predicted(self, block: dict[str, Any] | None) -> None:
         """The step-time model's prediction of the variants on a cluster (``predicted``), kept
         apart from what was measured; None (other ranks, ``--predict-on none``) records nothing."""
