@@ -302,3 +302,16 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def test_memory_maximizer_says_no_gpu_once_per_process(monkeypatch, capsys):
+    """Lesson 11 makes a watcher per variant: on a machine without a GPU the notice is printed
+    once, not once per watcher."""
+    from utilities.memory_maximizer import Memory_Maximizer
+
+    monkeypatch.setattr(Memory_Maximizer, "_said_no_gpu", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine
+    for _ in range(3):
+        with Memory_Maximizer() as mm:
+            mm.update()
+    assert capsys.readouterr().out.count("no CUDA GPU here") == 1

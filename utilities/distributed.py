@@ -181,6 +181,9 @@ TORCH_INTERNAL_WARNINGS = (
     # found_inf / inv_scale tensors; DTensor replicates them implicitly (right: every rank holds the
     # same scale) and says so at every step.
     "Found a non-scalar tensor with numel=1",
+    # FSDP1 at world size 1 runs NO_SHARD, whose sharded state dict is a full one: the lessons say
+    # so before any number (results.json "single_rank"), in the learner's words, not torch's.
+    "When using ``NO_SHARD`` for ``ShardingStrategy``",
 )
 
 

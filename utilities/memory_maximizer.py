@@ -168,9 +168,11 @@ class Memory_Maximizer:  # noqa: N801 - the classic lessons' name, kept for thei
         self.stop()
         return False
 
+    _said_no_gpu = False  # the notice is the process's, not each watcher's: said once
+
     def _gpu(self) -> bool:
-        if not self.enabled and not self._warned:
-            self._warned = True
+        if not self.enabled and not self._warned and not Memory_Maximizer._said_no_gpu:
+            self._warned = Memory_Maximizer._said_no_gpu = True
             self._say("Memory_Maximizer: no CUDA GPU here, so there is no caching allocator to "
                       "watch; it will record nothing.")
         return self.enabled

@@ -59,7 +59,7 @@ class LessonNotebook:
                                 check_flags=self._check_flags)
         env = {k: v for k, v in launch.env.items() if k not in _RENDEZVOUS}  # world1() may set them
         proc = subprocess.run(launch.cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-        print("\n".join([*launch.header, *proc.stdout.splitlines()][-tail:]))
+        print("\n".join([*launch.header, *proc.stdout.splitlines()[-tail:]]))  # the command first
         if proc.returncode != 0:
             print(proc.stderr[-4000:], file=sys.stderr)
             raise RuntimeError(f"lesson {self.info.number} failed with exit code {proc.returncode}")
