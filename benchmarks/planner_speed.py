@@ -8,6 +8,7 @@ plan's time, imports included, is reported apart). `--tiny`: llama-tiny, for the
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import base_parser, metadata, output_path, pick_device, save
 
 NAME = "planner_speed"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "benchmarks" / "README.md"
+README_BLOCK = re.compile(r"(<!-- planner-speed:start -->\n)(.*?)(<!-- planner-speed:end -->)", re.S)
+
+
+def render(data: dict) -> str:
+    """The README's lines about the planner's speed, from the result file (never typed by hand)."""
+    c = data["config"]
+    return (f"_Rendered from `results/planner_speed-cpu.json`: `python benchmarks/planner_speed.py` on "
+            f"{data['device_name']} ({data['date'][:10]}, torch {data['torch']}), {data['model']}, "
+            f"{c['strategy']}, {c['precision']}, AC {c['ac']}, batch {c['batch']} x {c['seq']}._\n\n"
+            f"| what | seconds | traced steps |\n|---|---|---|\n"
+            f"| one plan (memory) | {data['plan_s']} (first in the process {data['first_plan_s']}) | 1 |\n"
+            f"| `--max-batch` (answer: batch {data['max_batch']['largest_batch']}) | "
+            f"{data['max_batch']['s']} | {data['max_batch']['traced_steps']} |\n"
+            f"| `--sweep`, {data['sweep']['configurations']} configurations | {data['sweep']['s']} | "
+            f"{data['sweep']['traced_steps']} |\n")
+
+
+def write_readme(data: dict) -> bool:
+    text = README.read_text()
+    new = README_BLOCK.sub(lambda m: m.group(1) + render(data) + m.group(3), text)
+    if new != text:
+        README.write_text(new)
+    return new != text
 
 
 def parse_args(argv=None):
@@ -36,6 +62,7 @@ def main(argv=None) -> int:
     config = dict(strategy="full_shard", precision="bf16", ac="selective", seq=seq)
     data = metadata(NAME, device, args)
     data.update(model=model, config=dict(config, gpus=8, batch=2, gpu_memory="80GiB"))
+    config = dict(config, device_type=device.type)
 
     traced = []
     real_plan = planner.plan
@@ -47,15 +74,15 @@ def main(argv=None) -> int:
     planner.plan = counted
     try:
         t = time.perf_counter()
-        real_plan(model, 8, memory, batch=2, device_type=device.type, **config)
+        real_plan(model, 8, memory, batch=2, **config)
         data["first_plan_s"] = round(time.perf_counter() - t, 2)
         t = time.perf_counter()
-        real_plan(model, 8, memory, batch=2, device_type=device.type, **config)
+        real_plan(model, 8, memory, batch=2, **config)
         data["plan_s"] = round(time.perf_counter() - t, 2)
 
         traced.clear()
         t = time.perf_counter()
-        best, _ = planner.largest_batch(model, 8, memory, device_type=device.type, **config)
+        best, _ = planner.largest_batch(model, 8, memory, **config)
         data["max_batch"] = {"s": round(time.perf_counter() - t, 2), "traced_steps": len(traced),
                              "largest_batch": best}
 
@@ -71,7 +98,9 @@ def main(argv=None) -> int:
           f"{data['max_batch']['s']} s in {data['max_batch']['traced_steps']} traced steps "
           f"(batch {data['max_batch']['largest_batch']}); sweep of {len(plans)} configurations "
           f"{data['sweep']['s']} s in {data['sweep']['traced_steps']} traced steps")
-    save(data, output_path(NAME, device, args.out))
+    path = save(data, output_path(NAME, device, args.out))
+    if not args.tiny and not args.out and write_readme(data):
+        print(f"{README.relative_to(REPO)}: planner speed re-rendered ({path.name})")
     return 0
 
 

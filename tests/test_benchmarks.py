@@ -238,3 +238,20 @@ def test_planner_check_compares_every_gpu_configuration(tmp_path):
     assert "measured on GPU, planned on" in text and "(torch.cuda.max_memory_allocated)" in text
     assert "0.90x reference-compile-ac_none (per device)" in text and "1.00 (the reference)" in text
     assert "+11.1% retry-free over retrying" in text
+
+
+def test_planner_speed_readme_lines_are_rendered_from_the_committed_run(tmp_path):
+    """benchmarks/README.md's planner speed is the committed result file rendered; the script runs
+    (--tiny) and counts 3 traced steps for --max-batch where memory is a line."""
+    import json
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import planner_speed
+
+    data = json.loads((root / "benchmarks/results/planner_speed-cpu.json").read_text())
+    block = planner_speed.README_BLOCK.search((root / "benchmarks/README.md").read_text())
+    assert block and block.group(2) == planner_speed.render(data)
+    assert data["max_batch"]["traced_steps"] <= 3 and data["sweep"]["traced_steps"] <= 6
+    assert data["plan_s"] <= 10 and data["sweep"]["s"] <= 60
