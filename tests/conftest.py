@@ -175,6 +175,19 @@ def assert_help_lists(number: str, flags: tuple[str, ...]) -> None:
     assert (get_lesson(number).path / "README.md").is_file()
 
 
+def assert_prediction_is_the_readmes(lesson: str, results: dict, committed_file: str) -> None:
+    """The lesson's README renders its cluster prediction from ``committed_file`` (unchanged since),
+    and the run's own prediction has the same numbers: the time model is deterministic."""
+    from utilities.course import readme_tables
+
+    assert readme_tables.check(lesson) == []
+    committed = json.loads((readme_tables.lesson_dir(lesson) / committed_file).read_text())
+    ran = {v["name"]: v for v in results["predicted"]["variants"]}
+    for v in committed["variants"]:
+        for key in ("step_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu"):
+            assert ran[v["name"]][key] == pytest.approx(v[key], rel=1e-6), (v["name"], key)
+
+
 def assert_same_losses(results: dict, reference: str, atol: float) -> None:
     """Every variant's loss curve equals ``reference``'s (which trains): the knob the lesson turns
     changes memory or time, never the numbers."""

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import assert_same_losses, flag_error, notebook_results, variant
+from conftest import (
+    assert_prediction_is_the_readmes,
+    assert_same_losses,
+    flag_error,
+    notebook_results,
+    variant,
+)
 
 # Prefetch only reorders when all-gathers are issued; the arithmetic is identical, so the losses
 # agree to float32 round-off. Stated in the README.
@@ -135,17 +141,4 @@ def test_the_prediction_on_a_cluster_shows_what_prefetching_hides(results):
 
 
 def test_the_readme_prediction_is_what_the_run_predicts(results):
-    """The README's prediction table is rendered from the committed predicted_2x8xh100.json, and
-    the run the notebook makes predicts the same numbers (the model is deterministic)."""
-    import json
-
-    from conftest import REPO
-
-    from utilities.course import readme_tables
-
-    committed = json.loads((REPO / "lessons/04_backward_prefetch/predicted_2x8xh100.json").read_text())
-    assert readme_tables.check("04") == []
-    ran = {v["name"]: v for v in results["predicted"]["variants"]}
-    for v in committed["variants"]:
-        for key in ("step_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu"):
-            assert ran[v["name"]][key] == pytest.approx(v[key], rel=1e-6), (v["name"], key)
+    assert_prediction_is_the_readmes("04", results, "predicted_2x8xh100.json")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import REPO, flag_error, notebook_results, run_lesson, variant
+from conftest import REPO, assert_prediction_is_the_readmes, flag_error, notebook_results, run_lesson, variant
 
 from utilities.errors import UsageError
 
@@ -143,15 +143,4 @@ def test_the_prediction_on_a_cluster_ranks_the_strategies_communication(results)
 
 
 def test_the_readme_prediction_is_what_the_run_predicts(results):
-    """The README's prediction table is rendered from the committed predicted_2x8xh100.json, and
-    the run the notebook makes predicts the same numbers (the model is deterministic)."""
-    import json
-
-    from utilities.course import readme_tables
-
-    committed = json.loads((REPO / "lessons/06_sharding_strategies/predicted_2x8xh100.json").read_text())
-    assert readme_tables.check("06") == []
-    ran = {v["name"]: v for v in results["predicted"]["variants"]}
-    for v in committed["variants"]:
-        for key in ("step_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu"):
-            assert ran[v["name"]][key] == pytest.approx(v[key], rel=1e-6), (v["name"], key)
+    assert_prediction_is_the_readmes("06", results, "predicted_2x8xh100.json")

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import assert_same_losses, flag_error, notebook_results, variant
+from conftest import (
+    assert_prediction_is_the_readmes,
+    assert_same_losses,
+    flag_error,
+    notebook_results,
+    variant,
+)
 
 LOSS_ATOL = 1e-5  # the same arithmetic in every variant; only the issue order of gathers differs
 
@@ -42,16 +48,6 @@ def test_bad_variant_is_one_line_exit_2():
 def test_the_prediction_on_a_cluster_is_the_readmes(results):
     """results.json carries the step-time model's prediction for every variant (labelled as one),
     the same numbers the README renders from predicted_2x8xh100.json."""
-    import json
-
-    from conftest import REPO
-
-    from utilities.course import readme_tables
-
     predicted = results["predicted"]
     assert "PREDICTED" in predicted["what"] and predicted["gpus"] == 16
-    committed = json.loads((REPO / "lessons/11_rate_limiter/predicted_2x8xh100.json").read_text())
-    assert readme_tables.check("11") == []
-    ran = {v["name"]: v for v in predicted["variants"]}
-    for v in committed["variants"]:
-        assert ran[v["name"]]["step_s"] == pytest.approx(v["step_s"], rel=1e-6), v["name"]
+    assert_prediction_is_the_readmes("11", results, "predicted_2x8xh100.json")

@@ -14,7 +14,15 @@ import os
 import sys
 
 import pytest
-from conftest import REPO, assert_help_lists, flag_error, notebook_results, run_lesson, variant
+from conftest import (
+    REPO,
+    assert_help_lists,
+    assert_prediction_is_the_readmes,
+    flag_error,
+    notebook_results,
+    run_lesson,
+    variant,
+)
 from torch import nn
 
 from utilities.fp8 import float8_module_filter, fp8_available, fp8_linear_names
@@ -212,10 +220,6 @@ def test_the_prediction_holds_the_published_torchtitan_rows_within_20_percent(re
     """results.json carries the step-time model's prediction of eager, compiled and fp8-compiled
     for torchtitan's Llama 3.1 8B run (held-out rows of the model's check): each within 20% of the
     published tokens/s per GPU, in the published order, and the README renders the same numbers."""
-    import json
-
-    from utilities.course import readme_tables
-
     predicted = results["predicted"]
     assert "PREDICTED" in predicted["what"] and predicted["gpus"] == 8
     ran = {v["name"]: v["tokens_per_s_per_gpu"] for v in predicted["variants"]}
@@ -223,7 +227,4 @@ def test_the_prediction_holds_the_published_torchtitan_rows_within_20_percent(re
     for name, value in published.items():
         assert ran[name] == pytest.approx(value, rel=0.20), name
     assert ran["eager"] < ran["compiled"] < ran["fp8-compiled"]
-    committed = json.loads((REPO / "lessons/13_fp8_compile/predicted_1x8xh100-96gb.json").read_text())
-    assert readme_tables.check("13") == []
-    for v in committed["variants"]:
-        assert ran[v["name"]] == pytest.approx(v["tokens_per_s_per_gpu"], rel=1e-6)
+    assert_prediction_is_the_readmes("13", results, "predicted_1x8xh100-96gb.json")

@@ -387,10 +387,15 @@ def _overflowing(cats: dict[str, int], budget: int) -> str:
 
 
 def _check(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq) -> None:
-    if not isinstance(gpus, int) or gpus < 1:
-        raise bad_value("--gpus", gpus, "integers >= 1")
     if gpu_memory_bytes < 1:
         raise bad_value("--gpu-memory", gpu_memory_bytes, "sizes > 0")
+    check_step(gpus, strategy, precision, ac, batch, seq)
+
+
+def check_step(gpus, strategy, precision, ac, batch, seq) -> None:
+    """One training step's configuration, as the planner and the time model both take it."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise bad_value("--gpus", gpus, "integers >= 1")
     if strategy not in STRATEGIES:
         raise bad_value("--strategy", strategy, STRATEGIES)
     if precision not in PRECISIONS:

@@ -54,14 +54,12 @@ from typing import Any
 import numpy as np
 
 from utilities.errors import UsageError, bad_value
+from utilities.measure.planner import STRATEGIES, check_step
 
 __all__ = ["CALIBRATED", "Cluster", "Efficiencies", "Event", "GPU", "GPUS", "StepTime", "collective_time",
            "estimate_step_time", "format_predicted", "format_step_time", "get_gpu", "parse_cluster",
            "predict_variants", "ring_bytes_per_gpu", "sweep", "trace_step"]
 
-STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
-PRECISIONS = ("fp32", "bf16")
-AC_MODES = ("none", "selective", "every-2nd-block", "full")  # as the planner: selective is op-level
 BACKWARD_PREFETCH = ("backward_pre", "backward_post", "none")
 
 
@@ -863,18 +861,7 @@ def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network
 
 def _check(gpus, strategy, precision, ac, batch, seq, gpus_per_node, network_gbps, prefetch,
            backward_prefetch, forward_prefetch) -> None:
-    if not isinstance(gpus, int) or gpus < 1:
-        raise bad_value("--gpus", gpus, "integers >= 1")
-    if strategy not in STRATEGIES:
-        raise bad_value("--strategy", strategy, STRATEGIES)
-    if precision not in PRECISIONS:
-        raise bad_value("--precision", precision, PRECISIONS)
-    if ac not in AC_MODES:
-        raise bad_value("--ac", ac, AC_MODES)
-    if not isinstance(batch, int) or batch < 1:
-        raise bad_value("--batch", batch, "integers >= 1")
-    if seq is not None and (not isinstance(seq, int) or seq < 1):
-        raise bad_value("--seq", seq, "integers >= 1")
+    check_step(gpus, strategy, precision, ac, batch, seq)
     if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise bad_value("--gpus-per-node", gpus_per_node, "integers >= 1")
     if not network_gbps > 0:
