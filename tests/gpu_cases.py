@@ -30,7 +30,7 @@ def every_variant_released(r: dict) -> None:
     """Nothing a finished variant made is still alive, and on a GPU the allocator is back where it
     was before the variant (within 1%): one variant's memory never inflates the next one's peak."""
     releases = r.get("releases") or {}
-    assert releases, "the lesson ran no variant through L.variant()"
+    assert releases, "the lesson ran no variant through lesson.variant()"
     for name, rel in releases.items():
         assert rel["leaked_objects"] == 0 and rel["leaked_tensors"] == 0, (name, rel)
         if r["device"] == "cuda":

@@ -81,12 +81,12 @@ def _lesson_shell(device: torch.device):
     from utilities.course.lesson import Lesson
     from utilities.course.results import Results
 
-    L = object.__new__(Lesson)
-    L.args = argparse.Namespace(log_all_ranks=False)
-    L.device = device
-    L._scope = None
-    L.results = Results("05", "t", device, 1, "m", 0, {})
-    return L
+    lesson = object.__new__(Lesson)
+    lesson.args = argparse.Namespace(log_all_ranks=False)
+    lesson.device = device
+    lesson._scope = None
+    lesson.results = Results("05", "t", device, 1, "m", 0, {})
+    return lesson
 
 
 def test_an_oom_trial_is_reported_as_an_oom_not_a_leak():
@@ -95,7 +95,7 @@ def test_an_oom_trial_is_reported_as_an_oom_not_a_leak():
     nothing alive (it found the model, its parameters and the AdamW state, held by the frames)."""
     from utilities.measure.batch_search import Trial, find_max_batch
 
-    L = _lesson_shell(torch.device("cpu"))
+    lesson = _lesson_shell(torch.device("cpu"))
 
     def step(model, optimizer, batch):
         activations = model(torch.randn(batch, 256))
@@ -108,32 +108,32 @@ def test_an_oom_trial_is_reported_as_an_oom_not_a_leak():
     def try_batch(batch):  # as lesson 05's: the model lives in this frame, not the with's
         model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
         optimizer = torch.optim.AdamW(model.parameters())
-        L._track(model, optimizer)
+        lesson._track(model, optimizer)
         step(model, optimizer, batch)
         return Trial(batch)
 
     def trial(batch):
-        with L.variant(f"batch-{batch}"):
+        with lesson.variant(f"batch-{batch}"):
             return try_batch(batch)
 
     result = find_max_batch(trial, start=1, limit=8, bisect=False)
     assert [t.verdict for t in result.trials] == ["clean", "clean", "OOM"]
     assert result.best == 2
-    released = L.results.data["releases"]
+    released = lesson.results.data["releases"]
     assert released["batch-4"] == {"leaked_objects": 0, "leaked_tensors": 0,
                                    "ended_by": "out of memory"}
     assert released["batch-1"] == {"leaked_objects": 0, "leaked_tensors": 0}
 
 
 def test_other_errors_keep_their_frames():
-    L = _lesson_shell(torch.device("cpu"))
+    lesson = _lesson_shell(torch.device("cpu"))
     with pytest.raises(ValueError) as info:
-        with L.variant("broken"):
+        with lesson.variant("broken"):
             model = torch.nn.Linear(4, 4)
-            L._track(model)
+            lesson._track(model)
             raise ValueError("a bug")
     assert "model" in info.tb.tb_frame.f_locals
-    assert L.results.data["releases"]["broken"]["leaked_objects"] == 1
+    assert lesson.results.data["releases"]["broken"]["leaked_objects"] == 1
     del info
 
 
@@ -300,11 +300,11 @@ def test_lesson_07_times_steps_without_the_dtype_probe(world1, monkeypatch):
     monkeypatch.setattr(lesson, "default_step", spying_step)
     args = lesson.parse_args(["--device", "cpu", "--quick", "--steps", "3", "--policies", "bf16",
                               "--batch-size", "1", "--seq-len", "16"])
-    L = Lesson("07", args)
-    L._setup()
-    with L.variant("bf16"):
-        lesson.train_policy(L, "fsdp2", "bf16")
-    v = L.results.data["variants"][0]
+    lesson = Lesson("07", args)
+    lesson._setup()
+    with lesson.variant("bf16"):
+        lesson.train_policy(lesson, "fsdp2", "bf16")
+    v = lesson.results.data["variants"][0]
     assert probed == [True, True, False]  # the warm-up and memory steps; one timed
     assert len(v["step_times_s"]) == 1
     assert v["forward_param_dtypes"] == ["bfloat16"]  # (one rank reduce-scatters nothing)

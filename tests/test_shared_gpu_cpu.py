@@ -191,16 +191,16 @@ def test_lesson_on_a_shared_gpu_says_so_first_and_records_it(one_gpu, init_calls
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     args = lesson_parser(None).parse_args(["--device", "cuda", "--quick"])
-    L = Lesson("06", args)
+    lesson = Lesson("06", args)
     freezes = []
     monkeypatch.setattr(gc, "freeze", lambda: freezes.append(1))
-    L._setup()
+    lesson._setup()
     assert not freezes  # only a rank torchrun started freezes its objects
     out = capsys.readouterr().out
     first = " ".join(out[:out.index("lesson 06")].split())  # the first message, wrapped at 120
     assert first.startswith("2 ranks, 2 per GPU, over cpu:gloo,cuda:gloo")
     assert "step times host-staged: not comparable" in first
-    data = L.results.data
+    data = lesson.results.data
     assert data["settings"]["backend"] == "cpu:gloo,cuda:gloo"
     assert data["settings"]["ranks_per_gpu"] == 2 and data["world_size"] == 2
     assert any("step times host-staged: not comparable" in n for n in data["notes"])

@@ -124,24 +124,25 @@ def parameters_per_block(spec: ModelSpec) -> int:
 
 def main(args: argparse.Namespace) -> None:
     with Lesson("01", args, needs_ranks="how wrapping bounds the unsharded parameters at the peak",
-                notes=NOTES, cpu_note=CPU_NOTE) as L:
-        L.results.columns("fsdp_units", "largest_unit_parameters", "peak_unsharded_parameter_bytes")
-        block, per_block = L.spec.block_class(), parameters_per_block(L.spec)
-        L.print(f"block class: {block.__name__} ({per_block:,} parameters per block)")
-        wrappings = variants(block, args.min_params or per_block // 2, L.device, args.unit_classes)
+                notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+        lesson.results.columns("fsdp_units", "largest_unit_parameters", "peak_unsharded_parameter_bytes")
+        block, per_block = lesson.spec.block_class(), parameters_per_block(lesson.spec)
+        lesson.print(f"block class: {block.__name__} ({per_block:,} parameters per block)")
+        wrappings = variants(block, args.min_params or per_block // 2, lesson.device, args.unit_classes)
         if args.unit_classes:
             args.variants = [*args.variants, "fsdp2-yours"]
 
         def describe(name: str, model: nn.Module, stats: TrainStats) -> dict:
             units = unit_parameter_counts(model)
             unsharded = unsharded_parameter_bytes(stats.peak_memory_bytes)
-            L.print(f"    {len(units)} unit{'' if len(units) == 1 else 's'}, largest {max(units):,} "
-                    f"params, unsharded params at peak {fmt_bytes(unsharded)}")
+            lesson.print(f"    {len(units)} unit{'' if len(units) == 1 else 's'}, largest {max(units):,} "
+                         f"params, unsharded params at peak {fmt_bytes(unsharded)}")
             api, kind = name.split("-", 1)
             return dict(api=api, policy=POLICIES[kind], fsdp_units=len(fsdp_units(model)),
                         largest_unit_parameters=max(units), peak_unsharded_parameter_bytes=unsharded)
 
-        L.run_variants(args.variants, lambda name: wrappings[name](L.build_model()), describe=describe)
+        lesson.run_variants(args.variants, lambda name: wrappings[name](lesson.build_model()),
+                            describe=describe)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

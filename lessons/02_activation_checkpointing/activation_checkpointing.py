@@ -108,67 +108,69 @@ CPU_NOTE = ("CPU run: memory from torch.distributed._tools trackers; step times 
             "indicative (the recompute costs about one extra forward).")
 
 
-def build(L: Lesson, api: str, every: int | None) -> nn.Module:
+def build(lesson: Lesson, api: str, every: int | None) -> nn.Module:
     """A fresh model, checkpointed every ``every``-th block (None: none) and sharded with ``api``."""
-    block = L.spec.block_class()
+    block = lesson.spec.block_class()
     if api == "fsdp2":
-        return L.materialize(fsdp2_checkpointed(L.build_model(), block, every))
-    return L.materialize(fsdp1_checkpointed(L.build_model(), block, every, L.device))
+        return lesson.materialize(fsdp2_checkpointed(lesson.build_model(), block, every))
+    return lesson.materialize(fsdp1_checkpointed(lesson.build_model(), block, every, lesson.device))
 
 
 def main(args: argparse.Namespace) -> None:
-    with Lesson("02", args, settings={"every": args.every}, notes=NOTES, cpu_note=CPU_NOTE) as L:
-        L.results.columns("checkpointed_blocks")
-        L.print(f"block class: {L.spec.block_class().__name__}; selective = every {args.every} block(s)")
+    with Lesson("02", args, settings={"every": args.every}, notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+        lesson.results.columns("checkpointed_blocks")
+        lesson.print(f"block class: {lesson.spec.block_class().__name__}; "
+                     f"selective = every {args.every} block(s)")
         every = {"none": None, "selective": args.every, "all": 1}  # which blocks are checkpointed
 
         def describe(name: str, model: nn.Module, stats: TrainStats) -> dict:
             mem, n = stats.peak_memory_bytes, checkpointed_blocks(model)
-            L.print(f"    {n} checkpointed blocks, activations {fmt_bytes(mem.get('activations'))}, "
-                    f"peak {fmt_bytes(mem.get('total'))}")
+            lesson.print(f"    {n} checkpointed blocks, activations {fmt_bytes(mem.get('activations'))}, "
+                         f"peak {fmt_bytes(mem.get('total'))}")
             return dict(api=name.split("-")[0], checkpointed_blocks=n)
 
         def build_variant(name: str) -> nn.Module:
             api, blocks = name.split("-")
-            return build(L, api, every[blocks])
+            return build(lesson, api, every[blocks])
 
-        L.run_variants(args.variants, build_variant, describe=describe)
+        lesson.run_variants(args.variants, build_variant, describe=describe)
         if args.search == "on":
-            none = [v for v in L.results.data["variants"] if v["name"] == "fsdp2-none"]
-            search_largest_batch(L, args, none[0]["peak_memory_bytes"].get("total") if none else None)
+            none = [v for v in lesson.results.data["variants"] if v["name"] == "fsdp2-none"]
+            search_largest_batch(lesson, args, none[0]["peak_memory_bytes"].get("total") if none else None)
 
 
-def search_largest_batch(L: Lesson, args: argparse.Namespace, none_peak: int | None) -> None:
+def search_largest_batch(lesson: Lesson, args: argparse.Namespace, none_peak: int | None) -> None:
     """The largest clean batch per rank with FSDP2 and no / every block checkpointed (lesson 05's
     search). On GPU a trial fails on cudaMalloc retries or OOM; on CPU, where nothing retries, on
     going over a memory budget (the tracked peak). Against a budget the peak grows linearly with the
     batch, so after two trials the search tries the batch the line predicts, and the one above it."""
-    on_gpu = L.device.type == "cuda"
+    on_gpu = lesson.device.type == "cuda"
     limit = args.search_limit or (256 if on_gpu else 48)  # CPU: 6x the quick batch is room enough
     budget = int(args.budget_mib * 2**20) if args.budget_mib else None
     if budget is None and not on_gpu:
         if none_peak is None:  # fsdp2-none was not among the variants: measure it here
-            none_peak = training_trial(L.batch_size, lambda: build(L, "fsdp2", None), L.optimizer,
-                                       L.data(), 2, L.device)[0].peak_bytes
+            trial = training_trial(lesson.batch_size, lambda: build(lesson, "fsdp2", None),
+                                   lesson.optimizer, lesson.data(), 2, lesson.device)
+            none_peak = trial[0].peak_bytes
         budget = int(1.25 * none_peak)
     found = {}
     for which, every in (("none", None), ("all", 1)):
         def try_batch(batch: int, every=every):
-            return training_trial(batch, lambda: build(L, "fsdp2", every), L.optimizer,
-                                  L.data(batch_size=batch), 2 if not on_gpu else 4, L.device,
-                                  L.dist.world_size)[0]
+            return training_trial(batch, lambda: build(lesson, "fsdp2", every), lesson.optimizer,
+                                  lesson.data(batch_size=batch), 2 if not on_gpu else 4, lesson.device,
+                                  lesson.dist.world_size)[0]
 
-        result = find_max_batch(try_batch, start=L.batch_size, limit=limit, budget_bytes=budget,
+        result = find_max_batch(try_batch, start=lesson.batch_size, limit=limit, budget_bytes=budget,
                                 predict=True, agree=all_ranks_agree)
         found[which] = {"best": result.best, "reason": result.reason,
                         "trials": [t.as_dict() for t in result.trials]}
-        L.print(f"  largest batch per rank, {which} checkpointed: {result.best} ({result.reason})")
-    L.results.data["batch_search"] = dict(
+        lesson.print(f"  largest batch per rank, {which} checkpointed: {result.best} ({result.reason})")
+    lesson.results.data["batch_search"] = dict(
         budget_bytes=budget, limit=limit, api="fsdp2", **found,
         gain=round(found["all"]["best"] / found["none"]["best"], 2) if found["none"]["best"] else None)
     where = f"a budget of {fmt_bytes(budget)} per rank" if budget else "this GPU (no retries, no OOM)"
-    L.results.note(f"batch_search: largest batch per rank in {where}: {found['none']['best']} "
-                   f"without checkpointing, {found['all']['best']} with every block checkpointed.")
+    lesson.results.note(f"batch_search: largest batch per rank in {where}: {found['none']['best']} "
+                        f"without checkpointing, {found['all']['best']} with every block checkpointed.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

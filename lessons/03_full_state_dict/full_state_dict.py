@@ -188,17 +188,18 @@ def logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch).logits.float().cpu()
 
 
-def sharded(L: Lesson, api: str, fresh: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+def sharded(lesson: Lesson, api: str, fresh: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The lesson's model sharded per block (wrapping is lesson 01's topic) and its AdamW.
     ``fresh``: built from other random weights, so a load that does nothing cannot pass."""
     if fresh:
-        torch.manual_seed(L.args.seed + 12345)
-        model = L.spec.build(device="meta" if L.spec.num_parameters > META_INIT_THRESHOLD else L.device)
+        torch.manual_seed(lesson.args.seed + 12345)
+        on_meta = lesson.spec.num_parameters > META_INIT_THRESHOLD
+        model = lesson.spec.build(device="meta" if on_meta else lesson.device)
     else:
-        model = L.build_model()
-    model = L.materialize(shard_model(model, api=api, block_class=L.spec.block_class(),
-                                      policy="block", device=L.device))
-    return model, L.optimizer(model)
+        model = lesson.build_model()
+    model = lesson.materialize(shard_model(model, api=api, block_class=lesson.spec.block_class(),
+                                           policy="block", device=lesson.device))
+    return model, lesson.optimizer(model)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> float:
@@ -222,26 +223,26 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> floa
     return reduce_scalar((a - b).abs().max().item(), "max", device)  # the worst rank's
 
 
-def round_trip(L: Lesson, name: str, probe: dict, ckpt_dir: Path, export: bool) -> None:
+def round_trip(lesson: Lesson, name: str, probe: dict, ckpt_dir: Path, export: bool) -> None:
     """Train, save, load into a fresh model, compare outputs and the next step, export to HF."""
     api, how = VARIANTS[name]
-    gather, device = GATHER[how], L.device
+    gather, device = GATHER[how], lesson.device
 
     # 1. train, then save a full checkpoint (model + optimizer + step)
-    model, optim = sharded(L, api)
-    stats = L.train(model, name, optimizer=optim, measure_memory=False)
+    model, optim = sharded(lesson, api)
+    stats = lesson.train(model, name, optimizer=optim, measure_memory=False)
     path = ckpt_dir / f"{name}.pt"
-    nbytes, save_s = timed(device, save_full, path, model, optim, L.steps, gather)
+    nbytes, save_s = timed(device, save_full, path, model, optim, lesson.steps, gather)
     reference = logits(model, probe)
 
     # 2. a fresh sharded model (other random weights) and a fresh optimizer, then load
-    fresh, fresh_optim = sharded(L, api, fresh=True)
+    fresh, fresh_optim = sharded(lesson, api, fresh=True)
     before_load = max_abs_diff(logits(fresh, probe), reference, device)
     step, load_s = timed(device, load_full, path, fresh, fresh_optim)
     out_diff = max_abs_diff(logits(fresh, probe), reference, device)
 
     # 3. the next optimizer step must be the same: same loss, same updated weights
-    batch = next(L.data(seed_offset=2000))
+    batch = next(lesson.data(seed_offset=2000))
     loss_a, loss_b = train_step(model, optim, batch), train_step(fresh, fresh_optim, batch)
     after_diff = max_abs_diff(logits(model, probe), logits(fresh, probe), device)
     loss_diff = reduce_scalar(abs(loss_a - loss_b), "max", device)
@@ -249,36 +250,36 @@ def round_trip(L: Lesson, name: str, probe: dict, ckpt_dir: Path, export: bool) 
     # 4. export the weights after that step for transformers; from_pretrained must match (rank 0)
     hf = {}
     if export:
-        hf = check_export(L, gather(fresh)[0], ckpt_dir / f"{name}-hf", probe, logits(fresh, probe))
+        hf = check_export(lesson, gather(fresh)[0], ckpt_dir / f"{name}-hf", probe, logits(fresh, probe))
     ok = out_diff == 0.0 and loss_diff == 0.0 and after_diff == 0.0
-    L.results.add(name, stats, api=api, saved_with=how, checkpoint_bytes=nbytes,
-                  save_s=round(save_s, 4), load_s=round(load_s, 4), loaded_step=step,
-                  diff_before_load=before_load, outputs_max_abs_diff=out_diff,
-                  outputs_identical=out_diff == 0.0, next_loss_a=loss_a, next_loss_b=loss_b,
-                  next_step_loss_diff=loss_diff, after_step_max_abs_diff=after_diff,
-                  next_step_identical=loss_diff == 0.0 and after_diff == 0.0,
-                  checkpoint=str(path), **hf)
-    L.print(f"    {name}: saved {fmt_bytes(nbytes)} in {save_s:.3f}s, loaded in {load_s:.3f}s (step "
-            f"{step}); outputs diff {out_diff:g} (fresh model: {before_load:.3g}), next step loss "
-            f"{loss_a:.6f} vs {loss_b:.6f}, weights after diff {after_diff:g}"
-            + (f", HF export diff {hf['hf_max_abs_diff']:g}" if hf else "")
-            + ("" if ok else "  <-- NOT IDENTICAL"))
+    lesson.results.add(name, stats, api=api, saved_with=how, checkpoint_bytes=nbytes,
+                       save_s=round(save_s, 4), load_s=round(load_s, 4), loaded_step=step,
+                       diff_before_load=before_load, outputs_max_abs_diff=out_diff,
+                       outputs_identical=out_diff == 0.0, next_loss_a=loss_a, next_loss_b=loss_b,
+                       next_step_loss_diff=loss_diff, after_step_max_abs_diff=after_diff,
+                       next_step_identical=loss_diff == 0.0 and after_diff == 0.0,
+                       checkpoint=str(path), **hf)
+    lesson.print(f"    {name}: saved {fmt_bytes(nbytes)} in {save_s:.3f}s, loaded in {load_s:.3f}s (step "
+                 f"{step}); outputs diff {out_diff:g} (fresh model: {before_load:.3g}), next step loss "
+                 f"{loss_a:.6f} vs {loss_b:.6f}, weights after diff {after_diff:g}"
+                 + (f", HF export diff {hf['hf_max_abs_diff']:g}" if hf else "")
+                 + ("" if ok else "  <-- NOT IDENTICAL"))
     del model, optim, fresh, fresh_optim
 
 
-def check_export(L: Lesson, model_sd: dict, directory: Path, probe: dict,
+def check_export(lesson: Lesson, model_sd: dict, directory: Path, probe: dict,
                  expected: torch.Tensor) -> dict[str, Any]:
     """Rank 0 writes a safetensors folder and reloads it with plain ``from_pretrained``."""
     result: dict[str, Any] = {}
     with fail_together(f"exporting to {directory}"):  # rank 0 failing stops every rank
-        if L.dist.is_main:
+        if lesson.dist.is_main:
             from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
             t0 = time.perf_counter()
-            export_hf(model_sd, L.spec.config(), directory)
+            export_hf(model_sd, lesson.spec.config(), directory)
             export_s = time.perf_counter() - t0
-            auto = AutoModelForSeq2SeqLM if L.spec.is_seq2seq else AutoModelForCausalLM
-            reloaded = auto.from_pretrained(directory).to(L.device).eval()
+            auto = AutoModelForSeq2SeqLM if lesson.spec.is_seq2seq else AutoModelForCausalLM
+            reloaded = auto.from_pretrained(directory).to(lesson.device).eval()
             diff = (logits(reloaded, probe) - expected).abs().max().item()
             size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
             result = dict(hf_export_s=round(export_s, 4), hf_export_bytes=size,
@@ -296,14 +297,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(args: argparse.Namespace) -> None:
-    with Lesson("03", args, notes=(NOTE,), cpu_note=CPU_NOTE) as L:
-        L.results.data["settings"]["deterministic_kernels"] = deterministic_kernels(L.device)
-        L.results.columns("checkpoint_bytes", "save_s", "load_s", "outputs_identical",
-                          "next_step_identical", "hf_identical")
-        probe = next(L.data(seed_offset=1000))  # a fixed batch, never trained on, for comparisons
+    with Lesson("03", args, notes=(NOTE,), cpu_note=CPU_NOTE) as lesson:
+        lesson.results.data["settings"]["deterministic_kernels"] = deterministic_kernels(lesson.device)
+        lesson.results.columns("checkpoint_bytes", "save_s", "load_s", "outputs_identical",
+                               "next_step_identical", "hf_identical")
+        probe = next(lesson.data(seed_offset=1000))  # a fixed batch, never trained on, for comparisons
         for name in args.variants:
-            with L.variant(name):  # everything the variant made is freed before the next one
-                round_trip(L, name, probe, Path(args.checkpoint_dir or L.out / "checkpoints"),
+            with lesson.variant(name):  # everything the variant made is freed before the next one
+                round_trip(lesson, name, probe, Path(args.checkpoint_dir or lesson.out / "checkpoints"),
                            export=not args.no_export)
 
 

@@ -118,19 +118,19 @@ def predicted_knobs(name: str, depth: int) -> dict:
     return dict(prefetch=depth if FSDP2_VARIANTS[name] else 1)
 
 
-def build(L: Lesson, depth: int, name: str) -> nn.Module:
+def build(lesson: Lesson, depth: int, name: str) -> nn.Module:
     """The model sharded as variant ``name`` says."""
-    block = L.spec.block_class()
+    block = lesson.spec.block_class()
     if name in FSDP1_VARIANTS:
-        return wrap_fsdp1(L.build_model(), block, L.device, **FSDP1_VARIANTS[name])
-    model = L.build_model()
+        return wrap_fsdp1(lesson.build_model(), block, lesson.device, **FSDP1_VARIANTS[name])
+    model = lesson.build_model()
     blocks = shard_blocks(model, block)
     if FSDP2_VARIANTS[name]:
         prefetch_ahead(blocks, depth)
     return model
 
 
-def describe(L: Lesson, args: argparse.Namespace, name: str, model: nn.Module,
+def describe(lesson: Lesson, args: argparse.Namespace, name: str, model: nn.Module,
              stats: TrainStats) -> dict:
     """What the variant set and what it cost: the FSDP1 options, or the prefetch lists FSDP2
     registered (read back from the model); on GPU (or with --trace) a profile of a few more steps."""
@@ -143,24 +143,24 @@ def describe(L: Lesson, args: argparse.Namespace, name: str, model: nn.Module,
         summary += ", forward" if options["forward_prefetch"] else ""
     else:
         explicit = FSDP2_VARIANTS[name]
-        blocks = [m for m in model.modules() if isinstance(m, L.spec.block_class())]
+        blocks = [m for m in model.modules() if isinstance(m, lesson.spec.block_class())]
         extra = {"api": "fsdp2", "prefetch_depth": args.prefetch_depth if explicit else None,
                  "prefetch_plan": prefetch_plan(blocks)}
         summary = f"explicit, depth {args.prefetch_depth}" if explicit else "implicit"
     extra["prefetch"] = summary
     extra["peak_unsharded_parameter_bytes"] = unsharded_parameter_bytes(stats.peak_memory_bytes)
-    if L.device.type == "cuda" or args.trace:
-        trace = profile_steps(model, L.optimizer(model), L.data(seed_offset=1), L.device,
-                              L.out / "traces" / f"{name}.rank{L.dist.rank}.json")
-        extra.update(trace=trace["trace"], **communication_columns(L, trace))
+    if lesson.device.type == "cuda" or args.trace:
+        trace = profile_steps(model, lesson.optimizer(model), lesson.data(seed_offset=1), lesson.device,
+                              lesson.out / "traces" / f"{name}.rank{lesson.dist.rank}.json")
+        extra.update(trace=trace["trace"], **communication_columns(lesson, trace))
     return extra
 
 
-def communication_columns(L: Lesson, trace: dict) -> dict:
+def communication_columns(lesson: Lesson, trace: dict) -> dict:
     """The profile's communication time and the part no compute overlapped, per step. Over gloo on
     a GPU (ranks sharing one) gloo blocks the host in each collective and launches no NCCL kernel:
     the trace shows no communication, which is not zero communication, so no number is given."""
-    if L.device.type == "cuda" and not L.dist.nccl_on_gpu:
+    if lesson.device.type == "cuda" and not lesson.dist.nccl_on_gpu:
         return {"exposed_comm_s_per_step": NOT_MEASURABLE, "comm_s_per_step": NOT_MEASURABLE}
     return {"exposed_comm_s_per_step": trace["exposed_comm_s_per_step"],
             "comm_s_per_step": trace["comm_s_per_step"]}
@@ -186,14 +186,14 @@ GLOO_GPU_NOTE = (f"exposed communication {NOT_MEASURABLE}: the collectives run o
 def main(args: argparse.Namespace) -> None:
     predicted = cluster_prediction(args, {n: predicted_knobs(n, args.prefetch_depth) for n in args.variants})
     with Lesson("04", args, settings=dict(prefetch_depth=args.prefetch_depth), notes=NOTES,
-                cpu_note=CPU_NOTE, needs_ranks="prefetching (overlap of all-gathers with compute)") as L:
-        if L.device.type == "cuda" and not L.dist.nccl_on_gpu:
-            L.results.note(GLOO_GPU_NOTE)
-            L.print(f"note: {GLOO_GPU_NOTE}")
-        L.results.columns("prefetch", "exposed_comm_s_per_step", "peak_unsharded_parameter_bytes")
-        L.run_variants(args.variants, functools.partial(build, L, args.prefetch_depth),
-                       describe=functools.partial(describe, L, args))
-        L.results.predicted(predicted)
+                cpu_note=CPU_NOTE, needs_ranks="prefetching (overlap of all-gathers with compute)") as lesson:
+        if lesson.device.type == "cuda" and not lesson.dist.nccl_on_gpu:
+            lesson.results.note(GLOO_GPU_NOTE)
+            lesson.print(f"note: {GLOO_GPU_NOTE}")
+        lesson.results.columns("prefetch", "exposed_comm_s_per_step", "peak_unsharded_parameter_bytes")
+        lesson.run_variants(args.variants, functools.partial(build, lesson, args.prefetch_depth),
+                            describe=functools.partial(describe, lesson, args))
+        lesson.results.predicted(predicted)
 
 
 if __name__ == "__main__":

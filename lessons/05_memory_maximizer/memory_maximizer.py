@@ -48,28 +48,28 @@ def cuda_malloc_retries(device: torch.device) -> int:
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
-def try_batch(L: Lesson, batch: int) -> tuple[Trial, TrainStats]:
+def try_batch(lesson: Lesson, batch: int) -> tuple[Trial, TrainStats]:
     """One trial: a fresh FSDP2 model (one unit per block) trained a few steps at ``batch``, watched
     by ``Memory_Maximizer``. An OOM propagates for the search to record; the model goes either way."""
-    model = L.build_model()
+    model = lesson.build_model()
     mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
-    for block in [m for m in model.modules() if isinstance(m, L.spec.block_class())]:
+    for block in [m for m in model.modules() if isinstance(m, lesson.spec.block_class())]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)  # the root: embeddings, final norms, what no block holds
-    model = L.materialize(model)
-    optimizer = L.optimizer(model)
-    retries_before = cuda_malloc_retries(L.device)
+    model = lesson.materialize(model)
+    optimizer = lesson.optimizer(model)
+    retries_before = cuda_malloc_retries(lesson.device)
     mm = Memory_Maximizer(verbose=False)
     mm.start()  # resets the allocator's peaks and notes its retry and OOM counters
     try:
-        stats = train(model, optimizer, L.data(batch_size=batch), L.steps, L.device,
-                      flops_per_token=L.spec.flops_per_token(L.seq_len))
+        stats = train(model, optimizer, lesson.data(batch_size=batch), lesson.steps, lesson.device,
+                      flops_per_token=lesson.spec.flops_per_token(lesson.seq_len))
         mm.update()  # reserved memory after the last step
     finally:
         report = mm.stop()  # max reserved, retries and OOMs since start(); {"gpu": False} on CPU
         del model, optimizer
-    retries = cuda_malloc_retries(L.device) - retries_before  # = report["cuda_malloc_retries"]
-    samples_per_s = batch * L.dist.world_size / stats.step_time_s if stats.step_time_s else None
+    retries = cuda_malloc_retries(lesson.device) - retries_before  # = report["cuda_malloc_retries"]
+    samples_per_s = batch * lesson.dist.world_size / stats.step_time_s if stats.step_time_s else None
     trial = Trial(batch, throughput=samples_per_s, peak_bytes=stats.peak_memory_bytes.get("total"),
                   retries=retries)
     if report["gpu"]:
@@ -90,33 +90,33 @@ CPU_NOTE = ("CPU run: there is no caching allocator, so no cudaMalloc retries; a
             "are only indicative.")
 
 
-def search(L: Lesson, args: argparse.Namespace, budget_mib: float | None) -> SearchResult:
+def search(lesson: Lesson, args: argparse.Namespace, budget_mib: float | None) -> SearchResult:
     """Double the batch from --start-batch until a trial is not clean, then bisect; each trial is
     one variant, freed before the next, and recorded with its verdict."""
-    limit = args.max_batch or (256 if L.device.type == "cuda" else 32)
+    limit = args.max_batch or (256 if lesson.device.type == "cuda" else 32)
     budget = int(budget_mib * MIB) if budget_mib else None
     stats_by_batch: dict[int, TrainStats] = {}
 
     def trial(batch: int) -> Trial:
-        with L.variant(f"batch-{batch}"):
-            t, stats_by_batch[batch] = try_batch(L, batch)
+        with lesson.variant(f"batch-{batch}"):
+            t, stats_by_batch[batch] = try_batch(lesson, batch)
         return t
 
     def log(t: Trial) -> None:
         rate = f"{t.throughput:.1f} samples/s" if t.throughput else "-"
-        L.print(f"  batch {t.batch:>4} ({t.phase}): peak {fmt_bytes(t.peak_bytes)}, {rate}, "
-                f"retries {t.retries}, OOMs {t.ooms} -> {t.verdict}")
+        lesson.print(f"  batch {t.batch:>4} ({t.phase}): peak {fmt_bytes(t.peak_bytes)}, {rate}, "
+                     f"retries {t.retries}, OOMs {t.ooms} -> {t.verdict}")
 
-    L.print(f"search: batch {args.start_batch}..{limit}, budget "
-            f"{f'{budget_mib:g} MiB per rank' if budget else 'none (retries and OOMs decide)'}")
+    lesson.print(f"search: batch {args.start_batch}..{limit}, budget "
+                 f"{f'{budget_mib:g} MiB per rank' if budget else 'none (retries and OOMs decide)'}")
     result = find_max_batch(trial, start=args.start_batch, limit=limit, bisect=not args.no_bisect,
                             budget_bytes=budget, agree=all_ranks_agree, on_trial=log)
     for t in result.trials:
-        L.results.add(f"batch-{t.batch}", stats_by_batch.get(t.batch), batch=t.batch,
-                      samples_per_s=None if t.throughput is None else round(t.throughput, 2),
-                      peak_bytes=t.peak_bytes, retries=t.retries, ooms=t.ooms,
-                      over_budget=t.over_budget, max_reserved=t.max_reserved_bytes,
-                      clean=t.clean, verdict=t.verdict, phase=t.phase, error=t.error)
+        lesson.results.add(f"batch-{t.batch}", stats_by_batch.get(t.batch), batch=t.batch,
+                           samples_per_s=None if t.throughput is None else round(t.throughput, 2),
+                           peak_bytes=t.peak_bytes, retries=t.retries, ooms=t.ooms,
+                           over_budget=t.over_budget, max_reserved=t.max_reserved_bytes,
+                           clean=t.clean, verdict=t.verdict, phase=t.phase, error=t.error)
     return result
 
 
@@ -139,14 +139,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(args: argparse.Namespace) -> None:
-    with Lesson("05", args, cpu_note=CPU_NOTE.format(budget=args.budget_mib or CPU_BUDGET_MIB)) as L:
-        L.results.columns("batch", "phase", "verdict", "retries", "ooms")
-        budget_mib = args.budget_mib or (None if L.device.type == "cuda" else CPU_BUDGET_MIB)
-        result = search(L, args, budget_mib)
-        L.results.add("recommendation", None, batch=result.best, reason=result.reason,
-                      budget_mib=budget_mib, trials=len(result.trials))
-        L.print(f"recommendation: batch {result.best} per rank ({result.reason})")
-        L.results.note(f"recommendation: batch {result.best} per rank: {result.reason}.")
+    with Lesson("05", args, cpu_note=CPU_NOTE.format(budget=args.budget_mib or CPU_BUDGET_MIB)) as lesson:
+        lesson.results.columns("batch", "phase", "verdict", "retries", "ooms")
+        budget_mib = args.budget_mib or (None if lesson.device.type == "cuda" else CPU_BUDGET_MIB)
+        result = search(lesson, args, budget_mib)
+        lesson.results.add("recommendation", None, batch=result.best, reason=result.reason,
+                           budget_mib=budget_mib, trials=len(result.trials))
+        lesson.print(f"recommendation: batch {result.best} per rank ({result.reason})")
+        lesson.results.note(f"recommendation: batch {result.best} per rank: {result.reason}.")
 
 
 if __name__ == "__main__":

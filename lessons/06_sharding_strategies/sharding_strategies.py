@@ -177,19 +177,19 @@ HYBRID_TRAP = ("fsdp1-hybrid-shard on a shard group of 1 rank: FSDP1 falls back 
                "apart (its losses differ); FSDP2's 2-D mesh does reduce across replicas.")
 
 
-def against_theory(L: Lesson, name: str, stats: TrainStats, replicate: int,
+def against_theory(lesson: Lesson, name: str, stats: TrainStats, replicate: int,
                    reshard_to: int | None) -> dict:
     """What variant ``name`` kept between steps and at its peak, beside the formulas of sharding.py."""
     api, strategy = VARIANTS[name]
-    world, n = L.dist.world_size, L.spec.num_parameters
+    world, n = lesson.dist.world_size, lesson.spec.num_parameters
     peak = stats.peak_memory_bytes
     resident = peak["detail"]["resident_after_step"]
     theory = S.bytes_per_param(strategy, world, replicate=replicate, reshard_to=reshard_to)
     expected = {k: getattr(theory, k) * n for k in CATEGORIES}
     comm = S.comm_bytes_per_step(strategy, world, n, replicate=replicate, reshard_to=reshard_to)
-    L.print(f"    kept params/grads/optim {' / '.join(fmt_bytes(resident[k]) for k in CATEGORIES)} "
-            f"(theory {' / '.join(fmt_bytes(expected[k]) for k in CATEGORIES)}); sends "
-            f"{fmt_bytes(sum(comm.values()))} per step")
+    lesson.print(f"    kept params/grads/optim {' / '.join(fmt_bytes(resident[k]) for k in CATEGORIES)} "
+                 f"(theory {' / '.join(fmt_bytes(expected[k]) for k in CATEGORIES)}); sends "
+                 f"{fmt_bytes(sum(comm.values()))} per step")
     return dict(api=api, strategy=strategy, resident_bytes=resident,
                 resident_bytes_per_rank=sum(resident[k] for k in CATEGORIES),
                 theory_resident_bytes=expected,
@@ -200,19 +200,19 @@ def against_theory(L: Lesson, name: str, stats: TrainStats, replicate: int,
                 else [world])
 
 
-def capacity(L: Lesson, args: argparse.Namespace, replicate: int) -> None:
+def capacity(lesson: Lesson, args: argparse.Namespace, replicate: int) -> None:
     """The largest model per strategy on --gpus GPUs, from the bytes per parameter measured here."""
-    n = L.spec.num_parameters
+    n = lesson.spec.num_parameters
     measured = {v["name"]: S.PerParam(*(v["resident_bytes"][k] / n for k in CATEGORIES),
                                       v["peak_unsharded_parameter_bytes"] / n)
-                for v in L.results.data["variants"]}
-    cap = L.results.data["capacity"] = S.capacity(measured, L.dist.world_size, replicate, args.gpus,
-                                                  args.gpu_mem_gb * 1e9, args.activation_gb * 1e9)
-    L.print(f"\nlargest model on {args.gpus} GPUs x {args.gpu_mem_gb:g} GB "
-            f"({args.activation_gb:g} GB kept for activations), from measured bytes/param:")
+                for v in lesson.results.data["variants"]}
+    cap = lesson.results.data["capacity"] = S.capacity(measured, lesson.dist.world_size, replicate, args.gpus,
+                                                       args.gpu_mem_gb * 1e9, args.activation_gb * 1e9)
+    lesson.print(f"\nlargest model on {args.gpus} GPUs x {args.gpu_mem_gb:g} GB "
+                 f"({args.activation_gb:g} GB kept for activations), from measured bytes/param:")
     for row in cap["at_gpus"]:
-        L.print(f"  {row['strategy']:14s} {row['bytes_per_param']:6.2f} B/param -> "
-                f"{row['largest_model'] / 1e9:6.2f} B parameters")
+        lesson.print(f"  {row['strategy']:14s} {row['bytes_per_param']:6.2f} B/param -> "
+                     f"{row['largest_model'] / 1e9:6.2f} B parameters")
 
 
 def predicted_knobs(name: str) -> dict:
@@ -226,30 +226,32 @@ def predicted_knobs(name: str) -> dict:
 def main(args: argparse.Namespace) -> None:
     predicted = cluster_prediction(args, {n: predicted_knobs(n) for n in args.variants})
     with Lesson("06", args, needs_ranks="bytes per rank falling with the number of ranks",
-                notes=NOTES, cpu_note=CPU_NOTE) as L:
-        L.results.columns("strategy", "resident_bytes_per_rank", "peak_unsharded_parameter_bytes",
-                          "sent_per_step_bytes")
-        world, block = L.dist.world_size, L.spec.block_class()
+                notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+        lesson.results.columns("strategy", "resident_bytes_per_rank", "peak_unsharded_parameter_bytes",
+                               "sent_per_step_bytes")
+        world, block = lesson.dist.world_size, lesson.spec.block_class()
         replicate = args.replicate or (2 if world % 2 == 0 else 1)
-        L.check(world % replicate == 0, "--replicate", replicate, f"divisors of the world size {world}")
-        mesh_2d, d = hsdp_mesh(L.device.type, replicate, world // replicate), reshard_divisor(world)
-        L.print(f"HSDP mesh: {replicate} replica(s) x {world // replicate} shard(s); int "
-                f"reshard_after_forward: {d or f'none valid on {world} ranks'}")
+        lesson.check(world % replicate == 0, "--replicate", replicate, f"divisors of the world size {world}")
+        mesh_2d, d = hsdp_mesh(lesson.device.type, replicate, world // replicate), reshard_divisor(world)
+        lesson.print(f"HSDP mesh: {replicate} replica(s) x {world // replicate} shard(s); int "
+                     f"reshard_after_forward: {d or f'none valid on {world} ranks'}")
         names = [v for v in args.variants if d or v != "fsdp2-reshard-int"]
         if len(names) < len(args.variants):
-            L.results.note("fsdp2-reshard-int skipped: an int reshard_after_forward must be a non-trivial "
-                           f"divisor of the shard world size ({world} has none); on 8 GPUs per node x N "
-                           "nodes, 8 keeps the backward all-gather inside a node.")
-            L.print(f"  fsdp2-reshard-int: skipped (no non-trivial divisor of {world})")
+            lesson.results.note("fsdp2-reshard-int skipped: an int reshard_after_forward must be a "
+                                f"non-trivial divisor of the shard world size ({world} has none); "
+                                "on 8 GPUs per node x N nodes, 8 keeps the backward all-gather "
+                                "inside a node.")
+            lesson.print(f"  fsdp2-reshard-int: skipped (no non-trivial divisor of {world})")
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # FSDP1 and NO_SHARD are deprecated
-            L.run_variants(names, lambda name: wrap(name, L.build_model(), block, L.device, mesh_2d, d),
-                           describe=lambda name, model, stats: against_theory(L, name, stats, replicate, d))
-        capacity(L, args, replicate)
-        L.results.predicted(predicted)
+            lesson.run_variants(
+                names, lambda name: wrap(name, lesson.build_model(), block, lesson.device, mesh_2d, d),
+                describe=lambda name, model, stats: against_theory(lesson, name, stats, replicate, d))
+        capacity(lesson, args, replicate)
+        lesson.results.predicted(predicted)
         if replicate == world and "fsdp1-hybrid-shard" in names:
-            L.results.note(HYBRID_TRAP)
+            lesson.results.note(HYBRID_TRAP)
 
 
 if __name__ == "__main__":

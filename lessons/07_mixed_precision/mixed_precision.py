@@ -140,32 +140,32 @@ def dtype_name(dtype: torch.dtype | None) -> str:
     return str(dtype or torch.float32).removeprefix("torch.")
 
 
-def train_policy(L: Lesson, api: str, policy: str) -> None:
+def train_policy(lesson: Lesson, api: str, policy: str) -> None:
     """Shard with ``policy``, train with a scaler where it needs one, and record the dtypes seen."""
-    block = L.spec.block_class()
+    block = lesson.spec.block_class()
     if api == "fsdp2":
-        model = shard_fsdp2(L.build_model(), block, FSDP2_POLICIES[policy])
+        model = shard_fsdp2(lesson.build_model(), block, FSDP2_POLICIES[policy])
     else:
-        model = shard_fsdp1(L.build_model(), block, FSDP1_POLICIES[policy], L.device)
-    model = L.materialize(model)
-    optimizer = L.optimizer(model)
+        model = shard_fsdp1(lesson.build_model(), block, FSDP1_POLICIES[policy], lesson.device)
+    model = lesson.materialize(model)
+    optimizer = lesson.optimizer(model)
     step_fn, extra = default_step, {}
     if policy in NEEDS_SCALER:
-        scaler = fp16_scaler(L.device)
+        scaler = fp16_scaler(lesson.device)
         step_fn, extra["loss_scales"] = scaled_step(scaler), attach_scaler(optimizer, scaler)
     # The probe's counts sync the host three times per reduce-scatter: it observes the untimed
     # steps (warm-up and memory) only, so the step times are those of plain training.
     seen = DtypeProbe()
-    stats = L.train(model, f"{api}-{policy}", optimizer=optimizer, step_fn=step_fn,
-                    untimed=lambda: observe_dtypes(model, seen))
+    stats = lesson.train(model, f"{api}-{policy}", optimizer=optimizer, step_fn=step_fn,
+                         untimed=lambda: observe_dtypes(model, seen))
     mp = FSDP2_POLICIES[policy] if api == "fsdp2" else FSDP1_POLICIES[policy]  # None: not cast
     fields = dict(api=api, policy=policy, param_dtype=dtype_name(getattr(mp, "param_dtype", None)),
                   reduce_dtype=dtype_name(getattr(mp, "reduce_dtype", None)), **seen.as_dict())
-    L.results.add(f"{api}-{policy}", stats, **fields, **extra)
-    L.print(f"    forward weights {seen.forward_param_dtypes}, reduce-scatter {seen.reduce_dtypes}, zero "
-            f"grads {fields['grad_zero_fraction']:.3%}, below fp16 "
-            f"{fields['grad_fp16_underflow_fraction']:.3%}, reductions with inf/NaN "
-            f"{seen.nonfinite_reductions}/{seen.reductions}")
+    lesson.results.add(f"{api}-{policy}", stats, **fields, **extra)
+    lesson.print(f"    forward weights {seen.forward_param_dtypes}, reduce-scatter {seen.reduce_dtypes}, "
+                 f"zero grads {fields['grad_zero_fraction']:.3%}, below fp16 "
+                 f"{fields['grad_fp16_underflow_fraction']:.3%}, reductions with inf/NaN "
+                 f"{seen.nonfinite_reductions}/{seen.reductions}")
 
 
 NOTES = (
@@ -184,15 +184,15 @@ CPU_NOTE = ("CPU run: 16-bit matmuls on CPU are emulated or slow; step times and
 def main(args: argparse.Namespace) -> None:
     # GPU batch 8: at batch 4 T5-large is bound by kernel launches and bf16 shows no gain (H100,
     # 2026-11-22: 0.336 s bf16 vs 0.323 s fp32); at batch 8 a plain step is 1.9x faster in bf16.
-    with Lesson("07", args, settings={"api": args.api}, notes=NOTES, cpu_note=CPU_NOTE) as L:
-        L.results.columns("param_dtype", "reduce_dtype", "grad_zero_fraction",
-                          "grad_fp16_underflow_fraction", "nonfinite_reductions")
+    with Lesson("07", args, settings={"api": args.api}, notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+        lesson.results.columns("param_dtype", "reduce_dtype", "grad_zero_fraction",
+                               "grad_fp16_underflow_fraction", "nonfinite_reductions")
         chosen, why = default_policy()  # the bf16 checker: bf16 where bf16_ready(), else fp32
-        L.print(f"default_policy() here: {chosen} ({why})")
+        lesson.print(f"default_policy() here: {chosen} ({why})")
         for policy in args.policies:
-            with L.variant(policy):  # everything the variant made is freed before the next one
-                train_policy(L, args.api, policy)
-        L.results.data["default_policy"] = {"name": chosen, "reason": why}
+            with lesson.variant(policy):  # everything the variant made is freed before the next one
+                train_policy(lesson, args.api, policy)
+        lesson.results.data["default_policy"] = {"name": chosen, "reason": why}
 
 
 if __name__ == "__main__":

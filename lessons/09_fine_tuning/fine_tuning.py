@@ -172,76 +172,78 @@ def masked_step(mask: Callable[[], None]) -> Callable[[nn.Module, dict], torch.T
 
 
 # -- one variant: build, measure before, fine-tune, measure after ---------------------------------
-def run_variant(L: Lesson, name: str, state: dict[str, torch.Tensor], args: argparse.Namespace) -> None:
+def run_variant(lesson: Lesson, name: str, state: dict[str, torch.Tensor], args: argparse.Namespace) -> None:
     """Fresh pre-trained weights, frozen and wrapped as the variant says; held-out numbers before
     and after fine-tuning with the variant's gradient mask, and what the frozen part cost."""
     api, prefixes, mode = VARIANTS[name]
-    block = L.spec.block_class()
-    model = fresh_model(L, state)
+    block = lesson.spec.block_class()
+    model = fresh_model(lesson, state)
     n_trainable, n_frozen = freeze(model, prefixes)
     extra = {}
     if api == "fsdp1":
-        refused = fresh_model(L, state)  # a model of its own: a refused wrap leaves it half-wrapped
+        refused = fresh_model(lesson, state)  # a model of its own: a refused wrap leaves it half-wrapped
         freeze(refused, prefixes)
-        extra["fsdp1_without_orig_params_error"] = report_refusal(L, fsdp1_refusal(refused, block,
-                                                                                    L.device))
+        extra["fsdp1_without_orig_params_error"] = report_refusal(lesson, fsdp1_refusal(refused, block,
+                                                                                    lesson.device))
         del refused
-        model = wrap_fsdp1(model, block, L.device, use_orig_params=True)
+        model = wrap_fsdp1(model, block, lesson.device, use_orig_params=True)
     else:
         model = wrap_fsdp2(model, block)
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     frozen_before = [local(p).detach().clone() for p in frozen]
-    loss_before, acc_before = evaluate(model, L, args.shift, args.eval_batches)
+    loss_before, acc_before = evaluate(model, lesson, args.shift, args.eval_batches)
 
-    optimizer = torch.optim.AdamW(trainable, lr=L.lr, weight_decay=0.0)  # only what trains
+    optimizer = torch.optim.AdamW(trainable, lr=lesson.lr, weight_decay=0.0)  # only what trains
     step_fn = None
     if mode == "F":
-        generator = torch.Generator().manual_seed(args.seed * 7919 + L.dist.rank)  # own entries
+        generator = torch.Generator().manual_seed(args.seed * 7919 + lesson.dist.rank)  # own entries
         step_fn = masked_step(lambda: child_tuning_f(trainable, args.reserve_p, generator))
     elif mode == "D":
         t0 = time.perf_counter()
-        n = L.batch_size * L.dist.world_size * args.fisher_batches
-        masks, threshold = fisher_masks(model, trainable, task_data(L, args.shift, 2, n),
+        n = lesson.batch_size * lesson.dist.world_size * args.fisher_batches
+        masks, threshold = fisher_masks(model, trainable, task_data(lesson, args.shift, 2, n),
                                         args.fisher_batches, args.reserve_p)
         extra.update(fisher_time_s=round(time.perf_counter() - t0, 3), fisher_threshold=threshold,
-                     kept_fraction=kept_fraction(masks, L.device))
+                     kept_fraction=kept_fraction(masks, lesson.device))
         step_fn = masked_step(lambda: child_tuning_d(trainable, masks))
     if mode:
         extra["reserve_p"] = args.reserve_p
-    data = task_data(L, args.shift, 1, max(L.batch_size * L.dist.world_size * L.steps, 64))
-    stats = train(model, optimizer, data, L.steps, L.device, progress=name,
-                  flops_per_token=L.spec.flops_per_token(L.seq_len),
+    samples = max(lesson.batch_size * lesson.dist.world_size * lesson.steps, 64)
+    data = task_data(lesson, args.shift, 1, samples)
+    stats = train(model, optimizer, data, lesson.steps, lesson.device, progress=name,
+                  flops_per_token=lesson.spec.flops_per_token(lesson.seq_len),
                   **({"step_fn": step_fn} if step_fn else {}))
-    loss_after, acc_after = evaluate(model, L, args.shift, args.eval_batches)
+    loss_after, acc_after = evaluate(model, lesson, args.shift, args.eval_batches)
 
     unchanged = all(torch.equal(b, local(p).detach()) for b, p in zip(frozen_before, frozen))
     resident = stats.peak_memory_bytes.get("detail", {}).get("resident_after_step", {})
-    L.results.add(
+    lesson.results.add(
         name, stats, api=api, frozen="encoder" if prefixes else "-", child_tuning=mode or "-",
         trainable_parameters=n_trainable, frozen_parameters=n_frozen,
         held_out_loss_before=round(loss_before, 4), held_out_loss_after=round(loss_after, 4),
         held_out_accuracy_before=round(acc_before, 4), held_out_accuracy=round(acc_after, 4),
-        frozen_bit_identical=bool(reduce_scalar(int(unchanged), "min", L.device)),
+        frozen_bit_identical=bool(reduce_scalar(int(unchanged), "min", lesson.device)),
         frozen_with_optimizer_state=sum(1 for p in frozen if p in optimizer.state),
         gradient_bytes_per_rank=resident.get("gradients"),
         optimizer_bytes_per_rank=resident.get("optimizer"), **extra)
-    L.print(f"    held-out loss {loss_before:.3f} -> {loss_after:.3f}, token accuracy "
-            f"{acc_before:.1%} -> {acc_after:.1%}; trainable {n_trainable:,}, frozen {n_frozen:,}; "
-            f"grads {fmt_bytes(resident.get('gradients'))}, optimizer "
-            f"{fmt_bytes(resident.get('optimizer'))} per rank")
+    lesson.print(f"    held-out loss {loss_before:.3f} -> {loss_after:.3f}, token accuracy "
+                 f"{acc_before:.1%} -> {acc_after:.1%}; trainable {n_trainable:,}, frozen {n_frozen:,}; "
+                 f"grads {fmt_bytes(resident.get('gradients'))}, optimizer "
+                 f"{fmt_bytes(resident.get('optimizer'))} per rank")
 
 
 # -- the lesson -----------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> None:
-    with Lesson("09", args, settings=settings(args), notes=NOTES, cpu_note=CPU_NOTE) as L:
-        L.results.columns("trainable_parameters", "frozen_parameters", "gradient_bytes_per_rank",
-                          "optimizer_bytes_per_rank", "held_out_loss_after", "frozen_bit_identical")
-        L.check(L.spec.is_seq2seq, "--model", L.spec.name, "a t5 model (the lesson freezes the encoder)")
-        state = pretrained_state(L, args)
+    with Lesson("09", args, settings=settings(args), notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+        lesson.results.columns("trainable_parameters", "frozen_parameters", "gradient_bytes_per_rank",
+                               "optimizer_bytes_per_rank", "held_out_loss_after", "frozen_bit_identical")
+        lesson.check(lesson.spec.is_seq2seq, "--model", lesson.spec.name,
+                     "a t5 model (the lesson freezes the encoder)")
+        state = pretrained_state(lesson, args)
         for name in args.variants:
-            with L.variant(name):  # everything the variant made is freed before the next one
-                run_variant(L, name, state, args)
+            with lesson.variant(name):  # everything the variant made is freed before the next one
+                run_variant(lesson, name, state, args)
 
 
 # -- the pieces around it: flags, data, evaluation, pre-training -----------------------------------
@@ -309,19 +311,19 @@ def settings(args: argparse.Namespace) -> dict:
                 pretrained=args.pretrained or "reversal, in this run")
 
 
-def task_data(L: Lesson, shift: int, seed_offset: int, n: int, shuffle: bool = True):
-    ds = ShiftTask(n, L.seq_len, shift=shift, seed=L.args.seed + seed_offset)
-    loader = make_loader(ds, L.batch_size, L.dist.rank, L.dist.world_size, seed=L.args.seed,
-                         shuffle=shuffle)
-    return batches(loader, L.device)
+def task_data(lesson: Lesson, shift: int, seed_offset: int, n: int, shuffle: bool = True):
+    ds = ShiftTask(n, lesson.seq_len, shift=shift, seed=lesson.args.seed + seed_offset)
+    loader = make_loader(ds, lesson.batch_size, lesson.dist.rank, lesson.dist.world_size,
+                         seed=lesson.args.seed, shuffle=shuffle)
+    return batches(loader, lesson.device)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, L: Lesson, shift: int, num_batches: int) -> tuple[float, float]:
+def evaluate(model: nn.Module, lesson: Lesson, shift: int, num_batches: int) -> tuple[float, float]:
     """Held-out loss (nats per token) and token accuracy (teacher-forced argmax), over all ranks."""
     model.eval()
-    n = L.batch_size * L.dist.world_size * num_batches
-    data = task_data(L, shift, HELD_OUT_SEED, n, shuffle=False)
+    n = lesson.batch_size * lesson.dist.world_size * num_batches
+    data = task_data(lesson, shift, HELD_OUT_SEED, n, shuffle=False)
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct tokens, tokens
     for _ in range(num_batches):
         batch = next(data)
@@ -343,22 +345,22 @@ def kept_fraction(masks: list[torch.Tensor], device: torch.device) -> float:
     return kept / max(reduce_scalar(sum(m.numel() for m in masks), "sum", device), 1)
 
 
-def report_refusal(L: Lesson, error: str | None) -> str | None:
+def report_refusal(lesson: Lesson, error: str | None) -> str | None:
     if error:
-        L.print(f"  FSDP1 without use_orig_params: {error}")
-        L.results.note(f"FSDP1 with a frozen encoder and use_orig_params=False fails: {error}")
+        lesson.print(f"  FSDP1 without use_orig_params: {error}")
+        lesson.results.note(f"FSDP1 with a frozen encoder and use_orig_params=False fails: {error}")
     else:
-        L.print("  FSDP1 without use_orig_params: accepted the mixed units here")
+        lesson.print("  FSDP1 without use_orig_params: accepted the mixed units here")
     return error
 
 
-def pretrained_state(L: Lesson, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+def pretrained_state(lesson: Lesson, args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """The starting weights of every variant: a short FSDP2 run on the reversal task (saved as
     OUT/pretrained.pt), or the state dict --pretrained names."""
     if args.pretrained:
         if not Path(args.pretrained).is_file():
             raise UsageError(f"--pretrained {args.pretrained!r} is not a file")
-        L.print(f"  pre-trained weights from {args.pretrained}")
+        lesson.print(f"  pre-trained weights from {args.pretrained}")
         # weights_only, and a truncated or code-carrying file is one line (the same on every rank)
         state = safe_torch_load(args.pretrained, f"--pretrained {args.pretrained!r}")
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -366,27 +368,27 @@ def pretrained_state(L: Lesson, args: argparse.Namespace) -> dict[str, torch.Ten
         return state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    model = wrap_fsdp2(L.build_model(), L.spec.block_class())
-    opt = torch.optim.AdamW(model.parameters(), lr=L.lr)
-    stats = train(model, opt, L.data(seed_offset=0), args.pretrain_steps, L.device,
+    model = wrap_fsdp2(lesson.build_model(), lesson.spec.block_class())
+    opt = torch.optim.AdamW(model.parameters(), lr=lesson.lr)
+    stats = train(model, opt, lesson.data(seed_offset=0), args.pretrain_steps, lesson.device,
                   measure_memory=False, progress="pre-train (reversal)")
-    L.print(f"  pre-training on reversal: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f} "
-            f"in {args.pretrain_steps} steps")
+    lesson.print(f"  pre-training on reversal: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f} "
+                 f"in {args.pretrain_steps} steps")
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     state = {k: v.detach().clone() for k, v in sd.items()}
-    with fail_together(f"writing {L.out / 'pretrained.pt'}"):  # rank 0 failing stops every rank
-        if L.dist.is_main:
-            L.out.mkdir(parents=True, exist_ok=True)
-            torch.save(state, L.out / "pretrained.pt")
+    with fail_together(f"writing {lesson.out / 'pretrained.pt'}"):  # rank 0 failing stops every rank
+        if lesson.dist.is_main:
+            lesson.out.mkdir(parents=True, exist_ok=True)
+            torch.save(state, lesson.out / "pretrained.pt")
     return state
 
 
-def fresh_model(L: Lesson, state: dict[str, torch.Tensor]) -> nn.Module:
-    model = L.build_model()
+def fresh_model(lesson: Lesson, state: dict[str, torch.Tensor]) -> nn.Module:
+    model = lesson.build_model()
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to shared
     if missing or unexpected:
-        raise UsageError(f"pre-trained state dict does not fit {L.spec.name}: missing {missing[:3]}, "
+        raise UsageError(f"pre-trained state dict does not fit {lesson.spec.name}: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
     return model
 

@@ -104,34 +104,34 @@ CPU_NOTE = ("CPU run: the rate limiter's effect lives in the CUDA caching alloca
             "here; its report is kept per variant.")
 
 
-def run_variant(L: Lesson, name: str) -> None:
+def run_variant(lesson: Lesson, name: str) -> None:
     """Wrap, train under Memory_Maximizer (started on an emptied cache, so reserved memory is this
     variant's own), record."""
     limit = VARIANTS[name]
-    block = L.spec.block_class()
-    if L.device.type == "cuda":
+    block = lesson.spec.block_class()
+    if lesson.device.type == "cuda":
         torch.cuda.empty_cache()
     if limit is None:
-        model = wrap_fsdp2(L.build_model(), block)
+        model = wrap_fsdp2(lesson.build_model(), block)
     else:
-        model = wrap_fsdp1(L.build_model(), block, L.device, limit_all_gathers=limit)
-    model = L.materialize(model)
-    mm = Memory_Maximizer(verbose=L.dist.is_main)
+        model = wrap_fsdp1(lesson.build_model(), block, lesson.device, limit_all_gathers=limit)
+    model = lesson.materialize(model)
+    mm = Memory_Maximizer(verbose=lesson.dist.is_main)
     mm.start()
-    stats = L.train(model, name, step_fn=watched_step(mm))
+    stats = lesson.train(model, name, step_fn=watched_step(mm))
     report = mm.stop()
-    L.results.add(name, stats, api="fsdp2" if limit is None else "fsdp1", limit_all_gathers=limit,
-                  memory_maximizer=report, **allocator_columns(L, report))
+    lesson.results.add(name, stats, api="fsdp2" if limit is None else "fsdp1", limit_all_gathers=limit,
+                       memory_maximizer=report, **allocator_columns(lesson, report))
 
 
-def allocator_columns(L: Lesson, report: dict) -> dict:
+def allocator_columns(lesson: Lesson, report: dict) -> dict:
     """Max reserved memory and cudaMalloc retries, the rate limiter's evidence, on a GPU. Over gloo
     (ranks sharing a GPU) each collective blocks the host thread, so the CPU can never run ahead
     and every setting is the same run: no number is given for them (the allocator's own report
     stays in ``memory_maximizer``)."""
     if not report["gpu"]:
         return {}
-    if not L.dist.nccl_on_gpu:
+    if not lesson.dist.nccl_on_gpu:
         return {"max_reserved_gb": NOT_MEASURABLE, "cuda_malloc_retries": NOT_MEASURABLE}
     return {"max_reserved_gb": report["max_reserved_gb"],
             "cuda_malloc_retries": report["cuda_malloc_retries"]}
@@ -163,15 +163,15 @@ def predicted_knobs(name: str) -> dict:
 def main(args: argparse.Namespace) -> None:
     predicted = cluster_prediction(args, {n: predicted_knobs(n) for n in args.variants})
     with Lesson("11", args, needs_ranks="the rate limiter (all-gathers in flight)", notes=NOTES,
-                cpu_note=CPU_NOTE) as L:
-        L.results.columns("limit_all_gathers", "max_reserved_gb", "cuda_malloc_retries")
-        if L.device.type == "cuda" and not L.dist.nccl_on_gpu:
-            L.results.note(GLOO_GPU_NOTE)
-            L.print(f"note: {GLOO_GPU_NOTE}")
+                cpu_note=CPU_NOTE) as lesson:
+        lesson.results.columns("limit_all_gathers", "max_reserved_gb", "cuda_malloc_retries")
+        if lesson.device.type == "cuda" and not lesson.dist.nccl_on_gpu:
+            lesson.results.note(GLOO_GPU_NOTE)
+            lesson.print(f"note: {GLOO_GPU_NOTE}")
         for name in args.variants:
-            with L.variant(name):  # everything the variant made is freed before the next one
-                run_variant(L, name)
-        L.results.predicted(predicted)
+            with lesson.variant(name):  # everything the variant made is freed before the next one
+                run_variant(lesson, name)
+        lesson.results.predicted(predicted)
 
 
 if __name__ == "__main__":

@@ -204,38 +204,38 @@ def parallelize(kind: str, tp: int, mesh: DeviceMesh | None):
 
 
 def main(args) -> None:
-    with Lesson("12", args, settings={"tolerance": TOLERANCE}, notes=NOTES, cpu_note=CPU_NOTE) as L:
-        if L.spec.family != "llama":
-            raise UsageError(f"--model {L.spec.name!r} is not allowed: this lesson splits Llama "
+    with Lesson("12", args, settings={"tolerance": TOLERANCE}, notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+        if lesson.spec.family != "llama":
+            raise UsageError(f"--model {lesson.spec.name!r} is not allowed: this lesson splits Llama "
                              "attention heads; allowed: llama-tiny, llama-1b, llama-8b")
-        world = L.dist.world_size
-        dim = args.mlp_dim or (8192 if L.device.type == "cuda" and not args.quick
+        world = lesson.dist.world_size
+        dim = args.mlp_dim or (8192 if lesson.device.type == "cuda" and not args.quick
                                else 512 if args.quick else 1024)
         hidden = args.mlp_hidden or dim
-        L.results.data["settings"].update(mlp_dim=dim, mlp_hidden=hidden)
-        L.results.columns("tp_size", "dp_size", "max_abs_diff_vs_unsplit", "weight_bytes_per_rank",
-                          "peak_ratio_vs_tp1", "split_weight_bytes_per_rank")
+        lesson.results.data["settings"].update(mlp_dim=dim, mlp_hidden=hidden)
+        lesson.results.columns("tp_size", "dp_size", "max_abs_diff_vs_unsplit", "weight_bytes_per_rank",
+                               "peak_ratio_vs_tp1", "split_weight_bytes_per_rank")
         skipped = [n for n in args.variants if not fits(*VARIANTS[n], world)]
         meshes: dict[int, DeviceMesh] = {}  # one (world // tp, tp) mesh per tp size, made once
         for name in (n for n in args.variants if n not in skipped):
             kind, dp, tp = VARIANTS[name]
             dp = dp or world // tp
             if kind != "mlp" and tp > 1:
-                check_llama_tp(L.spec.config(), tp)
+                check_llama_tp(lesson.spec.config(), tp)
             if (tp > 1 or kind == "2d") and tp not in meshes:
-                meshes[tp] = mesh_2d(L.device.type, world // tp, tp)
+                meshes[tp] = mesh_2d(lesson.device.type, world // tp, tp)
             mesh = meshes.get(tp)
-            with L.variant(name):  # everything the variant made is freed before the next one
+            with lesson.variant(name):  # everything the variant made is freed before the next one
                 if kind == "mlp":
-                    stats, row = run_mlp(L, name, parallelize(kind, tp, mesh), dim, hidden)
+                    stats, row = run_mlp(lesson, name, parallelize(kind, tp, mesh), dim, hidden)
                 else:
                     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
-                    stats, row = run_llama(L, name, parallelize(kind, tp, mesh), dp, dp_rank)
-                L.results.add(name, stats, kind=kind, tp_size=tp, dp_size=dp, **row)
+                    stats, row = run_llama(lesson, name, parallelize(kind, tp, mesh), dp, dp_rank)
+                lesson.results.add(name, stats, kind=kind, tp_size=tp, dp_size=dp, **row)
                 del stats
-        ratios_vs_tp1(L.results.data["variants"])
+        ratios_vs_tp1(lesson.results.data["variants"])
         if skipped:
-            L.results.note(f"skipped (need another number of ranks than {world}): {', '.join(skipped)}")
+            lesson.results.note(f"skipped (need another number of ranks than {world}): {', '.join(skipped)}")
 
 
 if __name__ == "__main__":

@@ -125,20 +125,21 @@ def _summary(model: nn.Module, split: set[str], diff_out: float, diff_grads: flo
                 max_abs_diff_grads=diff_grads, max_abs_diff_vs_unsplit=max(diff_out, diff_grads))
 
 
-def run_mlp(L, name: str, parallelize: Callable[[nn.Module], nn.Module] | None, dim: int,
+def run_mlp(lesson, name: str, parallelize: Callable[[nn.Module], nn.Module] | None, dim: int,
             hidden: int) -> tuple[TrainStats, dict[str, Any]]:
     """Split a FeedForward with ``parallelize`` (None: keep it whole), check it against the unsplit
     one on the first input, then time and measure training steps on it (step 0 warm-up, step 1
     measured for memory, the rest timed). Its loss is a plain square mean of the output: the
     reversal task's batches do not fit an MLP of random inputs."""
-    L.seed()
-    ref = FeedForward(dim, hidden).to(L.device)
+    lesson.seed()
+    ref = FeedForward(dim, hidden).to(lesson.device)
     model = copy.deepcopy(ref)
     if parallelize is not None:
         parallelize(model)
     split = split_parameter_names(model) if parallelize else {n for n, _ in model.named_parameters()}
-    g = torch.Generator().manual_seed(L.args.seed + 1)
-    xs = [torch.randn(L.batch_size, L.seq_len, dim, generator=g).to(L.device) for _ in range(L.steps)]
+    g = torch.Generator().manual_seed(lesson.args.seed + 1)
+    xs = [torch.randn(lesson.batch_size, lesson.seq_len, dim, generator=g).to(lesson.device)
+          for _ in range(lesson.steps)]
 
     out_ref = ref(xs[0])
     out_ref.square().mean().backward()
@@ -149,26 +150,26 @@ def run_mlp(L, name: str, parallelize: Callable[[nn.Module], nn.Module] | None, 
     del ref, out_ref, out
     model.zero_grad(set_to_none=True)
 
-    opt = L.optimizer(model)
+    opt = lesson.optimizer(model)
     stats = TrainStats()
     for step, x in enumerate(xs):
-        sync(L.device)
+        sync(lesson.device)
         t0 = time.perf_counter()
         if step == 1:
-            with MemoryProbe(model, opt, L.device) as probe:
+            with MemoryProbe(model, opt, lesson.device) as probe:
                 loss = _mlp_step(model, opt, x)
             stats.peak_memory_bytes = probe.peak
         else:
             loss = _mlp_step(model, opt, x)
-        sync(L.device)
+        sync(lesson.device)
         if step > 1:
             stats.step_times_s.append(time.perf_counter() - t0)
             stats.tokens_per_step = x.shape[0] * x.shape[1]
         stats.losses.append(loss)
     row = _summary(model, split, diff_out, diffs["grads"])
-    L.print(f"  {name}: weights per rank {fmt_bytes(row['weight_bytes_per_rank'])}, peak "
-            f"{fmt_bytes(stats.peak_memory_bytes.get('total'))}, max |diff| output {diff_out:.2e} "
-            f"grads {diffs['grads']:.2e}")
+    lesson.print(f"  {name}: weights per rank {fmt_bytes(row['weight_bytes_per_rank'])}, peak "
+                 f"{fmt_bytes(stats.peak_memory_bytes.get('total'))}, max |diff| output {diff_out:.2e} "
+                 f"grads {diffs['grads']:.2e}")
     return stats, row
 
 
@@ -180,44 +181,45 @@ def _mlp_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> 
     return loss.item()
 
 
-def _llama_data(L, dp_rank: int, dp_size: int):
-    n = max(L.batch_size * dp_size * max(L.steps, 1), 64)
-    ds = ReverseTask(n, L.seq_len, mode="causal", seed=L.args.seed)
-    return batches(data_parallel_loader(ds, L.batch_size, dp_rank, dp_size, seed=L.args.seed), L.device)
+def _llama_data(lesson, dp_rank: int, dp_size: int):
+    n = max(lesson.batch_size * dp_size * max(lesson.steps, 1), 64)
+    ds = ReverseTask(n, lesson.seq_len, mode="causal", seed=lesson.args.seed)
+    loader = data_parallel_loader(ds, lesson.batch_size, dp_rank, dp_size, seed=lesson.args.seed)
+    return batches(loader, lesson.device)
 
 
-def run_llama(L, name: str, parallelize: Callable[[nn.Module], nn.Module] | None, dp: int,
+def run_llama(lesson, name: str, parallelize: Callable[[nn.Module], nn.Module] | None, dp: int,
               dp_rank: int) -> tuple[TrainStats, dict[str, Any]]:
     """Split a copy of the lesson's Llama with ``parallelize`` (None: keep it whole), check it
     against the unsplit model on the same global batch, then train it on this dp group's data."""
-    ref = L.build_model()
+    ref = lesson.build_model()
     model = copy.deepcopy(ref)
     if parallelize is not None:
         parallelize(model)
     split = split_parameter_names(model)
 
     # The unsplit reference sees the whole global batch: every dp group's batch, concatenated.
-    firsts = [next(_llama_data(L, r, dp)) for r in range(dp)]
+    firsts = [next(_llama_data(lesson, r, dp)) for r in range(dp)]
     glob = {k: torch.cat([b[k] for b in firsts]) for k in firsts[0]}
     out_ref = ref(**glob)
     out_ref.loss.backward()
     out = model(**firsts[dp_rank])
     out.loss.backward()
-    rows = slice(dp_rank * L.batch_size, (dp_rank + 1) * L.batch_size)
+    rows = slice(dp_rank * lesson.batch_size, (dp_rank + 1) * lesson.batch_size)
     diff_out = (out.logits - out_ref.logits[rows]).abs().max().item()
     diffs = max_abs_diffs(ref, model)
     del ref, out_ref, out
     model.zero_grad(set_to_none=True)
 
-    stats = train(model, L.optimizer(model), _llama_data(L, dp_rank, dp), L.steps, L.device,
-                  progress=name, flops_per_token=L.spec.flops_per_token(L.seq_len))
-    stats.tokens_per_step = stats.tokens_per_step * dp // L.dist.world_size  # TP ranks share a batch
+    stats = train(model, lesson.optimizer(model), _llama_data(lesson, dp_rank, dp), lesson.steps,
+                  lesson.device, progress=name, flops_per_token=lesson.spec.flops_per_token(lesson.seq_len))
+    stats.tokens_per_step = stats.tokens_per_step * dp // lesson.dist.world_size  # TP ranks share a batch
     row = _summary(model, split, diff_out, diffs["grads"])
-    L.print(f"  {name}: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f}, weights per rank "
-            f"{fmt_bytes(row['weight_bytes_per_rank'])} "
-            f"(split {fmt_bytes(row['split_weight_bytes_per_rank'])}), "
-            f"peak {fmt_bytes(stats.peak_memory_bytes.get('total'))}, max |diff| logits {diff_out:.2e} "
-            f"grads {diffs['grads']:.2e}")
+    lesson.print(f"  {name}: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f}, weights per rank "
+                 f"{fmt_bytes(row['weight_bytes_per_rank'])} "
+                 f"(split {fmt_bytes(row['split_weight_bytes_per_rank'])}), "
+                 f"peak {fmt_bytes(stats.peak_memory_bytes.get('total'))}, max |diff| logits {diff_out:.2e} "
+                 f"grads {diffs['grads']:.2e}")
     return stats, row
 
 

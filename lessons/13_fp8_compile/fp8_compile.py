@@ -181,54 +181,56 @@ def main(args) -> None:
 
     with Lesson("13", args, settings=dict(precision=precision, widths=widths,
                                           compile_backend=args.compile_backend),
-                notes=(COMPILE_NOTE,), cpu_note=cpu_note) as L:
-        L.results.columns("first_step_s", "compile_s", "speedup_vs_eager", "speedup_vs_compiled",
-                          "compiled_blocks", "fp8_linears")
-        block = L.spec.block_class()
-        specs = [width_spec(h, args.layers or GPU_LAYERS, L.seq_len) for h in widths] if widths \
-            else [L.spec]
+                notes=(COMPILE_NOTE,), cpu_note=cpu_note) as lesson:
+        lesson.results.columns("first_step_s", "compile_s", "speedup_vs_eager", "speedup_vs_compiled",
+                               "compiled_blocks", "fp8_linears")
+        block = lesson.spec.block_class()
+        specs = [width_spec(h, args.layers or GPU_LAYERS, lesson.seq_len) for h in widths] if widths \
+            else [lesson.spec]
         names = [n for n in args.variants if n != "fp8-compiled" or fp8_ok]
         if len(names) < len(args.variants):
             label = lambda spec: f"fp8-compiled-h{spec.config().hidden_size}" if widths else "fp8-compiled"
-            L.print(f"  fp8-compiled skipped: {fp8_reason}")
-            L.results.note(f"fp8-compiled skipped: {fp8_reason}")
-            L.results.data["skipped"] = {label(spec): fp8_reason for spec in specs}
-        warm = L.data(seed_offset=1000)  # the compile step uses its own batch, not the timed data
+            lesson.print(f"  fp8-compiled skipped: {fp8_reason}")
+            lesson.results.note(f"fp8-compiled skipped: {fp8_reason}")
+            lesson.results.data["skipped"] = {label(spec): fp8_reason for spec in specs}
+        warm = lesson.data(seed_offset=1000)  # the compile step uses its own batch, not the timed data
         for spec in specs:
             for name in names:
-                run_variant(L, spec, name, block, precision, warm, widths is not None)
-        compare(L.results.data["variants"])
-        if widths and L.results.data["variants"]:  # the widest model names the run
-            L.results.data["model"] = {"name": max(specs, key=lambda s: s.config().hidden_size).name,
-                                       "parameters": max(v["parameters"] for v in L.results.data["variants"])}
+                run_variant(lesson, spec, name, block, precision, warm, widths is not None)
+        compare(lesson.results.data["variants"])
+        if widths and lesson.results.data["variants"]:  # the widest model names the run
+            widest = max(specs, key=lambda s: s.config().hidden_size)
+            lesson.results.data["model"] = {
+                "name": widest.name,
+                "parameters": max(v["parameters"] for v in lesson.results.data["variants"])}
         if widths:  # where FP8 (and compile) start to pay, from the sweep's rows
-            report_crossovers(L, args.variants, None if fp8_ok else fp8_reason)
-        L.results.predicted(predicted)
+            report_crossovers(lesson, args.variants, None if fp8_ok else fp8_reason)
+        lesson.results.predicted(predicted)
 
 
-def run_variant(L, spec: ModelSpec, name: str, block: type[nn.Module], precision: str, warm,
+def run_variant(lesson, spec: ModelSpec, name: str, block: type[nn.Module], precision: str, warm,
                 by_width: bool) -> None:
     """Build one variant (convert -> shard -> compile), time its compile step, train it, record it;
     its model and its compiled code are gone before the next one."""
     label = f"{name}-h{spec.config().hidden_size}" if by_width else name  # compiled-h1024, ...
-    with L.variant(label):
-        L.seed()
-        model = spec.build(device=L.device)
+    with lesson.variant(label):
+        lesson.seed()
+        model = spec.build(device=lesson.device)
         params = sum(p.numel() for p in model.parameters())
         extra = dict(variant=name, precision=precision, hidden=spec.config().hidden_size,
                      parameters=params)
         if name != "fp8-compiled":
             extra["fp8_linears_if_converted"] = len(fp8_linear_names(model, float8_module_filter()))
-        extra.update(parallelize(model, name, block, fsdp2_policy(precision), L.args.compile_backend))
-        optimizer = L.optimizer(model)
+        extra.update(parallelize(model, name, block, fsdp2_policy(precision), lesson.args.compile_backend))
+        optimizer = lesson.optimizer(model)
         if name == "fp8-compiled":
             optimizer.register_step_post_hook(lambda *_, m=model: precompute_fp8_scales(m))
         torch._dynamo.reset()  # so compile cost is measured from scratch for each variant
-        extra["first_step_s"] = round(first_step_seconds(model, next(warm), L.device), 3)
-        L.print(f"  {label}: first forward+backward (compile included) {extra['first_step_s']:.2f}s")
-        stats = L.train(model, label, optimizer=optimizer,
-                        flops_per_token=flops_per_token(spec, params, L.seq_len))
-        L.results.add(label, stats, **extra)
+        extra["first_step_s"] = round(first_step_seconds(model, next(warm), lesson.device), 3)
+        lesson.print(f"  {label}: first forward+backward (compile included) {extra['first_step_s']:.2f}s")
+        stats = lesson.train(model, label, optimizer=optimizer,
+                             flops_per_token=flops_per_token(spec, params, lesson.seq_len))
+        lesson.results.add(label, stats, **extra)
         del model, optimizer, stats
         torch._dynamo.reset()  # compiled code of this variant goes too
 

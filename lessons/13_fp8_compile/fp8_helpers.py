@@ -110,7 +110,7 @@ def crossover_hidden(variants: list[dict[str, Any]], candidate: str, baseline: s
     return {"hidden": hidden, "ratios": {h: round(r, 4) for h, r in sorted(ratios.items())}, "why": why}
 
 
-def report_crossovers(L, chosen: list[str], fp8_skipped: str | None) -> None:
+def report_crossovers(lesson, chosen: list[str], fp8_skipped: str | None) -> None:
     """Where FP8 starts to pay over compiled bf16, and compile over eager, from a width sweep's
     rows: ``<key>_crossover_hidden`` and ``<key>_crossover`` in results.json, printed and noted."""
     for key, candidate, baseline in (("fp8", "fp8-compiled", "compiled"),
@@ -120,10 +120,10 @@ def report_crossovers(L, chosen: list[str], fp8_skipped: str | None) -> None:
         if candidate == "fp8-compiled" and fp8_skipped:
             found = {"hidden": None, "ratios": {}, "why": f"fp8-compiled skipped: {fp8_skipped}"}
         else:
-            found = crossover_hidden(L.results.data["variants"], candidate, baseline)
-        L.results.data[f"{key}_crossover_hidden"] = found["hidden"]
-        L.results.data[f"{key}_crossover"] = found
+            found = crossover_hidden(lesson.results.data["variants"], candidate, baseline)
+        lesson.results.data[f"{key}_crossover_hidden"] = found["hidden"]
+        lesson.results.data[f"{key}_crossover"] = found
         ratios = "".join(f", h{h}: {r:.2f}x" for h, r in found["ratios"].items())
-        L.print(f"  {key} crossover (tokens/s {candidate} / {baseline}{ratios}): "
-                f"{found['hidden'] if found['hidden'] is not None else 'none'} ({found['why']})")
-        L.results.note(f"{key}_crossover_hidden = {found['hidden']}: {found['why']}")
+        lesson.print(f"  {key} crossover (tokens/s {candidate} / {baseline}{ratios}): "
+                     f"{found['hidden'] if found['hidden'] is not None else 'none'} ({found['why']})")
+        lesson.results.note(f"{key}_crossover_hidden = {found['hidden']}: {found['why']}")

@@ -141,34 +141,34 @@ def main(args) -> None:
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         pin_cuda_device()  # the planner's meshes must find this rank's GPU, not GPU LOCAL_RANK
     mine = my_plans(args)  # before the lesson joins the real process group
-    with lesson as L:
+    with lesson as lesson:
         plans = dict(mine)
-        if dist.is_initialized() and L.dist.world_size > 1:
-            gathered: list = [None] * L.dist.world_size
+        if dist.is_initialized() and lesson.dist.world_size > 1:
+            gathered: list = [None] * lesson.dist.world_size
             dist.all_gather_object(gathered, mine)
             for part in gathered:
                 plans.update(part)
-        L.results.columns("predicted_over_measured_ratio", "predicted_peak_total_bytes")
-        block = L.spec.block_class()
+        lesson.results.columns("predicted_over_measured_ratio", "predicted_peak_total_bytes")
+        block = lesson.spec.block_class()
 
         def describe(name: str, model: nn.Module, stats) -> dict:
             strategy, precision, ac = VARIANTS[name]
             predicted = plans[name]["peak_bytes"]
             ratio = compare(predicted, stats.peak_memory_bytes)
-            L.print(f"    predicted {fmt_bytes(predicted['total'])}, measured "
-                    f"{fmt_bytes(stats.peak_memory_bytes['total'])}: ratio {ratio['total']:.3f}")
+            lesson.print(f"    predicted {fmt_bytes(predicted['total'])}, measured "
+                         f"{fmt_bytes(stats.peak_memory_bytes['total'])}: ratio {ratio['total']:.3f}")
             return dict(strategy=strategy, precision=precision, ac=ac, predicted_peak_bytes=predicted,
                         predicted_detail=plans[name]["detail"], prediction_ratio=ratio,
                         predicted_peak_total_bytes=predicted["total"],
                         predicted_over_measured_ratio=ratio["total"])
 
-        L.run_variants(args.variants, lambda name: shard(L.build_model(), block, *VARIANTS[name]),
-                       describe=describe)
-        L.results.data["plans"] = big = {k: v for k, v in plans.items() if k not in VARIANTS}
+        lesson.run_variants(args.variants, lambda name: shard(lesson.build_model(), block, *VARIANTS[name]),
+                            describe=describe)
+        lesson.results.data["plans"] = big = {k: v for k, v in plans.items() if k not in VARIANTS}
         for key, p in big.items():
             extra = f", largest batch {p['largest_batch']}" if "largest_batch" in p else ""
-            L.print(f"  plan {key}: peak {fmt_bytes(p['peak_bytes']['total'])} per rank of "
-                    f"{fmt_bytes(p['budget_bytes'])} budget, fits={p['fits']}{extra}")
+            lesson.print(f"  plan {key}: peak {fmt_bytes(p['peak_bytes']['total'])} per rank of "
+                         f"{fmt_bytes(p['budget_bytes'])} budget, fits={p['fits']}{extra}")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 A lesson script opens with the FSDP code it teaches, in plain functions; its ``main`` is then::
 
     args = lesson_parser(__doc__).parse(argv)
-    with Lesson("01", args, cpu_note="...") as L:
-        L.run_variants(args.variants, lambda name: wrap[name](L.build_model()))
+    with Lesson("01", args, cpu_note="...") as lesson:
+        lesson.run_variants(args.variants, lambda name: wrap[name](lesson.build_model()))
 
 ``Lesson`` joins the process group (NCCL on GPUs, gloo on CPU), resolves the model for the hardware
 (the catalog's ``Run``: a tiny one on CPU, a real size on GPU), seeds every rank alike, frees each
