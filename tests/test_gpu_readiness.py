@@ -10,7 +10,7 @@ import pytest
 import torch
 from gpu_cases import every_variant_released
 
-from utilities.course import release
+from utilities.measure import release
 
 MiB = 2**20
 WORKSPACE = 32 * MiB  # what cuBLAS allocates per (handle, stream) on sm90
@@ -79,7 +79,7 @@ def _lesson_shell(device: torch.device):
     import argparse
 
     from utilities.course.lesson import Lesson
-    from utilities.course.results import Results
+    from utilities.measure.results import Results
 
     lesson = object.__new__(Lesson)
     lesson.args = argparse.Namespace(log_all_ranks=False)
