@@ -10,6 +10,7 @@ the process group says which device this rank has (``setup``).
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import typing
@@ -146,6 +147,9 @@ def setup(cfg: Config) -> D.DistInfo:
     ends every rank with one line and exit code 2."""
     D.quiet_torch_internal_warnings()
     info = D.setup(cfg.device, cfg.backend)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank torchrun started: what lives now (torch,
+        gc.collect()  # transformers, the process group) lives until exit, so the collector's full
+        gc.freeze()  # passes, and the ~1 s of them at exit, can skip it
     try:
         finalize(cfg, on_gpu=info.device.type == "cuda")
     except UsageError as e:  # every rank finds the same error: one line, exit 2, no tear-down

@@ -118,5 +118,7 @@ def freeze_what_lives_until_exit() -> None:
         gc.freeze()
 
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
+if __name__ == "__main__":  # through the module lesson.py imports, not this __main__ copy of it
+    from utilities.course import launch
+
+    launch.main(sys.argv[1:])
