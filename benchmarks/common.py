@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:  # run from a checkout without install
 
 import torch  # noqa: E402 (after the sys.path fallback above)
 
-from utilities.course.results import write_json  # noqa: E402
+from utilities.measure.results import write_json  # noqa: E402
 
 RESULTS_DIR = REPO / "benchmarks" / "results"
 NO_GPU = "not yet measured: no GPU in this task"

@@ -46,7 +46,8 @@ CONFIGS = [f"{m}-ac_{a}" for m in MODES for a in ACS]
 
 
 def lesson10():
-    """Lesson 10's train.py as a module (its Config, finalize, data_stream, tokens_in)."""
+    """Lesson 10's train.py as a module (its data_stream, tokens_in); it puts its folder on
+    ``sys.path``, so its train_config (parse_args, finalize) is importable after it."""
     path = REPO / "lessons" / "10_end_to_end" / "train.py"
     spec = importlib.util.spec_from_file_location("lesson10_train", path)
     module = importlib.util.module_from_spec(spec)
@@ -73,7 +74,9 @@ def run_reference(config: str, lesson_flags: list[str], device: torch.device) ->
 
     mode, ac = config.split("-ac_")
     T = lesson10()
-    cfg = T.finalize(T.parse_args(lesson_flags), on_gpu=device.type == "cuda")
+    import train_config
+
+    cfg = train_config.finalize(train_config.parse_args(lesson_flags), on_gpu=device.type == "cuda")
     cfg = dataclasses.replace(cfg, compile=mode == "compile", activation_checkpointing=ac != "none",
                               ac_every=2 if ac == "selective" else 1)
     spec = get_model_spec(cfg.model)

@@ -76,7 +76,7 @@ def pytest_collection_finish(session):
 
 def pytest_unconfigure(config):
     """The suite is over: this process's exit need not walk every object torch made (~2 s)."""
-    from utilities.course.lesson import skip_final_collections
+    from utilities.course.launch import skip_final_collections
 
     skip_final_collections()
 
@@ -150,7 +150,7 @@ def parse_lesson_flags(number: str, *flags: str) -> tuple[int, str, str]:
     """Parse ``flags`` with the lesson's own parser, in this process, as ``fsdp-course run NN
     --quick -- FLAGS`` does before it starts torchrun (tests/test_cli.py checks once that the
     command passes the answer on); returns (exit code, stdout, stderr)."""
-    from utilities.course.lesson import parse_flags_here
+    from utilities.course.launch import parse_flags_here
 
     return parse_flags_here(lesson_module(number).parse_args, ["--device", "cpu", "--quick", *flags])
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gpu_cases import every_variant_released
 
-from utilities.course import release
+from utilities.measure import release
 
 MiB = 2**20
 WORKSPACE = 32 * MiB  # what cuBLAS allocates per (handle, stream) on sm90
@@ -79,7 +79,7 @@ def _lesson_shell(device: torch.device):
     import argparse
 
     from utilities.course.lesson import Lesson
-    from utilities.course.results import Results
+    from utilities.measure.results import Results
 
     lesson = object.__new__(Lesson)
     lesson.args = argparse.Namespace(log_all_ranks=False)
@@ -286,10 +286,10 @@ def test_lesson_07_times_steps_without_the_dtype_probe(world1, monkeypatch):
 
     from utilities.course.lesson import Lesson
 
-    lesson = lesson_module("07")
+    script = lesson_module("07")
     plain = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else None
     probed: list[bool] = []
-    step = lesson.default_step
+    step = script.default_step
 
     def spying_step(model, batch):
         hooks = any(m._forward_pre_hooks for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -297,13 +297,13 @@ def test_lesson_07_times_steps_without_the_dtype_probe(world1, monkeypatch):
         probed.append(hooks or wrapped)
         return step(model, batch)
 
-    monkeypatch.setattr(lesson, "default_step", spying_step)
-    args = lesson.parse_args(["--device", "cpu", "--quick", "--steps", "3", "--policies", "bf16",
+    monkeypatch.setattr(script, "default_step", spying_step)
+    args = script.parse_args(["--device", "cpu", "--quick", "--steps", "3", "--policies", "bf16",
                               "--batch-size", "1", "--seq-len", "16"])
     lesson = Lesson("07", args)
     lesson._setup()
     with lesson.variant("bf16"):
-        lesson.train_policy(lesson, "fsdp2", "bf16")
+        script.train_policy(lesson, "fsdp2", "bf16")
     v = lesson.results.data["variants"][0]
     assert probed == [True, True, False]  # the warm-up and memory steps; one timed
     assert len(v["step_times_s"]) == 1

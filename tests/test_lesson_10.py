@@ -213,8 +213,8 @@ def test_every_config_field_is_a_flag_with_help():
 
 
 def _parallelized(*flags: str):
-    train = _lesson10("train.py")
-    cfg = train.finalize(train.parse_args(["--quick", *flags]), on_gpu=False)
+    train, config = _lesson10("train.py"), _lesson10("train_config.py")
+    cfg = config.finalize(config.parse_args(["--quick", *flags]), on_gpu=False)
     return train.parallelize(train.build_model(cfg, torch.device("cpu")), cfg, torch.device("cpu"))
 
 
@@ -256,3 +256,68 @@ def test_fsdp1_parallelize_checkpoints_inside_its_units(world1):
     root, *units = [m for m in model.modules() if isinstance(m, FSDP)]
     assert root is model and len(units) == len(model.module.model.layers)
     assert all(isinstance(next(u.children()), CheckpointWrapper) for u in units)  # FSDP(wrapper(block))
+
+
+LESSON10_FILES = ("train.py", "train_config.py", "train_metrics.py")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports (``from a.b import c`` counts as a.b and a.b.c), by its ast."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return names
+
+
+def test_the_files_to_copy_import_nothing_from_the_course():
+    """train.py and the two files beside it use torch, transformers and the library only: copied
+    into another project they need ``utilities`` installed, not the course."""
+    for name in LESSON10_FILES:
+        course = sorted(n for n in _imported_modules(REPO / "lessons/10_end_to_end" / name)
+                        if n == "utilities.course" or n.startswith("utilities.course."))
+        assert course == [], (name, course)
+
+
+def test_the_training_defaults_are_the_ones_the_launcher_plans_with():
+    """train_config states its hardware defaults itself; the catalog's lesson 10 ``Run`` (which
+    ``fsdp-course run`` plans ranks sharing a GPU with) must say the same."""
+    from utilities.course.catalog import LESSONS
+
+    config, run = _lesson10("train_config.py"), LESSONS["10"].run
+    for on_gpu in (True, False):
+        cfg = config.finalize(config.Config(), on_gpu=on_gpu)
+        assert (cfg.model, cfg.batch_size) == (run.model(on_gpu, False), run.batch(on_gpu, False))
+
+
+def test_copied_into_an_empty_folder_it_trains_with_plain_torchrun(tmp_path):
+    """The README's promise: train.py (with train_config.py and train_metrics.py) is the file to
+    copy into your own project. Copied alone into an empty folder and started by plain torchrun
+    there, with only the library importable (PYTHONPATH, as if installed), it trains, saves its
+    checkpoints and writes results.json; no rank imports anything from ``utilities.course``
+    (every import each rank makes is traced: PYTHONPROFILEIMPORTTIME)."""
+    import shutil
+
+    for name in LESSON10_FILES:
+        shutil.copy(REPO / "lessons/10_end_to_end" / name, tmp_path / name)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_COURSE")}
+    env.update(PYTHONPATH=str(REPO), PYTHONPROFILEIMPORTTIME="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "train.py", "--device", "cpu", "--quick",
+                           "--steps", "4", "--ckpt-every", "2", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert "utilities.dcp" in imported and "train_metrics" in imported  # the trace is on
+    assert [m for m in imported if m.startswith("utilities.course")] == []
+    results = json.loads((out / "results.json").read_text())
+    (v,) = results["variants"]
+    assert len(v["losses"]) == 4 and v["losses"][-1] < v["losses"][0]
+    assert v["checkpoints"] == [2, 4] and (out / "checkpoints" / "step_000004").is_dir()
+    assert results["takeaway"].startswith("fsdp2: train loss")

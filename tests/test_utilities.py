@@ -21,7 +21,7 @@ from utilities import (
     shard_model,
     verify_bfloat_support,
 )
-from utilities.course.results import write_json
+from utilities.measure.results import write_json
 from utilities.wrapping import fsdp1_block_policy, fsdp_units, unit_parameter_counts
 
 
@@ -231,8 +231,9 @@ def test_no_process_group_leaks(world1):
 
 def test_the_library_never_imports_the_course():
     """Layers import downward only: ``utilities/*.py`` and ``utilities/measure/`` (the library)
-    import nothing from ``utilities/course`` (the CLI and harness); ``python -m utilities`` is the
-    one entry that starts the course's command."""
+    import nothing from ``utilities/course`` (the CLI and harness), in any spelling (``from
+    utilities import course`` too); ``python -m utilities`` is the one entry that starts the
+    course's command."""
     import ast
 
     root = Path(__file__).resolve().parents[1] / "utilities"
@@ -242,7 +243,8 @@ def test_the_library_never_imports_the_course():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                     [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+                     if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{path.relative_to(root)}: {n}" for n in names
                           if n == "utilities.course" or n.startswith("utilities.course.")]
     assert offenders == []

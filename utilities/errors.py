@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Iterable
-from typing import NoReturn
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
 
 class UsageError(ValueError):
@@ -42,3 +42,36 @@ class OneLineParser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, f"{arg_string!r} is not allowed; allowed: finite "
                                                  "numbers")
         return value
+
+
+def bounded(kind: type = int, low: float | None = None, high: float | None = None,
+            low_open: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type``: a number of ``kind`` within bounds. A bad value is refused in one
+    line naming it and the allowed range ("integers >= 1", "finite numbers in (0, 1]", ...);
+    ``nan`` and ``inf`` too, which ``float()`` accepts and NaN passes every comparison."""
+    noun = "integers" if kind is int else "finite numbers"
+    if low is not None and high is not None:
+        allowed = f"{noun} in {'(' if low_open else '['}{low}, {high}]"
+    elif low is not None:
+        allowed = f"{noun} {'>' if low_open else '>='} {low}"
+    else:
+        allowed = noun
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: {allowed}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: {allowed}")
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: {allowed}")
+        return value
+
+    parse.__name__ = f"{noun} ({allowed})"
+    return parse
+
+
+positive_int = bounded(int, 1)
+positive_float = bounded(float, 0, low_open=True)

@@ -36,8 +36,9 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities.course.catalog import LESSONS
-from utilities.course.lesson import Lesson, lesson_parser, positive_int
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
+from utilities.errors import positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
 from utilities.models import ModelSpec, get_model_spec
 from utilities.training import TrainStats

@@ -45,8 +45,9 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
+from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.batch_search import all_ranks_agree, find_max_batch, training_trial
 from utilities.training import TrainStats

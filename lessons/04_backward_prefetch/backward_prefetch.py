@@ -37,8 +37,9 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities.course.catalog import LESSONS
-from utilities.course.lesson import Lesson, cluster_prediction, lesson_parser, positive_int
+from utilities.course.lesson import Lesson, cluster_prediction, lesson_parser
 from utilities.distributed import NOT_MEASURABLE, world_mesh
+from utilities.errors import positive_int
 from utilities.measure import unsharded_parameter_bytes
 from utilities.prefetch import prefetch_plan, profile_steps
 from utilities.training import TrainStats

@@ -31,8 +31,9 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities import Memory_Maximizer
-from utilities.course.lesson import Lesson, lesson_parser, positive_float, positive_int
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
+from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.batch_search import SearchResult, Trial, all_ranks_agree, find_max_batch
 from utilities.training import TrainStats, train

@@ -44,14 +44,9 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utilities.course.catalog import LESSONS
-from utilities.course.lesson import (
-    Lesson,
-    cluster_prediction,
-    lesson_parser,
-    positive_float,
-    positive_int,
-)
+from utilities.course.lesson import Lesson, cluster_prediction, lesson_parser
 from utilities.distributed import world_mesh
+from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
 from utilities.training import TrainStats
 

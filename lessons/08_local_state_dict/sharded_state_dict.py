@@ -50,7 +50,6 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 
 from utilities.course.lesson import Lesson, lesson_parser
-from utilities.course.results import write_json
 from utilities.data import ReverseTask
 from utilities.dcp import (
     check_checkpoint,
@@ -67,6 +66,7 @@ from utilities.dcp import (
 from utilities.distributed import fail_together, reduce_scalar
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
+from utilities.measure.results import write_json
 from utilities.state_dict import atomic_torch_save
 from utilities.training import train
 from utilities.wrapping import shard_model

@@ -55,10 +55,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from utilities.child_tuning import global_topk_threshold, local
-from utilities.course.lesson import Lesson, bounded, lesson_parser, positive_int
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.data import LETTERS, LetterTask, batches, make_loader
 from utilities.distributed import fail_together, reduce_scalar, world_mesh
-from utilities.errors import UsageError
+from utilities.errors import UsageError, bounded, positive_int
 from utilities.measure import fmt_bytes
 from utilities.state_dict import safe_torch_load
 from utilities.training import train

@@ -48,11 +48,10 @@ from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_s
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
-from train_config import Config, finalize, parse_args, setup  # noqa: F401 - finalize: benchmarks
+from train_config import Config, parse_args, setup
 from train_metrics import TrainingLog, tokens_in
 
 from utilities import distributed as D
-from utilities.course.lesson import exit_if_only_checking_flags
 from utilities.data import ReverseTask, make_loader
 from utilities.dcp import (
     check_checkpoint,
@@ -202,7 +201,6 @@ def resume(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
 
 # -- the training loop ---------------------------------------------------------------------------
 def main(cfg: Config) -> None:
-    exit_if_only_checking_flags()
     info = setup(cfg)  # the process group, and the defaults of this rank's hardware
     device, rank, world = info.device, info.rank, info.world_size
     with D.fail_together(f"locking {cfg.ckpt_dir}"):  # a second run into this folder: one line

@@ -10,6 +10,7 @@ the process group says which device this rank has (``setup``).
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import typing
@@ -17,19 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from utilities import distributed as D
-from utilities.course.catalog import LESSONS
-from utilities.course.lesson import (
-    LessonParser,
-    bounded,
-    freeze_what_lives_until_exit,
-    positive_float,
-    positive_int,
-)
-from utilities.errors import UsageError
+from utilities.errors import OneLineParser, UsageError, bounded, positive_float, positive_int
 from utilities.models import get_model_spec
 from utilities.precision import default_policy
 
 PRECISIONS = ("auto", "fp32", "bf16", "bf16-fp32-reduce")
+# the defaults that depend on the hardware: on a GPU, and on CPU (or with --quick)
+GPU_MODEL, CPU_MODEL = "llama-1b", "llama-tiny"
+GPU_BATCH_SIZE, CPU_BATCH_SIZE = 4, 8
 nonnegative_int = bounded(int, 0)
 fraction = bounded(float, 0, 1)
 
@@ -42,8 +38,8 @@ def opt(default, help: str, **argparse_kwargs):
 @dataclass
 class Config:
     # where and what
-    model: str | None = opt(None, "named model (fsdp-course list --models); default llama-tiny on "
-                                  "CPU, llama-1b on GPU")
+    model: str | None = opt(None, f"named model (fsdp-course list --models); default {CPU_MODEL} on "
+                                  f"CPU, {GPU_MODEL} on GPU")
     device: str = opt("auto", "cuda when a GPU is visible, else cpu", choices=D.DEVICES)
     backend: str = opt("auto", "process-group backend: nccl for cuda, gloo for cpu", choices=D.BACKENDS)
     quick: bool = opt(False, "the small CPU configuration the tests use (few steps, short sequences)")
@@ -64,7 +60,8 @@ class Config:
     # optimization
     steps: int | None = opt(None, "optimizer steps (default 30 with --quick, else 200)",
                             type=positive_int)
-    batch_size: int | None = opt(None, "micro-batch per rank (default 8 on CPU, 4 on GPU)",
+    batch_size: int | None = opt(None, f"micro-batch per rank (default {CPU_BATCH_SIZE} on CPU, "
+                                       f"{GPU_BATCH_SIZE} on GPU)",
                                  type=positive_int)
     grad_accum: int = opt(1, "micro-batches per optimizer step (gradient accumulation)",
                           type=positive_int)
@@ -92,9 +89,9 @@ class Config:
                                              "step, as a crash would", type=positive_int)
 
 
-def config_parser(description: str | None = None) -> LessonParser:
+def config_parser(description: str | None = None) -> OneLineParser:
     """argparse built from Config: --field-name for each field, its type, default and help."""
-    p = LessonParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
@@ -111,7 +108,12 @@ def config_parser(description: str | None = None) -> LessonParser:
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> Config:
     parser = config_parser(description)
-    args = parser.parse(argv)  # one 'error:' line and exit 2 on a bad value
+    args = parser.parse_args(argv)  # one 'error:' line and exit 2 on a bad value
+    if args.model is not None:
+        try:
+            get_model_spec(args.model)
+        except UsageError as e:
+            parser.exit(2, f"error: {e}\n")
     steps = args.steps or (30 if args.quick else 200)
     if args.warmup_steps is not None and args.warmup_steps >= steps:
         parser.error(f"--warmup-steps {args.warmup_steps} is not allowed; allowed: fewer than "
@@ -121,10 +123,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
 
 def finalize(cfg: Config, on_gpu: bool) -> Config:
     """Fill the defaults that depend on the hardware and on --quick."""
-    run = LESSONS["10"].run  # model and batch: the catalog's, which the launcher plans with
-    cfg.model = cfg.model or run.model(on_gpu, cfg.quick)
+    full_size = on_gpu and not cfg.quick
+    cfg.model = cfg.model or (GPU_MODEL if full_size else CPU_MODEL)
     cfg.steps = cfg.steps or (30 if cfg.quick else 200)
-    cfg.batch_size = cfg.batch_size or run.batch(on_gpu, cfg.quick)
+    cfg.batch_size = cfg.batch_size or (GPU_BATCH_SIZE if full_size else CPU_BATCH_SIZE)
     cfg.seq_len = cfg.seq_len or (32 if cfg.quick else get_model_spec(cfg.model).default_seq_len)
     cfg.warmup_steps = max(1, cfg.steps // 10) if cfg.warmup_steps is None else cfg.warmup_steps
     cfg.eval_every = cfg.eval_every or max(1, cfg.steps // 3)
@@ -145,7 +147,9 @@ def setup(cfg: Config) -> D.DistInfo:
     ends every rank with one line and exit code 2."""
     D.quiet_torch_internal_warnings()
     info = D.setup(cfg.device, cfg.backend)
-    freeze_what_lives_until_exit()  # the rank's exit then skips torch's objects (lesson.py says why)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank torchrun started: what lives now (torch,
+        gc.collect()  # transformers, the process group) lives until exit, so the collector's full
+        gc.freeze()  # passes, and the ~1 s of them at exit, can skip it
     try:
         finalize(cfg, on_gpu=info.device.type == "cuda")
     except UsageError as e:  # every rank finds the same error: one line, exit 2, no tear-down

@@ -24,9 +24,8 @@ from torch import nn
 from train_config import Config, ac_label
 
 from utilities import distributed as D
-from utilities.course.results import Results, table
-from utilities.course.takeaways import takeaway
 from utilities.measure import MemoryProbe, fmt_bytes
+from utilities.measure.results import Results, table
 from utilities.models import ModelSpec
 from utilities.training import TrainStats, peak_flops
 
@@ -187,6 +186,14 @@ class TrainingLog:
         D.print0(message)
 
     # -- results.json --------------------------------------------------------------------------------
+    def takeaway(self, resumed_from: Path | None) -> str:
+        """The run in one line: the train loss from first to last step, the last held-out loss,
+        the checkpoints saved (printed last, and results.json's ``takeaway``)."""
+        held_out = f", held-out loss {self.evals[-1][1]:.3f}" if self.evals else ""
+        return (f"{self.cfg.api}: train loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f}{held_out}, "
+                f"{len(self.checkpoints)} checkpoints"
+                + (f", resumed from {resumed_from}" if resumed_from else ""))
+
     def finish(self, resumed_from: Path | None) -> None:
         """Write results.json (one variant, named by --api) and print the table on rank 0."""
         self._catch_up()
@@ -209,7 +216,7 @@ class TrainingLog:
             results.note("CPU run: memory from torch.distributed._tools trackers (one step); step times "
                          "on a shared CPU are only indicative; MFU needs a GPU with a known peak.")
         if self.rank == 0:
-            results.takeaway(takeaway(results.data))
+            results.takeaway(self.takeaway(resumed_from))
             path = results.write(self.out)
             last_eval = f", eval loss {self.evals[-1][1]:.4f}" if self.evals else ""
             print("\n" + table(results.data), flush=True)

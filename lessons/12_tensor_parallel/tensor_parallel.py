@@ -47,8 +47,8 @@ from torch.distributed.tensor.parallel import (
 from tp_helpers import FeedForward, check_llama_tp, ratios_vs_tp1, run_llama, run_mlp
 
 from utilities import distributed as D
-from utilities.course.lesson import Lesson, lesson_parser, positive_int
-from utilities.errors import UsageError
+from utilities.course.lesson import Lesson, lesson_parser
+from utilities.errors import UsageError, positive_int
 from utilities.models import get_model_spec
 
 

@@ -20,10 +20,6 @@ from utilities.errors import bad_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LESSONS_DIR = REPO_ROOT / "lessons"
-# set by the launcher when it starts a lesson script to check its flags: "1" stops the script once
-# they parse; "launch" makes it torchrun then, with the arguments and lines in LAUNCH_ENV (JSON)
-CHECK_FLAGS_ENV = "FSDP_COURSE_CHECK_FLAGS"
-LAUNCH_ENV = "FSDP_COURSE_LAUNCH"
 
 
 @dataclass(frozen=True)

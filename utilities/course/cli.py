@@ -22,14 +22,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from utilities.course.catalog import (
-    CHECK_FLAGS_ENV,
-    LAUNCH_ENV,
-    LESSONS,
-    LessonInfo,
-    get_lesson,
-    run_defaults,
-)
+from utilities.course.catalog import LESSONS, LessonInfo, get_lesson, run_defaults
+from utilities.course.launch import LAUNCH_ENV
 from utilities.devices import (
     BACKENDS,
     DEVICES,
@@ -303,12 +297,16 @@ def check_output_dir(out: Path) -> None:
                          "write to") from None
 
 
+def _launcher(info: LessonInfo) -> list[str]:
+    """The command that checks a lesson's flags with its own ``parse_args`` (``launch.main``)."""
+    return [sys.executable, "-m", "utilities.course.launch", str(info.script_path)]
+
+
 def _validate_lesson_flags(info: LessonInfo, argv: list[str]) -> None:
     """Let the lesson script parse its flags first, so a bad one fails in one line before torchrun
-    starts (the script stops once they parse: ``exit_if_only_checking_flags``)."""
-    env = {**os.environ, CHECK_FLAGS_ENV: "1"}
-    done = subprocess.run([sys.executable, str(info.script_path), *argv], env=env,
-                          capture_output=True, text=True)
+    starts (``launch.main`` without a launch request: it stops once they parse)."""
+    env = {k: v for k, v in os.environ.items() if k != LAUNCH_ENV}
+    done = subprocess.run([*_launcher(info), *argv], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stderr.strip().splitlines()[-1] + "\n" if done.stderr.strip() else "")
         raise SystemExit(done.returncode)
@@ -345,14 +343,14 @@ def prepare_launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
                    check_flags: Callable[[list[str]], None] | None = None,
                    check_then_launch: bool = False) -> Launch:
     """Every check that can fail in one line, before anything starts: the output folder, the
-    lesson's flags (``check_flags``, by default the script itself in a child process, which stops
-    once they parse) and, for ranks sharing a GPU, whether they fit.
+    lesson's flags (``check_flags``, by default the script's ``parse_args`` in a child process,
+    which stops once they parse) and, for ranks sharing a GPU, whether they fit.
 
     ``check_then_launch``: the flags are checked by the process that starts the ranks. The command
-    is then the script itself, which parses its flags (a bad one: one line, exit 2, no rank
-    started), prints the header and becomes torchrun (``lesson.exit_if_only_checking_flags``): one
-    process importing torch instead of two. Ranks sharing a GPU keep the separate check, which
-    must come before their fit is planned."""
+    is then ``launch.main`` on the script: it parses the flags (a bad one: one line, exit 2, no
+    rank started), prints the header and becomes torchrun: one process importing torch instead of
+    two. Ranks sharing a GPU keep the separate check, which must come before their fit is
+    planned."""
     cmd = lesson_command(info, device, nproc, out, quick, model, flags)
     script = str(info.script_path)
     lesson_argv = cmd[cmd.index(script) + 1:]
@@ -373,18 +371,16 @@ def prepare_launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
     shown = " ".join([os.path.relpath(script), *lesson_argv])
     header.append(f"$ torchrun {' '.join(_torchrun_args(nproc))} {shown}")
     if deferred:
-        env[CHECK_FLAGS_ENV] = "launch"
         env[LAUNCH_ENV] = json.dumps({"torchrun": _torchrun_args(nproc), "header": header})
-        return Launch([sys.executable, script, *lesson_argv], env, [])
+        return Launch([*_launcher(info), *lesson_argv], env, [])
     return Launch(cmd, env, header)
 
 
 def launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: bool,
            model: str | None, flags: list[str]) -> int:
     """Start the lesson through torchrun (after ``prepare_launch``'s checks); its exit code."""
-    if "-h" in flags or "--help" in flags:  # the script prints its help and ends ("launch")
-        return subprocess.call([sys.executable, str(info.script_path), *flags],
-                               env={**os.environ, CHECK_FLAGS_ENV: "launch"})
+    if "-h" in flags or "--help" in flags:  # the script prints its help and ends
+        return subprocess.call([sys.executable, str(info.script_path), *flags])
     run = prepare_launch(info, device, nproc, out, quick, model, flags, check_then_launch=True)
     for line in run.header:
         print(line, flush=True)
@@ -420,7 +416,7 @@ def _wrap_line(text: str, columns: int, indent: str) -> str:
 
 
 def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
-    from utilities.course.results import load
+    from utilities.measure.results import load
 
     summary = []
     failed = []
@@ -444,7 +440,7 @@ def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
             continue
         res = load(out)
         summary.append((num, info.title, f"{len(res['variants'])} variants", res.get("takeaway", "")))
-    from utilities.course.results import width
+    from utilities.measure.results import width
 
     print("\nlesson  title and measured takeaway")
     for num, title, status, said in summary:

@@ -16,143 +16,33 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
-import io
-import json
-import math
 import os
 import random
-import sys
 import textwrap
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
 
 from utilities import distributed as D
-from utilities.course.catalog import CHECK_FLAGS_ENV, LAUNCH_ENV, LESSONS
-from utilities.course.release import VariantScope, live_parameters
-from utilities.course.results import Results, table, width
+from utilities.course.catalog import LESSONS
+from utilities.course.launch import checking_flags, freeze_what_lives_until_exit
 from utilities.data import ReverseTask, batches, make_loader
-from utilities.errors import OneLineParser, UsageError, bad_value
+from utilities.errors import OneLineParser, UsageError, bad_value, positive_float, positive_int
 from utilities.measure.batch_search import is_oom
+from utilities.measure.release import VariantScope, live_parameters
+from utilities.measure.results import Results, table, width
 from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
 from utilities.training import TrainStats, train
 
 CPU_MODEL = "t5-tiny"
 
 
-def exit_if_only_checking_flags() -> None:
-    """``fsdp-course run`` starts a lesson script once with this variable set, to check its flags
-    before any rank starts: the script gets here only with its flags parsed and accepted. With
-    "1" it stops; with "launch" this process becomes torchrun (``_become_torchrun``)."""
-    mode = os.environ.get(CHECK_FLAGS_ENV)
-    if mode == "1":  # (parse_flags_here's "1" never gets here: it only parses)
-        skip_final_collections()
-        raise SystemExit(0)
-    if mode == "launch":
-        _become_torchrun()
-
-
-def _become_torchrun() -> None:
-    """Start the ranks from this process, as ``python -m torch.distributed.run`` would, then exit.
-
-    The launcher's flag check and torchrun were two processes, each importing torch first (about
-    2.5 s on a laptop core); this process has torch already. The ranks run the script with neither
-    variable set, so they train."""
-    launch = json.loads(os.environ.pop(LAUNCH_ENV))
-    os.environ.pop(CHECK_FLAGS_ENV)
-    for line in launch["header"]:
-        print(line, flush=True)
-    from utilities.course.torchrun import run
-
-    run([*launch["torchrun"], sys.argv[0], *sys.argv[1:]])
-
-
-def skip_final_collections() -> None:
-    """For a process that will end soon: freeze what lives now. At exit Python's final garbage
-    collections walk every object torch and transformers made: 1.5-2.5 s per process on a 2-core
-    machine (measured), paid by every launcher, rank and notebook kernel. Frozen objects are
-    skipped, and a process that is ending needs none of them collected."""
-    gc.freeze()
-
-
-def freeze_what_lives_until_exit() -> None:
-    """In a rank that torchrun started, move every object alive now (torch, transformers, the
-    process group: ~350K objects) out of the garbage collector's sight. Each variant's release
-    collects and scans what the collector sees (``VariantScope``): ~0.45 s per variant and rank
-    over all of them, a few ms over what the variant made; and the rank's exit skips them too
-    (see ``skip_final_collections``). Collected first, so no garbage is kept. A notebook kernel or a
-    test process (no ``TORCHELASTIC_RUN_ID``) is left as it is."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        gc.collect()
-        gc.freeze()
-
-
-def parse_flags_here(parse_args: Callable[[list[str]], Any], argv: list[str]) -> tuple[int, str, str]:
-    """Run a lesson's ``parse_args`` on ``argv`` in this process, as the launcher's flag check does
-    in a child process (the device is left to the launcher); returns the exit code (0 when the
-    flags parse), what it printed and what it printed as an error."""
-    out, err = io.StringIO(), io.StringIO()
-    old = os.environ.get(CHECK_FLAGS_ENV)
-    os.environ[CHECK_FLAGS_ENV] = "1"
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            parse_args(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    finally:
-        if old is None:
-            os.environ.pop(CHECK_FLAGS_ENV, None)
-        else:
-            os.environ[CHECK_FLAGS_ENV] = old
-    return code, out.getvalue(), err.getvalue()
-
-
-def bounded(kind: type = int, low: float | None = None, high: float | None = None,
-            low_open: bool = False) -> Callable[[str], Any]:
-    """An argparse ``type``: a number of ``kind`` within bounds. A bad value is refused in one
-    line naming it and the allowed range ("integers >= 1", "finite numbers in (0, 1]", ...);
-    ``nan`` and ``inf`` too, which ``float()`` accepts and NaN passes every comparison."""
-    noun = "integers" if kind is int else "finite numbers"
-    if low is not None and high is not None:
-        allowed = f"{noun} in {'(' if low_open else '['}{low}, {high}]"
-    elif low is not None:
-        allowed = f"{noun} {'>' if low_open else '>='} {low}"
-    else:
-        allowed = noun
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except (ValueError, OverflowError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: {allowed}") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: {allowed}")
-        too_low = low is not None and (value <= low if low_open else value < low)
-        if too_low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: {allowed}")
-        return value
-
-    parse.__name__ = f"{noun} ({allowed})"
-    return parse
-
-
-positive_int = bounded(int, 1)
-positive_float = bounded(float, 0, low_open=True)
-
-
 class LessonParser(OneLineParser):
     """argparse that answers a bad value with one line (no usage dump) and checks common values."""
-
-    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
-        if os.environ.get(CHECK_FLAGS_ENV) == "launch":  # the launcher's process ends here
-            skip_final_collections()
-        super().exit(status, message)
 
     def add_variants(self, names) -> None:
         """``--variants a,b``: the subset of the lesson's variants to run (default: all of them).
@@ -194,7 +84,7 @@ class LessonParser(OneLineParser):
                 get_model_spec(args.predict_model)
             if args.model is not None:
                 get_model_spec(args.model)
-            if args.device == "cuda" and not os.environ.get(CHECK_FLAGS_ENV):
+            if args.device == "cuda" and not checking_flags():
                 D.resolve_device("cuda")  # (the launcher checks the device itself, for all ranks)
         except UsageError as e:
             self.exit(2, f"error: {e}\n")
@@ -249,7 +139,6 @@ class Lesson:
     def __init__(self, number: str, args: argparse.Namespace, *,
                  settings: dict[str, Any] | None = None, needs_ranks: str | None = None,
                  notes: tuple[str, ...] = (), cpu_note: str | None = None):
-        exit_if_only_checking_flags()
         self.number, self.args = number, args
         self.title = LESSONS[number].title
         self._run = LESSONS[number].run  # model, batch and steps by default (the catalog's)

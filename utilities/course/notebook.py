@@ -44,11 +44,11 @@ class LessonNotebook:
         its results.json. The flags are parsed here first by the lesson's own parser, the module
         this notebook imported: a bad one fails at once, in one line. Raises if the run fails."""
         from utilities.course.cli import decide_launch, prepare_launch
-        from utilities.course.results import load
         from utilities.devices import resolve_device
+        from utilities.measure.results import load
 
         if "-h" in flags or "--help" in flags:  # as the command does: the help, and no run
-            from utilities.course.lesson import parse_flags_here
+            from utilities.course.launch import parse_flags_here
 
             print(parse_flags_here(self._lesson_module().parse_args, list(flags))[1])
             return {}
@@ -72,7 +72,7 @@ class LessonNotebook:
     def _check_flags(self, argv: list[str]) -> None:
         """The lesson script's ``parse_args`` on ``argv``, in this kernel (what the launcher runs
         in a child process); a bad flag raises ``UsageError`` with the parser's one line."""
-        from utilities.course.lesson import parse_flags_here
+        from utilities.course.launch import parse_flags_here
         from utilities.errors import UsageError
 
         code, _, err = parse_flags_here(self._lesson_module().parse_args, argv)
@@ -88,7 +88,7 @@ def notebook(number: str) -> LessonNotebook:
     ranks, tiny model) unless a GPU is visible."""
     import torch
 
-    from utilities.course.lesson import skip_final_collections
+    from utilities.course.launch import skip_final_collections
 
     global _EXIT_HOOKED
     if "ipykernel" in sys.modules and not _EXIT_HOOKED:

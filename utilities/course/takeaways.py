@@ -2,7 +2,8 @@
 
 A lesson run ends with this line, and ``fsdp-course run all`` prints one per lesson. Each function
 reads only the run's own results; a variant left out with ``--variants`` falls back to the
-general line (the range of peak memory over the variants that ran).
+general line (the range of peak memory over the variants that ran). Lesson 10's train.py, a program
+to copy that imports nothing from the course, writes its own line (``TrainingLog.takeaway``).
 """
 
 from __future__ import annotations
@@ -103,15 +104,6 @@ def _09(r: Results) -> str:
             f"loss {frozen['held_out_loss_after']:.3f} vs {full['held_out_loss_after']:.3f} trained fully")
 
 
-def _10(r: Results) -> str:
-    v = r["variants"][0]
-    evals = v.get("eval_losses") or []
-    held_out = f", held-out loss {evals[-1][1]:.3f}" if evals else ""
-    return (f"{v['name']}: train loss {v['losses'][0]:.3f} -> {v['losses'][-1]:.3f}{held_out}, "
-            f"{len(v.get('checkpoints') or [])} checkpoints"
-            + (f", resumed from {v['resumed_from']}" if v.get("resumed_from") else ""))
-
-
 def _11(r: Results) -> str:
     return "the limiter changes when all-gathers are issued, never the losses; " + general(r)
 
@@ -135,7 +127,7 @@ def _14(r: Results) -> str:
 
 TAKEAWAYS: dict[str, Callable[[Results], str]] = {
     "01": _01, "02": _02, "03": _03, "04": _04, "05": _05, "06": _06, "07": _07, "08": _08,
-    "09": _09, "10": _10, "11": _11, "12": _12, "13": _13, "14": _14,
+    "09": _09, "11": _11, "12": _12, "13": _13, "14": _14,
 }
 
 
