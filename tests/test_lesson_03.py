@@ -105,8 +105,8 @@ def _checkpoint(path, model_sd):
 @pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
 def test_saved_on_2_ranks_loads_on_1(world1, tmp_path_factory, api):
     """The notebook run's fsdp2 checkpoint (2 ranks) loads into a 1-rank model, FSDP2 or FSDP1,
-    with the lesson's load_full: every weight bit-identical to the file's."""
-    from full_state_dict import gather_full, load_full
+    with the lesson's load_full_checkpoint: every weight bit-identical to the file's."""
+    from full_state_dict import gather_full_state, load_full_checkpoint
 
     from utilities.models import get_model_spec
     from utilities.wrapping import shard_model
@@ -117,8 +117,8 @@ def test_saved_on_2_ranks_loads_on_1(world1, tmp_path_factory, api):
     spec = get_model_spec("t5-tiny")
     torch.manual_seed(1)
     model = shard_model(spec.build("cpu"), api=api, block_class=spec.block_class())
-    assert load_full(path, model, torch.optim.AdamW(model.parameters())) == ckpt["step"]
-    loaded, _ = gather_full(model)
+    assert load_full_checkpoint(path, model, torch.optim.AdamW(model.parameters())) == ckpt["step"]
+    loaded, _ = gather_full_state(model)
     assert set(loaded) == set(saved)
     for key, tensor in loaded.items():
         assert torch.equal(tensor, saved[key]), key
@@ -127,7 +127,7 @@ def test_saved_on_2_ranks_loads_on_1(world1, tmp_path_factory, api):
 def test_public_save_full_and_load_full_read_the_lessons_files(world1, tmp_path):
     """utilities.save_full / load_full (what users import) and the lesson's own functions write
     and read the same file format, both ways, bit for bit."""
-    from full_state_dict import gather_full, load_full, save_full
+    from full_state_dict import gather_full_state, load_full_checkpoint, save_full_checkpoint
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
@@ -142,12 +142,13 @@ def test_public_save_full_and_load_full_read_the_lessons_files(world1, tmp_path)
         return model, optimizer
 
     model, optimizer = model_and_optimizer(0)
-    want, want_optim = gather_full(model, optimizer)
-    for save, load in ((save_full, utilities.load_full), (utilities.save_full, load_full)):
+    want, want_optim = gather_full_state(model, optimizer)
+    for save, load in ((save_full_checkpoint, utilities.load_full),
+                       (utilities.save_full, load_full_checkpoint)):
         save(tmp_path / "ck.pt", model, optimizer, 7)
         fresh, fresh_optimizer = model_and_optimizer(1)
         assert load(tmp_path / "ck.pt", fresh, fresh_optimizer) == 7
-        got, got_optim = gather_full(fresh, fresh_optimizer)
+        got, got_optim = gather_full_state(fresh, fresh_optimizer)
         assert all(torch.equal(got[k], want[k]) for k in want)
         for index, state in want_optim["state"].items():
             assert all(torch.equal(got_optim["state"][index][k], v) for k, v in state.items())

@@ -7,6 +7,7 @@ from conftest import (
     assert_prediction_is_the_readmes,
     assert_same_losses,
     flag_error,
+    lesson_module,
     notebook_results,
     variant,
 )
@@ -65,6 +66,24 @@ def test_explicit_depth_is_registered_by_fsdp2(results):
         assert p["backward"] == list(range(i - 1, max(-1, i - 1 - depth), -1))
     implicit = variant(results, "fsdp2-implicit")["prefetch_plan"]
     assert all(p == {"forward": [], "backward": []} for p in implicit)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_taught_loop_registers_what_the_library_loop_does(world1, depth):
+    """The lesson teaches the prefetch loop as ``prefetch_ahead``; lesson 10 and users call the
+    library's ``set_explicit_prefetch``. Both must register the same lists on the same blocks."""
+    from utilities import get_model_spec
+    from utilities.prefetch import prefetch_plan, set_explicit_prefetch
+
+    lesson = lesson_module("04")
+    spec = get_model_spec("t5-tiny")
+    plans = []
+    for set_prefetch in (lesson.prefetch_ahead, set_explicit_prefetch):
+        blocks = lesson.shard_blocks(spec.build("cpu"), spec.block_class())
+        set_prefetch(blocks, depth)
+        plans.append(prefetch_plan(blocks))
+    assert plans[0] == plans[1]
+    assert plans[0][0]["forward"] == list(range(1, 1 + depth))
 
 
 def test_bad_depth_is_one_line_exit_2():

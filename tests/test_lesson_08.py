@@ -104,7 +104,7 @@ def test_unfinished_save_is_refused(tmp_path):
 
 
 def test_a_save_killed_mid_write_keeps_the_previous_checkpoint(world1, tmp_path, monkeypatch):
-    """The lesson's save writes into .NAME.tmp and renames it only once complete: a kill inside
+    """The lesson's save_sharded writes into .NAME.tmp and renames it only once complete: a kill inside
     dcp.save leaves the previous checkpoint loadable, and the next save recovers."""
     import sharded_state_dict as lesson
     from torch import nn
@@ -114,7 +114,7 @@ def test_a_save_killed_mid_write_keeps_the_previous_checkpoint(world1, tmp_path,
     model = fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
     optimizer = torch.optim.AdamW(model.parameters())
     ckpt = tmp_path / "ckpt"
-    lesson.save(ckpt, model, optimizer, step=1, batches_consumed=1)
+    lesson.save_sharded(ckpt, model, optimizer, step=1, batches_consumed=1)
 
     def killed(state, checkpoint_id):
         (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
@@ -122,12 +122,12 @@ def test_a_save_killed_mid_write_keeps_the_previous_checkpoint(world1, tmp_path,
 
     monkeypatch.setattr(lesson.dcp, "save", killed)
     with pytest.raises(KeyboardInterrupt):
-        lesson.save(ckpt, model, optimizer, step=2, batches_consumed=2)
+        lesson.save_sharded(ckpt, model, optimizer, step=2, batches_consumed=2)
     monkeypatch.undo()
     assert (tmp_path / ".ckpt.tmp").is_dir() and check_checkpoint(ckpt) == ckpt
-    assert lesson.load(ckpt, model, optimizer) == (1, 1)
-    lesson.save(ckpt, model, optimizer, step=2, batches_consumed=2)
-    assert lesson.load(ckpt, model, optimizer) == (2, 2)
+    assert lesson.load_sharded(ckpt, model, optimizer) == (1, 1)
+    lesson.save_sharded(ckpt, model, optimizer, step=2, batches_consumed=2)
+    assert lesson.load_sharded(ckpt, model, optimizer) == (2, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 

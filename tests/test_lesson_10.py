@@ -230,21 +230,17 @@ def test_parallelize_makes_a_unit_per_block_then_the_root(world1):
     assert [isinstance(b, CheckpointWrapper) for b in blocks] == [i % 2 == 0 for i in range(len(blocks))]
 
 
-def test_prefetch_names_the_next_blocks_both_ways():
-    class Unit:  # records what apply_prefetch asks of a fully_shard module
-        def __init__(self, i: int):
-            self.i, self.forward, self.backward = i, [], []
+def test_prefetch_names_the_next_blocks_both_ways(world1):
+    """--prefetch 2: what FSDP2 registered, read back from its state, is two blocks ahead in forward
+    and the two previous blocks, nearest first, in backward."""
+    from utilities.prefetch import prefetch_plan
 
-        def set_modules_to_forward_prefetch(self, modules):
-            self.forward = [m.i for m in modules]
-
-        def set_modules_to_backward_prefetch(self, modules):
-            self.backward = [m.i for m in modules]
-
-    units = [Unit(i) for i in range(4)]
-    _lesson10("train.py").apply_prefetch(units, 2)
-    assert [u.forward for u in units] == [[1, 2], [2, 3], [3], []]
-    assert [u.backward for u in units] == [[], [0], [1, 0], [2, 1]]  # nearest first
+    blocks = list(_parallelized("--prefetch", "2").model.layers)
+    n = len(blocks)
+    assert n >= 4
+    plan = prefetch_plan(blocks)
+    assert [p["forward"] for p in plan] == [list(range(i + 1, min(n, i + 3))) for i in range(n)]
+    assert [p["backward"] for p in plan] == [list(range(i - 1, max(-1, i - 3), -1)) for i in range(n)]
 
 
 def test_fsdp1_parallelize_checkpoints_inside_its_units(world1):

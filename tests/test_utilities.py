@@ -115,6 +115,32 @@ def test_fsdp2_meta_init_then_materialize(world1):
     assert torch.isfinite(out.loss)
 
 
+def test_fsdp1_meta_init_materializes_each_unit_with_the_models_init(world1):
+    """A meta-built model wrapped by FSDP1 with ``fsdp1_meta_init``: no parameter is left on meta,
+    each unit got the model's own init (T5's layer norms start at 1, which ``to_empty`` alone does
+    not give), and the same seed gives the same weights."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from utilities.wrapping import fsdp1_meta_init
+
+    spec = get_model_spec("t5-tiny")
+    weights = []
+    for _ in range(2):
+        model = spec.build("meta")
+        torch.manual_seed(0)
+        wrapped = FSDP(model, auto_wrap_policy=fsdp1_block_policy(spec.block_class()),
+                       device_id=torch.device("cpu"), use_orig_params=True,
+                       param_init_fn=fsdp1_meta_init(model, "cpu"))
+        with FSDP.summon_full_params(wrapped):
+            params = dict(wrapped.module.named_parameters())
+            assert not any(p.is_meta for p in params.values())
+            norms = [p for n, p in params.items() if n.endswith("layer_norm.weight")]
+            assert norms and all(torch.equal(p, torch.ones_like(p)) for p in norms)
+            weights.append({n: p.detach().clone() for n, p in params.items()})
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+
+
 def test_shard_model_bad_options():
     with pytest.raises(UsageError, match="--api 'fsdp3'"):
         shard_model(torch.nn.Linear(2, 2), api="fsdp3")
@@ -317,3 +343,39 @@ def test_memory_maximizer_says_no_gpu_once_per_process(monkeypatch, capsys):
         with Memory_Maximizer() as mm:
             mm.update()
     assert capsys.readouterr().out.count("no CUDA GPU here") == 1
+
+
+# -- results.json: what a lesson records, through Results' methods ---------------------------------
+def _results():
+    from utilities.course.results import Results
+    from utilities.training import TrainStats
+
+    r = Results("99", "t", torch.device("cpu"), 2, "t5-tiny", 10, {"every": 2})
+    for name in ("base", "fast"):
+        r.add(name, TrainStats(losses=[1.0], step_times_s=[0.1], tokens_per_step=64))
+    return r
+
+
+def test_results_record_setting_skipped_and_run_model():
+    r = _results()
+    assert r.record("capacity", {"largest": 7}) == {"largest": 7}
+    r.setting(mlp_dim=512)
+    r.skipped("fp8-h64", "no GPU")
+    r.skipped("fp8-h128", "no GPU")
+    r.run_model("llama-h128", 1234)
+    assert r.data["capacity"] == {"largest": 7}
+    assert r.data["settings"] == {"every": 2, "mlp_dim": 512}
+    assert r.data["skipped"] == {"fp8-h64": "no GPU", "fp8-h128": "no GPU"}
+    assert r.data["model"] == {"name": "llama-h128", "parameters": 1234}
+    for own in ("variants", "settings", "notes", "model", "skipped"):
+        with pytest.raises(ValueError, match=f"{own!r} is written by Results"):
+            r.record(own, {})
+
+
+def test_results_extend_variants_adds_fields_by_name():
+    r = _results()
+    r.extend_variants({"fast": {"speedup_vs_base": 1.5}})
+    assert [v.get("speedup_vs_base") for v in r.data["variants"]] == [None, 1.5]
+    assert list(r.data["variants"][1])[-1] == "speedup_vs_base"  # after what add() recorded
+    with pytest.raises(ValueError, match="no recorded variant named 'slow'"):
+        r.extend_variants({"slow": {"x": 1}})

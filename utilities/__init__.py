@@ -35,7 +35,8 @@ _MODULES = {
     ),
     "utilities.state_dict": ("export_hf", "load_full", "save_full",),
     "utilities.training": ("train", "TrainStats",),
-    "utilities.wrapping": ("fsdp1_block_policy", "fsdp1_size_policy", "fsdp_units", "shard_model",),
+    "utilities.wrapping": ("fsdp1_block_policy", "fsdp1_meta_init", "fsdp1_size_policy", "fsdp_units",
+                           "shard_model",),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 __all__ = sorted(_EXPORTS)

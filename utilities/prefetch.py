@@ -37,7 +37,7 @@ def set_explicit_prefetch(blocks: Sequence[nn.Module], depth: int) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     if depth < 1:
-        raise bad_value("--prefetch-depth", depth, "integers >= 1")
+        raise bad_value("prefetch depth", depth, "integers >= 1")
     blocks = list(blocks)
     for b in blocks:
         if not isinstance(b, FSDPModule):

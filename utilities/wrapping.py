@@ -9,6 +9,7 @@ weights exist at a time; one unit for the whole model means every weight is gath
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,19 +96,25 @@ def _shard_fsdp1(model, block_class, policy, device, mesh, min_num_params, optio
         options.setdefault("device_mesh", mesh)
     options.setdefault("device_id", device)
     if any(p.is_meta for p in model.parameters()):
-        options.setdefault("param_init_fn", _fsdp1_meta_init(model, device))
+        options.setdefault("param_init_fn", fsdp1_meta_init(model, device))
     return FSDP(model, **options)
 
 
-def _fsdp1_meta_init(root: nn.Module, device: torch.device):
-    """FSDP1 materializes a meta-built model unit by unit, just before sharding each one."""
+def fsdp1_meta_init(root: nn.Module, device: torch.device | str) -> Callable[[nn.Module], None]:
+    """FSDP1's ``param_init_fn`` for a model built on the meta device (too big for one host).
 
-    def init(module: nn.Module) -> None:
+    FSDP1 calls it on each unit's modules just before sharding that unit: the module gets memory on
+    ``device`` (``to_empty``, its own parameters only) and the weights of the root model's own
+    initialization (a Hugging Face model's ``_init_weights``), so one unit at a time is full-size.
+    """
+    device = torch.device(device)
+
+    def init_unit(module: nn.Module) -> None:
         module.to_empty(device=device, recurse=False)
         if hasattr(root, "_init_weights"):
             root._init_weights(module)
 
-    return init
+    return init_unit
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

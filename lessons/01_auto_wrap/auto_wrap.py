@@ -42,7 +42,7 @@ from utilities.errors import positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
 from utilities.models import ModelSpec, get_model_spec
 from utilities.training import TrainStats
-from utilities.wrapping import fsdp_units, unit_parameter_counts
+from utilities.wrapping import fsdp1_meta_init, fsdp_units, unit_parameter_counts
 
 
 # -- FSDP2: you pick the units, one fully_shard call per unit --------------------------------------
@@ -76,13 +76,9 @@ def wrap_fsdp1(model: nn.Module, policy: Callable[..., bool] | None, device: tor
     """``policy=None``: one unit for the whole model. ``device_id`` is this rank's GPU, or the CPU
     (without it FSDP1 looks for an accelerator). A model built on the meta device (too big for one
     host) gets memory and its weights unit by unit, just before FSDP1 shards that unit."""
-    def materialize(module: nn.Module) -> None:
-        module.to_empty(device=device, recurse=False)
-        model._init_weights(module)  # the Hugging Face model's own initialization
-
     on_meta = any(p.is_meta for p in model.parameters())
-    return FSDP(model, auto_wrap_policy=policy, device_id=device,
-                param_init_fn=materialize if on_meta else None)
+    return FSDP(model, auto_wrap_policy=policy, device_id=device,  # meta: to_empty + the model's init
+                param_init_fn=fsdp1_meta_init(model, device) if on_meta else None)
 
 
 # -- the comparison ---------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
+from utilities.activation_checkpointing import checkpointed_blocks
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.errors import positive_float, positive_int
@@ -94,11 +95,6 @@ def fsdp1_checkpointed(model: nn.Module, block_class: type[nn.Module], every: in
         apply_activation_checkpointing(model, checkpoint_wrapper_fn=NO_REENTRANT,
                                        check_fn=lambda m: m in chosen)
     return model
-
-
-def checkpointed_blocks(model: nn.Module) -> int:
-    """How many modules run under a CheckpointWrapper."""
-    return sum(isinstance(m, CheckpointWrapper) for m in model.modules())
 
 
 # -- the comparison ---------------------------------------------------------------------------------
@@ -166,9 +162,9 @@ def search_largest_batch(lesson: Lesson, args: argparse.Namespace, none_peak: in
         found[which] = {"best": result.best, "reason": result.reason,
                         "trials": [t.as_dict() for t in result.trials]}
         lesson.print(f"  largest batch per rank, {which} checkpointed: {result.best} ({result.reason})")
-    lesson.results.data["batch_search"] = dict(
+    lesson.results.record("batch_search", dict(
         budget_bytes=budget, limit=limit, api="fsdp2", **found,
-        gain=round(found["all"]["best"] / found["none"]["best"], 2) if found["none"]["best"] else None)
+        gain=round(found["all"]["best"] / found["none"]["best"], 2) if found["none"]["best"] else None))
     where = f"a budget of {fmt_bytes(budget)} per rank" if budget else "this GPU (no retries, no OOM)"
     lesson.results.note(f"batch_search: largest batch per rank in {where}: {found['none']['best']} "
                         f"without checkpointing, {found['all']['best']} with every block checkpointed.")

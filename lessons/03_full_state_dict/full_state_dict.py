@@ -68,7 +68,7 @@ def offload_to_cpu(model: nn.Module) -> bool:
     return any(p.device.type == "cuda" for p in model.parameters())
 
 
-def gather_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StateDicts:
+def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StateDicts:
     """FSDP2, and FSDP1 through the same API: whole tensors under the original parameter names.
 
     Every rank must call it: each tensor is all-gathered. With ``cpu_offload`` each one goes to
@@ -80,10 +80,10 @@ def gather_full(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     return model_sd, optim_sd
 
 
-def gather_full_fsdp1_classic(model: nn.Module,
-                              optimizer: torch.optim.Optimizer | None = None) -> StateDicts:
-    """FSDP1's own way, deprecated in favour of ``gather_full`` (it writes the same keys, so either
-    file loads the same): inside ``FULL_STATE_DICT``, ``state_dict()`` and ``optim_state_dict``
+def gather_full_state_fsdp1_classic(model: nn.Module,
+                                    optimizer: torch.optim.Optimizer | None = None) -> StateDicts:
+    """FSDP1's own way, deprecated in favour of ``gather_full_state`` (it writes the same keys, so
+    either file loads the same): inside ``FULL_STATE_DICT``, ``state_dict()`` and ``optim_state_dict``
     gather, and ``rank0_only`` leaves the other ranks nothing."""
     if not isinstance(model, FSDP):
         raise TypeError("the FSDP1 classic full state dict needs a FullyShardedDataParallel model")
@@ -128,13 +128,14 @@ def save_on_rank0(path: str | os.PathLike, model_sd: dict[str, Any], optim_sd: d
     return size[0]
 
 
-def save_full(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-              gather: Callable[..., StateDicts] = gather_full) -> int:
+def save_full_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                         step: int, gather: Callable[..., StateDicts] = gather_full_state) -> int:
     """Every rank gathers, rank 0 writes: the whole save, model + optimizer + step."""
     return save_on_rank0(path, *gather(model, optimizer), step)
 
 
-def load_full(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def load_full_checkpoint(path: str | os.PathLike, model: nn.Module,
+                         optimizer: torch.optim.Optimizer) -> int:
     """Load a full checkpoint into an already sharded model and optimizer; returns the step.
 
     Every rank calls it. Rank 0 alone reads the file (``weights_only``, its keys and shapes checked
@@ -153,7 +154,7 @@ def load_full(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
     return step
 
 
-GATHER = {"dcp": gather_full, "fsdp1-classic": gather_full_fsdp1_classic}
+GATHER = {"dcp": gather_full_state, "fsdp1-classic": gather_full_state_fsdp1_classic}
 VARIANTS = {"fsdp2": ("fsdp2", "dcp"), "fsdp1": ("fsdp1", "dcp"),  # name: (api, GATHER key)
             "fsdp1-classic": ("fsdp1", "fsdp1-classic")}
 
@@ -232,13 +233,13 @@ def round_trip(lesson: Lesson, name: str, probe: dict, ckpt_dir: Path, export: b
     model, optim = sharded(lesson, api)
     stats = lesson.train(model, name, optimizer=optim, measure_memory=False)
     path = ckpt_dir / f"{name}.pt"
-    nbytes, save_s = timed(device, save_full, path, model, optim, lesson.steps, gather)
+    nbytes, save_s = timed(device, save_full_checkpoint, path, model, optim, lesson.steps, gather)
     reference = logits(model, probe)
 
     # 2. a fresh sharded model (other random weights) and a fresh optimizer, then load
     fresh, fresh_optim = sharded(lesson, api, fresh=True)
     before_load = max_abs_diff(logits(fresh, probe), reference, device)
-    step, load_s = timed(device, load_full, path, fresh, fresh_optim)
+    step, load_s = timed(device, load_full_checkpoint, path, fresh, fresh_optim)
     out_diff = max_abs_diff(logits(fresh, probe), reference, device)
 
     # 3. the next optimizer step must be the same: same loss, same updated weights
@@ -298,7 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(args: argparse.Namespace) -> None:
     with Lesson("03", args, notes=(NOTE,), cpu_note=CPU_NOTE) as lesson:
-        lesson.results.data["settings"]["deterministic_kernels"] = deterministic_kernels(lesson.device)
+        lesson.results.setting(deterministic_kernels=deterministic_kernels(lesson.device))
         lesson.results.columns("checkpoint_bytes", "save_s", "load_s", "outputs_identical",
                                "next_step_identical", "hf_identical")
         probe = next(lesson.data(seed_offset=1000))  # a fixed batch, never trained on, for comparisons

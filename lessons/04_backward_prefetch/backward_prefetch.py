@@ -43,6 +43,7 @@ from utilities.errors import positive_int
 from utilities.measure import unsharded_parameter_bytes
 from utilities.prefetch import prefetch_plan, profile_steps
 from utilities.training import TrainStats
+from utilities.wrapping import fsdp1_meta_init
 
 
 # -- FSDP2: prefetching is implicit; explicit lists reach further ahead ----------------------------
@@ -79,16 +80,12 @@ def wrap_fsdp1(model: nn.Module, block_class: type[nn.Module], device: torch.dev
     backward (BACKWARD_PRE, the default: before this unit's gradients; BACKWARD_POST: after them;
     None: when the next unit is reached); ``forward_prefetch=True`` also issues the next unit's
     all-gather in forward, following the order recorded in the first forward."""
-    def init_unit(module: nn.Module) -> None:  # a meta-built model: each unit just before sharding
-        module.to_empty(device=device, recurse=False)
-        model._init_weights(module)
-
     on_meta = any(p.is_meta for p in model.parameters())
     return FSDP(model, device_id=device,  # this rank's GPU, or the CPU (else FSDP1 wants a GPU)
                 auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
                                                    transformer_layer_cls={block_class}),
                 backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
-                param_init_fn=init_unit if on_meta else None)
+                param_init_fn=fsdp1_meta_init(model, device) if on_meta else None)
 
 
 # -- the comparison ---------------------------------------------------------------------------------

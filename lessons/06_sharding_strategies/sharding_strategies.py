@@ -49,6 +49,7 @@ from utilities.distributed import world_mesh
 from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
 from utilities.training import TrainStats
+from utilities.wrapping import fsdp1_meta_init
 
 
 # -- the code this lesson teaches -----------------------------------------------------------------
@@ -84,14 +85,10 @@ def shard_fsdp1(model: nn.Module, block_class: type[nn.Module], strategy: Shardi
     groups itself from ``process_group=(intra_node, inter_node)``)."""
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_class})
 
-    def init_unit(module: nn.Module) -> None:  # a meta-built model: each unit just before sharding
-        module.to_empty(device=device, recurse=False)
-        model._init_weights(module)
-
     on_meta = any(p.is_meta for p in model.parameters())
     # device_id: this rank's GPU, or the CPU (without it FSDP1 looks for an accelerator)
     return FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy, device_mesh=mesh,
-                device_id=device, param_init_fn=init_unit if on_meta else None)
+                device_id=device, param_init_fn=fsdp1_meta_init(model, device) if on_meta else None)
 
 
 def wrap_ddp(model: nn.Module) -> nn.Module:
@@ -201,8 +198,9 @@ def capacity(lesson: Lesson, args: argparse.Namespace, replicate: int) -> None:
     measured = {v["name"]: S.PerParam(*(v["resident_bytes"][k] / n for k in CATEGORIES),
                                       v["peak_unsharded_parameter_bytes"] / n)
                 for v in lesson.results.data["variants"]}
-    cap = lesson.results.data["capacity"] = S.capacity(measured, lesson.dist.world_size, replicate, args.gpus,
-                                                       args.gpu_mem_gb * 1e9, args.activation_gb * 1e9)
+    cap = lesson.results.record("capacity", S.capacity(measured, lesson.dist.world_size, replicate,
+                                                       args.gpus, args.gpu_mem_gb * 1e9,
+                                                       args.activation_gb * 1e9))
     lesson.print(f"\nlargest model on {args.gpus} GPUs x {args.gpu_mem_gb:g} GB "
                  f"({args.activation_gb:g} GB kept for activations), from measured bytes/param:")
     for row in cap["at_gpus"]:

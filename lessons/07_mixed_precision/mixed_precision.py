@@ -44,6 +44,7 @@ from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.precision import DtypeProbe, attach_scaler, default_policy, observe_dtypes
 from utilities.training import default_step
+from utilities.wrapping import fsdp1_meta_init
 
 # -- the code this lesson teaches -----------------------------------------------------------------
 # FSDP2: fully_shard(module, mp_policy=...). param_dtype: what the fp32 shards are all-gathered (and
@@ -90,7 +91,7 @@ def shard_fsdp1(model: nn.Module, block_class: type[nn.Module], mixed_precision:
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_class})
     on_meta = any(p.is_meta for p in model.parameters())  # too big for one host: built on meta
     return FSDP(model, auto_wrap_policy=policy, mixed_precision=mixed_precision, device_id=device,
-                param_init_fn=functools.partial(init_unit, model, device) if on_meta else None)
+                param_init_fn=fsdp1_meta_init(model, device) if on_meta else None)
 
 
 def fp16_scaler(device: torch.device) -> ShardedGradScaler:
@@ -111,13 +112,6 @@ def scaled_step(scaler: ShardedGradScaler) -> Callable[[nn.Module, dict], torch.
 
 
 # -- the lesson run -------------------------------------------------------------------------------
-def init_unit(root: nn.Module, device: torch.device, module: nn.Module) -> None:
-    """FSDP1's ``param_init_fn`` for a meta-built model: each unit is allocated and initialized
-    (with the model's own init) just before it is sharded."""
-    module.to_empty(device=device, recurse=False)
-    root._init_weights(module)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_argument("--policies", default=",".join(FSDP2_POLICIES),
@@ -192,7 +186,7 @@ def main(args: argparse.Namespace) -> None:
         for policy in args.policies:
             with lesson.variant(policy):  # everything the variant made is freed before the next one
                 train_policy(lesson, args.api, policy)
-        lesson.results.data["default_policy"] = {"name": chosen, "reason": why}
+        lesson.results.record("default_policy", {"name": chosen, "reason": why})
 
 
 if __name__ == "__main__":

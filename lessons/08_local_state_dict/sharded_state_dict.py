@@ -29,7 +29,6 @@ import argparse
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,11 +42,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import StateDictType
 
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.data import ReverseTask
@@ -56,12 +53,14 @@ from utilities.dcp import (
     dcp_load,
     dcp_save,
     from_torch_save,
+    fsdp1_state_dict,
     layout,
     load_checkpoint,
     load_fsdp1_local,
     prepare_save,
     publish_save,
     to_torch_save,
+    training_state,
 )
 from utilities.distributed import fail_together, reduce_scalar
 from utilities.errors import UsageError
@@ -73,35 +72,23 @@ from utilities.wrapping import shard_model
 
 
 # -- the code this lesson teaches -----------------------------------------------------------------
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int = 0,
-                   batches_consumed: int = 0) -> dict[str, Any]:
-    """What a resumable checkpoint holds: this rank's shards of the model and of the optimizer
-    state, the step, and the data position.
-
-    ``get_state_dict`` gives DTensors (FSDP2) or ShardedTensors (FSDP1) under the unwrapped model's
-    names, so either API loads what the other wrote. Step and position are tensors because
-    ``dcp.load`` fills the given dict in place.
-    """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd,
-            "trainer": {"step": torch.tensor(step), "batches_consumed": torch.tensor(batches_consumed)}}
-
-
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-         batches_consumed: int) -> None:
+def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 step: int, batches_consumed: int) -> None:
     """Every rank writes its own shards (``__R_0.distcp``), in parallel; ``.metadata`` comes last.
 
     Written into ``.NAME.tmp`` and renamed to ``NAME`` once every rank is done (``utilities.dcp``'s
     publish keeps the previous checkpoint until then), so a crash never leaves a half-written one.
     """
     tmp = prepare_save(Path(path))
+    # utilities.dcp.training_state: get_state_dict's shards of model and optimizer, plus the step and
+    # the data position as tensors (dcp.load fills the given dict in place)
     # dcp.save(state, checkpoint_id=tmp), with a failure (a full disk) in one line, tmp removed
     dcp_save(training_state(model, optimizer, step, batches_consumed), tmp)
     publish_save(tmp, Path(path))
 
 
-def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-               step: int, batches_consumed: int) -> Callable[[], None]:
+def async_save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       step: int, batches_consumed: int) -> Callable[[], None]:
     """``dcp.async_save``: training waits only while the state is copied to CPU memory, then a
     background thread writes the files. Call the returned ``finish()`` before the next save and
     before exiting: it waits for the files, then publishes the directory."""
@@ -116,7 +103,8 @@ def async_save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     return finish
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+def load_sharded(path: str | os.PathLike, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """Load into an already sharded model and optimizer, on any number of ranks; returns (step,
     batches consumed).
 
@@ -131,31 +119,21 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return int(state["trainer"]["step"]), int(state["trainer"]["batches_consumed"])
 
 
-def fsdp1_state_dict(model: FSDP, kind: StateDictType) -> dict[str, Any]:
-    """FSDP1's own (deprecated) state dict types. ``LOCAL_STATE_DICT``: each rank's flat, padded
-    shard of each unit, loadable only by the same wrapping on the same world size.
-    ``SHARDED_STATE_DICT``: one ShardedTensor per parameter, which ``dcp.save`` can reshard."""
-    with warnings.catch_warnings():  # the deprecation notice, once per call, on every rank
-        warnings.filterwarnings("ignore", message=r"FSDP\.state_dict_type", category=FutureWarning)
-        with FSDP.state_dict_type(model, kind):
-            return model.state_dict()
-
-
 def save_fsdp1_local(directory: str | os.PathLike, model: FSDP) -> tuple[Path, int]:
     """``LOCAL_STATE_DICT`` + ``torch.save``: every rank writes its flat shards to its own file,
     named by its rank and the world size it is bound to; returns the file and its flat shards."""
     path = Path(directory) / f"rank{dist.get_rank()}_of_{dist.get_world_size()}.pt"
-    local = fsdp1_state_dict(model, StateDictType.LOCAL_STATE_DICT)
+    local = fsdp1_state_dict(model, "local")  # FSDP.state_dict_type(model, LOCAL_STATE_DICT)
     atomic_torch_save(local, path)  # torch.save through a synced temporary file and a rename
     return path, sum(1 for key in local if key.endswith("flat_param"))
 
 
 def save_fsdp1_sharded(path: str | os.PathLike, model: FSDP) -> None:
-    """``SHARDED_STATE_DICT`` + ``dcp.save`` (model only): reshardable, like ``save``'s, and
+    """``SHARDED_STATE_DICT`` + ``dcp.save`` (model only): reshardable, like ``save_sharded``'s, and
     published like it: written into ``.NAME.tmp``, renamed over ``NAME`` once complete, so a rerun
     killed mid-save still leaves the previous folder (deleting it first would not)."""
     tmp = prepare_save(Path(path))
-    dcp_save({"model": fsdp1_state_dict(model, StateDictType.SHARDED_STATE_DICT)}, tmp)
+    dcp_save({"model": fsdp1_state_dict(model, "sharded")}, tmp)  # SHARDED_STATE_DICT
     publish_save(tmp, Path(path))
 
 
@@ -235,7 +213,7 @@ def fsdp2_dcp(lesson: Lesson) -> None:
     model, opt = sharded(lesson)
     stats = lesson.train(model, "fsdp2-dcp", optimizer=opt, measure_memory=False)
     ckpt = lesson.out / "checkpoint"
-    _, save_s = timed(save, ckpt, model, opt, k, k)
+    _, save_s = timed(save_sharded, ckpt, model, opt, k, k)
     per_rank = {f["file"]: f["bytes"] for f in layout(ckpt)}
     saved_outputs = outputs(model, lesson)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -245,12 +223,12 @@ def fsdp2_dcp(lesson: Lesson) -> None:
             torch.save(full, lesson.out / "reference_full_model.pt")
 
     t0 = time.perf_counter()
-    finish, blocked_s = timed(async_save, lesson.out / "checkpoint_async", model, opt, k, k)
+    finish, blocked_s = timed(async_save_sharded, lesson.out / "checkpoint_async", model, opt, k, k)
     finish()  # training would run here, overlapping the write
     async_total_s = time.perf_counter() - t0
 
     fresh, fresh_opt = sharded(lesson, seed_offset=3)
-    _, load_s = timed(load, ckpt, fresh, fresh_opt)
+    _, load_s = timed(load_sharded, ckpt, fresh, fresh_opt)
     same = torch.equal(outputs(fresh, lesson), outputs(model, lesson))
     lesson.results.add("fsdp2-dcp", stats, api="fsdp2", format="DCP (get_state_dict)",
                        save_s=round(save_s, 4), load_s=round(load_s, 4),
@@ -283,7 +261,7 @@ def fsdp1_formats(lesson: Lesson) -> None:
     (rank_file, flat_params), local_s = timed(save_fsdp1_local, local_dir, model)
     local_s = reduce_scalar(local_s, "max", lesson.device)  # done when the last rank's file is
     _, sharded_s = timed(save_fsdp1_sharded, sharded_dir, model)
-    _, dcp_s = timed(save, lesson.out / "fsdp1_checkpoint", model, opt, k, k)
+    _, dcp_s = timed(save_sharded, lesson.out / "fsdp1_checkpoint", model, opt, k, k)
     lesson.results.add("fsdp1-local", stats, api="fsdp1", format="LOCAL_STATE_DICT + torch.save",
                        save_s=round(local_s, 4), checkpoint_bytes=dir_bytes(local_dir),
                        rank0_file_bytes=rank_file.stat().st_size, flat_params=flat_params,
@@ -316,11 +294,11 @@ def resume_check(lesson: Lesson, k: int) -> None:
     model, opt = sharded(lesson)
     data = lesson.data()
     first = train(model, opt, data, k, lesson.device, **quiet).losses
-    save(lesson.out / "resume_checkpoint", model, opt, k, k)
+    save_sharded(lesson.out / "resume_checkpoint", model, opt, k, k)
     del model, opt, data  # as if the job had died here
 
     model, opt = sharded(lesson, seed_offset=5)
-    step, consumed = load(lesson.out / "resume_checkpoint", model, opt)
+    step, consumed = load_sharded(lesson.out / "resume_checkpoint", model, opt)
     data = lesson.data()
     for _ in range(consumed):
         next(data)
@@ -345,7 +323,7 @@ def load_elsewhere(lesson: Lesson, src: Path) -> None:
     resumed = load_checkpoint(src, model, opt)
     logits = outputs(model, lesson)
     resaved = lesson.out / "checkpoint"
-    _, save_s = timed(save, resaved, model, opt, resumed.step, resumed.batches_consumed)
+    _, save_s = timed(save_sharded, resaved, model, opt, resumed.step, resumed.batches_consumed)
     with fail_together(f"writing {lesson.out / 'outputs_loaded.pt'}"):
         if lesson.dist.is_main:
             torch.save(logits, lesson.out / "outputs_loaded.pt")

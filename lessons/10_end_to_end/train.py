@@ -67,6 +67,8 @@ from utilities.dcp import (
 )
 from utilities.errors import UsageError
 from utilities.models import META_INIT_THRESHOLD, get_model_spec, init_weights
+from utilities.prefetch import set_explicit_prefetch
+from utilities.wrapping import fsdp1_meta_init
 
 # --precision: the dtype FSDP all-gathers parameters in (compute), and the one it reduces gradients in
 DTYPES = {"fp32": (None, None), "bf16": (torch.bfloat16, torch.bfloat16),
@@ -119,12 +121,10 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], precision: str) -> None
 
 def apply_prefetch(units: list[nn.Module], depth: int) -> None:
     """All-gather ``depth`` blocks ahead instead of FSDP2's implicit one: in forward the next
-    blocks, in backward the previous ones (the next to run backward), nearest first."""
-    for i, unit in enumerate(units):
-        if ahead := units[i + 1:i + 1 + depth]:
-            unit.set_modules_to_forward_prefetch(ahead)
-        if behind := units[max(0, i - depth):i][::-1]:
-            unit.set_modules_to_backward_prefetch(behind)
+    blocks, in backward the previous ones (the next to run backward), nearest first. The loop of
+    ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` calls is lesson 04's,
+    kept in ``utilities.prefetch.set_explicit_prefetch``."""
+    set_explicit_prefetch(units, depth)
 
 
 def parallelize(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
@@ -292,15 +292,11 @@ def parallelize_fsdp1(model: nn.Module, block_class: type[nn.Module], cfg: Confi
     mp = (MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=param_dtype)
           if param_dtype else None)
 
-    def init_on_device(module: nn.Module) -> None:  # a meta-built model: each unit, just in time
-        module.to_empty(device=device, recurse=False)
-        model._init_weights(module)
-
     on_meta = any(p.is_meta for p in model.parameters())
     model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
                                                            transformer_layer_cls={block_class}),
                  mixed_precision=mp, use_orig_params=True, forward_prefetch=cfg.prefetch > 0,
-                 device_id=device, param_init_fn=init_on_device if on_meta else None)
+                 device_id=device, param_init_fn=fsdp1_meta_init(model, device) if on_meta else None)
     if cfg.activation_checkpointing:
         chosen = {id(m) for m in [m for m in model.modules() if isinstance(m, block_class)][::cfg.ac_every]}
         apply_activation_checkpointing(

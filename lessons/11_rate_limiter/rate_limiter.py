@@ -44,6 +44,7 @@ from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, cluster_prediction, lesson_parser
 from utilities.distributed import NOT_MEASURABLE, world_mesh
 from utilities.training import default_step
+from utilities.wrapping import fsdp1_meta_init
 
 
 # -- FSDP1: the rate limiter is one constructor option ---------------------------------------------
@@ -53,15 +54,11 @@ def wrap_fsdp1(model: nn.Module, block_class: type[nn.Module], device: torch.dev
     two units' all-gathers in flight: before issuing a third, the CPU waits on the event recorded
     when the oldest one's gathered parameters were freed. ``False`` lets it issue as far ahead as
     it can run."""
-    def init_unit(module: nn.Module) -> None:  # a meta-built model: each unit just before sharding
-        module.to_empty(device=device, recurse=False)
-        model._init_weights(module)
-
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_class})
     on_meta = any(p.is_meta for p in model.parameters())
     return FSDP(model, auto_wrap_policy=policy, limit_all_gathers=limit_all_gathers,
                 device_id=device,  # this rank's GPU, or the CPU (else FSDP1 looks for a GPU)
-                param_init_fn=init_unit if on_meta else None)
+                param_init_fn=fsdp1_meta_init(model, device) if on_meta else None)
 
 
 # -- FSDP2: no such knob ---------------------------------------------------------------------------

@@ -212,7 +212,7 @@ def main(args) -> None:
         dim = args.mlp_dim or (8192 if lesson.device.type == "cuda" and not args.quick
                                else 512 if args.quick else 1024)
         hidden = args.mlp_hidden or dim
-        lesson.results.data["settings"].update(mlp_dim=dim, mlp_hidden=hidden)
+        lesson.results.setting(mlp_dim=dim, mlp_hidden=hidden)
         lesson.results.columns("tp_size", "dp_size", "max_abs_diff_vs_unsplit", "weight_bytes_per_rank",
                                "peak_ratio_vs_tp1", "split_weight_bytes_per_rank")
         skipped = [n for n in args.variants if not fits(*VARIANTS[n], world)]
@@ -233,7 +233,7 @@ def main(args) -> None:
                     stats, row = run_llama(lesson, name, parallelize(kind, tp, mesh), dp, dp_rank)
                 lesson.results.add(name, stats, kind=kind, tp_size=tp, dp_size=dp, **row)
                 del stats
-        ratios_vs_tp1(lesson.results.data["variants"])
+        lesson.results.extend_variants(ratios_vs_tp1(lesson.results.data["variants"]))
         if skipped:
             lesson.results.note(f"skipped (need another number of ranks than {world}): {', '.join(skipped)}")
 

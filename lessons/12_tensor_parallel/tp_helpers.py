@@ -223,19 +223,22 @@ def run_llama(lesson, name: str, parallelize: Callable[[nn.Module], nn.Module] |
     return stats, row
 
 
-def ratios_vs_tp1(variants: list[dict[str, Any]]) -> None:
+def ratios_vs_tp1(variants: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Each split MLP's weights and peak as a ratio to the unsplit one's, beside the published
-    ratio at the same tp (Lightning's figure), added to the results' variants in place."""
+    ratio at the same tp (Lightning's figure), by variant name (none without an unsplit MLP)."""
     mlps = [v for v in variants if v["kind"] == "mlp"]
     base = next((v for v in mlps if v["tp_size"] == 1), None)
     if base is None:
-        return
+        return {}
+    ratios = {}
     for v in mlps:
         tp = v["tp_size"]
         if tp == 1:
             continue
-        v["weight_ratio_vs_tp1"] = round(v["weight_bytes_per_rank"] / base["weight_bytes_per_rank"], 4)
-        v["peak_ratio_vs_tp1"] = round(v["peak_memory_bytes"]["total"] /
-                                       base["peak_memory_bytes"]["total"], 4)
+        row = ratios[v["name"]] = {}
+        row["weight_ratio_vs_tp1"] = round(v["weight_bytes_per_rank"] / base["weight_bytes_per_rank"], 4)
+        row["peak_ratio_vs_tp1"] = round(v["peak_memory_bytes"]["total"] /
+                                         base["peak_memory_bytes"]["total"], 4)
         if tp in PUBLISHED_GB:
-            v["published_ratio_vs_tp1"] = round(PUBLISHED_GB[tp] / PUBLISHED_GB[1], 4)
+            row["published_ratio_vs_tp1"] = round(PUBLISHED_GB[tp] / PUBLISHED_GB[1], 4)
+    return ratios

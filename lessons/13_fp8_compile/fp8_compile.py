@@ -192,17 +192,17 @@ def main(args) -> None:
             label = lambda spec: f"fp8-compiled-h{spec.config().hidden_size}" if widths else "fp8-compiled"
             lesson.print(f"  fp8-compiled skipped: {fp8_reason}")
             lesson.results.note(f"fp8-compiled skipped: {fp8_reason}")
-            lesson.results.data["skipped"] = {label(spec): fp8_reason for spec in specs}
+            for spec in specs:
+                lesson.results.skipped(label(spec), fp8_reason)
         warm = lesson.data(seed_offset=1000)  # the compile step uses its own batch, not the timed data
         for spec in specs:
             for name in names:
                 run_variant(lesson, spec, name, block, precision, warm, widths is not None)
-        compare(lesson.results.data["variants"])
+        lesson.results.extend_variants(compare(lesson.results.data["variants"]))
         if widths and lesson.results.data["variants"]:  # the widest model names the run
             widest = max(specs, key=lambda s: s.config().hidden_size)
-            lesson.results.data["model"] = {
-                "name": widest.name,
-                "parameters": max(v["parameters"] for v in lesson.results.data["variants"])}
+            lesson.results.run_model(widest.name,
+                                     max(v["parameters"] for v in lesson.results.data["variants"]))
         if widths:  # where FP8 (and compile) start to pay, from the sweep's rows
             report_crossovers(lesson, args.variants, None if fp8_ok else fp8_reason)
         lesson.results.predicted(predicted)

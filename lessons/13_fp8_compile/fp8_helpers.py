@@ -62,19 +62,24 @@ def first_step_seconds(model: nn.Module, batch: dict[str, torch.Tensor], device:
     return first.seconds
 
 
-def compare(variants: list[dict[str, Any]]) -> None:
-    """Per variant (in place): ``compile_s`` = its first step minus eager's at the same width,
+def compare(variants: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """By variant name: ``compile_s`` = its first step minus eager's at the same width,
     ``speedup_vs_eager`` and, for fp8, ``speedup_vs_compiled`` (tokens/s ratios)."""
     by_name = {v["name"]: v for v in variants}
+    columns: dict[str, dict[str, float]] = {}
     for v in variants:
         suffix = v["name"][len(v["variant"]):]
+        row = {}
         eager = by_name.get("eager" + suffix)
         if v["variant"] != "eager" and eager is not None:
-            v["compile_s"] = round(v["first_step_s"] - eager["first_step_s"], 3)
-            v["speedup_vs_eager"] = round(v["tokens_per_s"] / eager["tokens_per_s"], 3)
+            row["compile_s"] = round(v["first_step_s"] - eager["first_step_s"], 3)
+            row["speedup_vs_eager"] = round(v["tokens_per_s"] / eager["tokens_per_s"], 3)
         compiled = by_name.get("compiled" + suffix)
         if v["variant"] == "fp8-compiled" and compiled is not None:
-            v["speedup_vs_compiled"] = round(v["tokens_per_s"] / compiled["tokens_per_s"], 3)
+            row["speedup_vs_compiled"] = round(v["tokens_per_s"] / compiled["tokens_per_s"], 3)
+        if row:
+            columns[v["name"]] = row
+    return columns
 
 
 def crossover_hidden(variants: list[dict[str, Any]], candidate: str, baseline: str) -> dict[str, Any]:
@@ -121,8 +126,8 @@ def report_crossovers(lesson, chosen: list[str], fp8_skipped: str | None) -> Non
             found = {"hidden": None, "ratios": {}, "why": f"fp8-compiled skipped: {fp8_skipped}"}
         else:
             found = crossover_hidden(lesson.results.data["variants"], candidate, baseline)
-        lesson.results.data[f"{key}_crossover_hidden"] = found["hidden"]
-        lesson.results.data[f"{key}_crossover"] = found
+        lesson.results.record(f"{key}_crossover_hidden", found["hidden"])
+        lesson.results.record(f"{key}_crossover", found)
         ratios = "".join(f", h{h}: {r:.2f}x" for h, r in found["ratios"].items())
         lesson.print(f"  {key} crossover (tokens/s {candidate} / {baseline}{ratios}): "
                      f"{found['hidden'] if found['hidden'] is not None else 'none'} ({found['why']})")

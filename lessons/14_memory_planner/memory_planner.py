@@ -164,7 +164,7 @@ def main(args) -> None:
 
         lesson.run_variants(args.variants, lambda name: shard(lesson.build_model(), block, *VARIANTS[name]),
                             describe=describe)
-        lesson.results.data["plans"] = big = {k: v for k, v in plans.items() if k not in VARIANTS}
+        big = lesson.results.record("plans", {k: v for k, v in plans.items() if k not in VARIANTS})
         for key, p in big.items():
             extra = f", largest batch {p['largest_batch']}" if "largest_batch" in p else ""
             lesson.print(f"  plan {key}: peak {fmt_bytes(p['peak_bytes']['total'])} per rank of "

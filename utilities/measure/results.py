@@ -31,7 +31,17 @@ def device_name(device: torch.device) -> str:
 
 
 class Results:
-    """Collects a lesson's variants and writes them atomically to ``out/results.json``."""
+    """Collects a lesson's variants and writes them atomically to ``out/results.json``.
+
+    Lessons read ``data`` and write through the methods: ``add`` (a variant), ``extend_variants``,
+    ``note``, ``columns``, ``setting``, ``record`` (a section of their own), ``skipped``, ``run_model``,
+    ``predicted`` and ``takeaway``.
+    """
+
+    # the keys the methods below write; ``record`` refuses them
+    OWN_KEYS = frozenset({"lesson", "title", "device", "device_name", "world_size", "torch", "date",
+                          "model", "settings", "variants", "notes", "columns", "takeaway",
+                          "predicted", "skipped"})
 
     def __init__(self, lesson: str, title: str, device: torch.device, world_size: int,
                  model_name: str | None, parameters: int | None, settings: dict[str, Any]):
@@ -56,6 +66,16 @@ class Results:
         self.data["variants"].append(variant)
         return variant
 
+    def extend_variants(self, fields_by_name: dict[str, dict[str, Any]]) -> None:
+        """Fields known only once other variants have run (a ratio to a baseline), added to the
+        recorded variants they belong to, by name."""
+        by_name = {v["name"]: v for v in self.data["variants"]}
+        unknown = sorted(set(fields_by_name) - set(by_name))
+        if unknown:
+            raise ValueError(f"no recorded variant named {', '.join(map(repr, unknown))}")
+        for name, fields in fields_by_name.items():
+            by_name[name].update(fields)
+
     def columns(self, *keys: str) -> None:
         """The variant keys the printed table shows, in this order, after the standard columns
         (default: every scalar key); the rest are named under the table and kept in results.json."""
@@ -68,6 +88,28 @@ class Results:
     def takeaway(self, text: str) -> None:
         """The lesson's point in one line, from what this run measured (printed last)."""
         self.data["takeaway"] = text
+
+    def setting(self, **values: Any) -> None:
+        """Settings the lesson chose after it started (``settings`` in results.json)."""
+        self.data["settings"].update(values)
+
+    def record(self, key: str, value: Any) -> Any:
+        """A named section of the lesson's own (``capacity``, ``batch_search``...) at the top of
+        results.json; returns ``value``. The keys every lesson writes belong to their methods."""
+        if key in self.OWN_KEYS:
+            raise ValueError(f"results key {key!r} is written by Results itself; lesson sections "
+                             f"take other names")
+        self.data[key] = value
+        return value
+
+    def skipped(self, name: str, reason: str) -> None:
+        """A variant that was not run, and why (``skipped`` in results.json)."""
+        self.data.setdefault("skipped", {})[name] = reason
+
+    def run_model(self, name: str, parameters: int) -> None:
+        """The model the run is named by, when it is not the lesson's ``--model`` (a width sweep
+        names its widest)."""
+        self.data["model"] = {"name": name, "parameters": parameters}
 
     def predicted(self, block: dict[str, Any] | None) -> None:
         """The step-time model's prediction of the variants on a cluster (``predicted``), kept
