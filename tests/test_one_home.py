@@ -20,13 +20,6 @@ LIBRARY_MODULES = sorted((ROOT / "utilities").rglob("*.py"))
 
 # every lesson script's entry point, as the course CLI's and the planner's are theirs
 ENTRY_POINTS = {"main"}
-# lesson 10's train.py / train_config.py predate this rule and are being restructured elsewhere;
-# each entry must still be a collision (the test fails once it is renamed, so the entry goes too)
-KNOWN = {
-    ("10_end_to_end/train.py", "save_checkpoint"): "utilities.dcp.save_checkpoint",
-    ("10_end_to_end/train.py", "load_checkpoint"): "utilities.dcp.load_checkpoint",
-    ("10_end_to_end/train_config.py", "setup"): "utilities.distributed.setup",
-}
 MUTATORS = {"update", "setdefault", "append", "extend", "insert", "pop", "popitem", "clear", "remove",
             "sort", "reverse", "__setitem__", "__delitem__"}
 
@@ -76,11 +69,8 @@ def name_collisions(scripts: list[Path], lessons_dir: Path) -> dict[tuple[str, s
 
 def test_no_lesson_defines_a_name_the_library_owns():
     found = name_collisions(LESSON_SCRIPTS, ROOT / "lessons")
-    new = {k: v for k, v in found.items() if k not in KNOWN}
-    assert not new, "a lesson script defines a name the utilities own (import theirs, or rename): " + \
-        ", ".join(f"{where}: {name} (also {owner})" for (where, name), owner in sorted(new.items()))
-    stale = sorted(set(KNOWN) - set(found))
-    assert not stale, f"no longer a collision, drop from KNOWN: {stale}"
+    assert not found, "a lesson script defines a name the utilities own (import theirs, or rename): " + \
+        ", ".join(f"{where}: {name} (also {owner})" for (where, name), owner in sorted(found.items()))
 
 
 def test_the_name_check_sees_a_collision(tmp_path):

@@ -48,7 +48,7 @@ from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_s
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
-from train_config import Config, parse_args, setup
+from train_config import Config, parse_args, setup_run
 from train_metrics import TrainingLog, tokens_in
 
 from utilities import distributed as D
@@ -146,8 +146,8 @@ def parallelize(model: nn.Module, cfg: Config, device: torch.device) -> nn.Modul
 
 
 # -- checkpoints: DCP, every rank writes its own shards ---------------------------------------------
-def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
-                    step: int, batches: int, keep_last: int) -> Path:
+def save_training_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             scheduler: LambdaLR, step: int, batches: int, keep_last: int) -> Path:
     """Write into .step_N.tmp and publish it with utilities.dcp's crash-safe swap (old -> .old,
     new -> step_N, delete .old): a kill at any instant leaves a complete checkpoint that
     latest_checkpoint finds. The scheduler is Stateful: DCP calls its state_dict()."""
@@ -170,8 +170,8 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
     return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: LambdaLR) -> tuple[int, int]:
+def load_training_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             scheduler: LambdaLR) -> tuple[int, int]:
     """Load into the already sharded model and optimizer, any world size; returns (step, batches
     consumed). Nothing in the files can run code (utilities.dcp.dcp_load checks them first)."""
     state = training_state(model, optimizer)
@@ -187,7 +187,7 @@ def resume(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
     fresh start if there is none, so one command serves the first launch and every restart."""
     latest = latest_checkpoint(cfg.ckpt_dir)
     if cfg.resume and latest is not None:
-        step, consumed = load_checkpoint(latest, model, optimizer, scheduler)
+        step, consumed = load_training_checkpoint(latest, model, optimizer, scheduler)
         D.print0(f"resumed from {latest} (step {step}, {consumed} batches consumed)")
         return step, consumed, latest
     if cfg.resume:
@@ -201,7 +201,7 @@ def resume(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
 
 # -- the training loop ---------------------------------------------------------------------------
 def main(cfg: Config) -> None:
-    info = setup(cfg)  # the process group, and the defaults of this rank's hardware
+    info = setup_run(cfg)  # the process group, and the defaults of this rank's hardware
     device, rank, world = info.device, info.rank, info.world_size
     with D.fail_together(f"locking {cfg.ckpt_dir}"):  # a second run into this folder: one line
         lock = lock_checkpoints(cfg.ckpt_dir) if rank == 0 else None  # noqa: F841 - held until exit
@@ -240,7 +240,7 @@ def main(cfg: Config) -> None:
                 held_out = data_stream(cfg, eval_set, rank, world, device)
                 log.eval(step, evaluate(model, held_out, cfg.eval_batches, device))
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                log.checkpoint(step, save_checkpoint(Path(cfg.ckpt_dir), model, optimizer, scheduler,
+                log.checkpoint(step, save_training_checkpoint(Path(cfg.ckpt_dir), model, optimizer, scheduler,
                                                      step, consumed, cfg.keep_last))
             if cfg.crash_after_step == step:  # testing: what a crash leaves, on every rank
                 log.close(f"--crash-after-step {step}: exiting every rank without cleanup")

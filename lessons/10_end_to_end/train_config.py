@@ -3,7 +3,7 @@
 ``config_parser()`` walks ``dataclasses.fields(Config)`` and adds ``--field-name`` for each:
 booleans become ``store_true``, ``X | None`` fields take ``X``. A new setting is one new field.
 ``finalize`` fills what depends on the hardware (model, batch, sequence length, precision), once
-the process group says which device this rank has (``setup``).
+the process group says which device this rank has (``setup_run``).
 """
 
 # no "from __future__ import annotations": Config's field types are read at runtime
@@ -141,7 +141,7 @@ def finalize(cfg: Config, on_gpu: bool) -> Config:
     return cfg
 
 
-def setup(cfg: Config) -> D.DistInfo:
+def setup_run(cfg: Config) -> D.DistInfo:
     """Join the process group (torchrun set the rendezvous variables; NCCL with one GPU per
     process, or gloo on CPU), then finalize ``cfg`` in place for this rank's device. A bad value
     ends every rank with one line and exit code 2."""

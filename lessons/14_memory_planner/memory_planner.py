@@ -137,7 +137,7 @@ def my_plans(args) -> dict[str, dict]:
 
 
 def main(args) -> None:
-    lesson = Lesson("14", args, notes=(NOTE,), cpu_note=CPU_NOTE)  # a flag check stops here
+    lesson = Lesson("14", args, notes=(NOTE,), cpu_note=CPU_NOTE)
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         pin_cuda_device()  # the planner's meshes must find this rank's GPU, not GPU LOCAL_RANK
     mine = my_plans(args)  # before the lesson joins the real process group
