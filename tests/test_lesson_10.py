@@ -256,3 +256,12 @@ def test_fsdp1_parallelize_checkpoints_inside_its_units(world1):
     root, *units = [m for m in model.modules() if isinstance(m, FSDP)]
     assert root is model and len(units) == len(model.module.model.layers)
     assert all(isinstance(next(u.children()), CheckpointWrapper) for u in units)  # FSDP(wrapper(block))
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
+    10 --quick` with its default flags; this quick run reproduces what it claims (precision,
+    checkpointing, memory at the peak, losses)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("10", results)
