@@ -2,7 +2,9 @@
 lesson's own command.
 
 A lesson folder holds ``results_cpu.json``: the ``results.json`` that ``fsdp-course run NN --device
-cpu`` wrote (2 gloo ranks), copied as is. Its README marks the table rendered from it:
+cpu`` wrote (2 gloo ranks; with ``--quick`` where the caption says so), copied as is. Its README
+marks the table rendered from it, whose caption names the command, the machine (CPU cores,
+memory), torch and the date:
 
     <!-- results:01 results_cpu.json (python -m utilities.course.readme_tables --write 01) -->
     ...rendered, never edited by hand...
@@ -14,8 +16,8 @@ files picks a lesson's other table (``TABLES["NN NAME"]``) over the same runs.
 
 ``python -m utilities.course.readme_tables`` checks every marked table against its JSON (exit 1 and a
 diff if one differs); ``--write NN`` re-renders it after a new run. The tests do the check, and
-compare ``claims()`` (the numbers a shorter run must reproduce exactly: units, sizes, memory,
-dtypes) with the quick run the suite already makes.
+compare ``claims()`` (what any run of the lesson must reproduce: units, sizes, bytes, dtypes, the
+memory at the peak, and a committed quick run's losses) with the quick run the suite already makes.
 """
 
 from __future__ import annotations
@@ -356,9 +358,24 @@ def _checkpoints(r: dict[str, Any]) -> list[str]:
     return out
 
 
-# lines a lesson's table ends with, from the same run
+def _batch_search(r: dict[str, Any]) -> list[str]:
+    """Lesson 02's search for the largest batch, without and with checkpointing, as a table."""
+    search = r.get("batch_search") or {}
+    lines = ["| checkpointed | largest batch per rank | evidence | batches tried |", "|---|---|---|---|"]
+    for key, label in (("none", "none"), ("all", "every block")):
+        if key in search:
+            s = search[key]
+            lines.append(f"| {label} | **{s['best']}** | {s['reason']} | "
+                         f"{', '.join(str(t['batch']) for t in s['trials'])} |")
+    if len(lines) == 2:
+        return []
+    return ["\n".join(lines), f"Budget {search['budget_bytes'] / MIB:.2f} MiB per rank ({search['api']}), "
+                             f"batches up to {search['limit']}: {search.get('gain', 0):g}x the batch."]
+
+
+# lines a lesson's table ends with, from the same run; a named table may be only these
 FOOTERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {"05": _recommendation, "08": _checkpoints,
-                                                             "09": _fisher}
+                                                             "09": _fisher, "02 search": _batch_search}
 
 
 def _picked(*keys: str) -> Callable[[Row], dict[str, Any]]:
@@ -523,13 +540,14 @@ def render(lesson: str, runs: dict[str, Any] | list[tuple[str, dict[str, Any]]],
     if isinstance(runs, dict):
         runs = [(source, runs)]
     table = f"{lesson} {name}" if name else lesson
-    columns = TABLES[table]
+    columns = TABLES.get(table, [])  # none: the table is its footer (a run's summary, not its variants)
     first = runs[0][1]
     lines = "\n\n".join(caption(r, src, first if len(runs) > 1 else None) for src, r in runs).split("\n")
-    lines += ["", "| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    if columns:
+        lines += ["", "| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     for _, r in runs:
         r = {**r, "_flags": settings_flags(r, first)}
-        for v in rows(table, r):
+        for v in rows(table, r) if columns else ():
             lines.append("| " + " | ".join(fn(v, r) for _, fn in columns) + " |")
     for _, r in runs:
         if name is None:
