@@ -16,6 +16,7 @@ peak.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -147,14 +148,16 @@ def tracker_supported(model: nn.Module) -> bool:
 
 def _make_tracker(model: nn.Module, optimizer):
     if _is_fsdp2(model):
-        return global_peak_only(_fsdp_mem_tracker()(model, optimizer))
+        return global_peak_only(fsdp_mem_tracker()(model, optimizer))
     tracker = global_peak_only(_mem_tracker())
     tracker.track_external(*(x for x in (model, optimizer) if x is not None))
     return tracker
 
 
-def _fsdp_mem_tracker():
-    """``FSDPMemTracker``, booking every FSDP all-gather output as an all-gather buffer.
+@functools.cache
+def fsdp_mem_tracker():
+    """``FSDPMemTracker`` (the class), booking every FSDP all-gather output as an all-gather buffer;
+    the lessons and the planner both track FSDP2 with it.
 
     The stock tracker books an all-gather's output as such only while a unit's own pre-forward or
     pre-backward runs. An explicit backward prefetch (``set_modules_to_backward_prefetch``) is
@@ -178,8 +181,11 @@ def _fsdp_mem_tracker():
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if (func is all_gather and out is not NotImplemented
                     and getattr(self, "_fsdp_state", None) not in booked):
-                self._update_and_maybe_create_winfos(args[0], module._FSDPRefType.ALL_GATHER,
-                                                     update_existing=True)
+                try:
+                    self._update_and_maybe_create_winfos(args[0], module._FSDPRefType.ALL_GATHER,
+                                                         update_existing=True)
+                except KeyError:
+                    pass  # a buffer the tracker did not see allocated (under another fake mode)
             return out
 
     return FSDPMemTracker
