@@ -373,9 +373,33 @@ def _batch_search(r: dict[str, Any]) -> list[str]:
                              f"batches up to {search['limit']}: {search.get('gain', 0):g}x the batch."]
 
 
+def _params(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.0f} M"
+
+
+def _capacity(r: dict[str, Any]) -> list[str]:
+    """Lesson 06's largest model whose training state fits, from the measured bytes per parameter."""
+    cap = r.get("capacity")
+    if not cap:
+        return []
+    names = {"ddp": "DDP", "shard_grad_op": "SHARD_GRAD_OP", "full_shard": "FULL_SHARD",
+             "hybrid_shard": f"HSDP (shard within {cap['gpus_per_node_for_hsdp']})"}
+    classic = cap.get("classic_a10_8gpu") or {}
+    gb = cap["gpu_mem_bytes"] / 1e9
+    lines = [f"| strategy | measured on | bytes per parameter per GPU | largest model, {cap['gpus']} x "
+             f"{gb:g} GB | classic series, 8 x A10, measured |", "|---|---|---|---|---|"]
+    for row in cap["at_gpus"]:
+        known = classic.get(row["strategy"])
+        lines.append(f"| {names.get(row['strategy'], row['strategy'])} | {row['measured_from']} | "
+                     f"{row['bytes_per_param']:.2f} | {_params(row['largest_model'])} | "
+                     f"{_params(known) if known else '-'} |")
+    return ["\n".join(lines)]
+
+
 # lines a lesson's table ends with, from the same run; a named table may be only these
 FOOTERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {"05": _recommendation, "08": _checkpoints,
-                                                             "09": _fisher, "02 search": _batch_search}
+                                                             "09": _fisher, "02 search": _batch_search,
+                                                             "06 capacity": _capacity}
 
 
 def _picked(*keys: str) -> Callable[[Row], dict[str, Any]]:
