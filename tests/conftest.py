@@ -122,8 +122,10 @@ def run_lesson(number: str, out: Path, *lesson_flags: str, nproc: int = 2, quick
 
 def assert_documented_keys(results: dict, number: str) -> None:
     """The keys every results.json has (README), from the quick CPU run on 2 ranks."""
-    for key in ("lesson", "title", "device", "device_name", "world_size", "torch", "model", "variants"):
+    for key in ("lesson", "title", "device", "device_name", "machine", "world_size", "torch", "model",
+                "variants"):
         assert key in results
+    assert results["machine"]["cpu_cores"] >= 1 and results["machine"]["memory_bytes"] > 0
     assert results["lesson"] == number and results["device"] == "cpu" and results["world_size"] == 2
 
 
@@ -186,6 +188,25 @@ def assert_prediction_is_the_readmes(lesson: str, results: dict, committed_file:
     for v in committed["variants"]:
         for key in ("step_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu"):
             assert ran[v["name"]][key] == pytest.approx(v[key], rel=1e-6), (v["name"], key)
+
+
+def assert_readme_table_is_reproduced(lesson: str, results: dict, committed_file: str = "results_cpu.json",
+                                      peak_parts: tuple[str, ...] | None = None) -> None:
+    """The lesson's README renders its results tables from the committed ``committed_file`` (and
+    the lesson's other results files, all unchanged since), and this quick run reproduces what that
+    file claims (``readme_tables.claims``: sizes, counts, dtypes, bytes, the memory at the peak, the
+    losses of a committed quick run); ``peak_parts`` narrows the memory at the peak compared."""
+    from utilities.course import readme_tables
+
+    assert readme_tables.check(lesson) == []
+    committed = json.loads((readme_tables.lesson_dir(lesson) / committed_file).read_text())
+    claimed = readme_tables.claims(lesson, committed)
+    if peak_parts is not None:
+        for claim in claimed.values():
+            if "peak" in claim:
+                claim["peak"] = {k: v for k, v in claim["peak"].items() if k in peak_parts}
+    differences = readme_tables.claim_differences(readme_tables.claims(lesson, results), claimed)
+    assert differences == [], differences
 
 
 def assert_same_losses(results: dict, reference: str, atol: float) -> None:

@@ -245,11 +245,33 @@ def test_tables_fit_the_terminal_and_never_split_a_value(monkeypatch, columns):
     from utilities.measure.results import table
 
     monkeypatch.setenv("COLUMNS", str(columns))
-    results = json.loads((REPO / "lessons" / "01_auto_wrap" / "results_cpu.json").read_text())
-    text = table(results)
-    assert max(len(line) for line in text.splitlines()) <= columns
-    for v in results["variants"]:
-        assert any(line.startswith(v["name"]) for line in text.splitlines()), v["name"]
+    committed = sorted((REPO / "lessons").glob("*/results_cpu*.json"))
+    assert len(committed) >= 14  # every lesson's README table
+    for path in committed:
+        results = json.loads(path.read_text())
+        lines = table(results).splitlines()
+        assert max(len(line) for line in lines) <= columns, path
+        for v in results["variants"]:
+            assert any(line.startswith(v["name"] + " ") or line == v["name"] for line in lines), (path, v)
+
+
+def test_lesson_help_never_splits_a_variant_name(monkeypatch):
+    """``fsdp-course run NN -- --help`` at 80 columns: each variant name the help lists is whole on
+    one line (argparse's own wrap breaks after hyphens: ``fsdp1-limit-`` / ``all-gathers``)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    checked = 0
+    for name, parser in _parsers_of_every_lesson_and_the_cli():
+        variants = getattr(parser, "_variants", None)
+        if not variants:
+            continue
+        lines = parser.format_help().splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("  --variants"))
+        end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" " * 8)), len(lines))
+        words = {w.strip(",.;:()") for line in lines[start:end] for w in line.split()}
+        for variant in variants:
+            assert variant in words, (name, variant, lines[start:end])
+        checked += 1
+    assert checked >= 10  # the lessons with --variants
 
 
 def _parsers_of_every_lesson_and_the_cli():

@@ -60,12 +60,9 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     (tests/test_trust_newcomer.py checks the rendering). The quick run must reproduce what that
     table claims about wrapping and memory, exactly: units, largest unit, unsharded parameters and
     the peak by category."""
-    import json
+    from conftest import assert_readme_table_is_reproduced
 
-    from utilities.course.readme_tables import claim_differences, claims, lesson_dir
-
-    committed = json.loads((lesson_dir("01") / "results_cpu.json").read_text())
-    assert claim_differences(claims("01", results), claims("01", committed)) == []
+    assert_readme_table_is_reproduced("01", results)
 
 
 def test_the_learners_policy_reaches_the_measured_run(results):

@@ -90,3 +90,12 @@ def test_checkpointed_block_gives_same_gradients():
     for name, p in wrapped.named_parameters():
         ref = grads[name.replace("._checkpoint_wrapped_module", "")].grad
         torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
+    02 --device cpu`; this quick run reproduces what it claims (checkpointed blocks, the memory at
+    the peak)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("02", results)

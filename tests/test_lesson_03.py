@@ -246,3 +246,12 @@ def test_hf_export_replaces_an_earlier_one_whole_and_survives_a_crash(tmp_path, 
     with pytest.raises(UsageError, match="not an export"):
         export_hf(model.state_dict(), spec.config(), mine)
     assert (mine / "notes.txt").read_text() == "not an export"
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
+    03 --quick`; this quick run reproduces what it claims (checkpoint and export bytes, exact
+    reloads, the next step's loss, memory, losses)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("03", results)

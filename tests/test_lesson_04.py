@@ -38,7 +38,7 @@ def test_prefetch_never_changes_the_losses(results):
 def test_prefetching_costs_memory(results):
     """The README's memory claims: BACKWARD_PRE holds a second unit's unsharded parameters at the
     peak (FSDP1 counts them as parameters); FSDP2's deeper explicit prefetch keeps more gathers in
-    flight (the tracker counts them as all-gather / temporary buffers), so its peak is higher."""
+    flight (all-gather buffers), so its peak is higher."""
     def peak(name, key="total"):
         return variant(results, name)["peak_memory_bytes"][key]
 
@@ -46,6 +46,21 @@ def test_prefetching_costs_memory(results):
     assert peak("fsdp1-backward-pre") > peak("fsdp1-backward-post")
     assert peak("fsdp1-backward-post") == peak("fsdp1-no-prefetch")
     assert peak("fsdp2-explicit") > peak("fsdp2-implicit")
+
+
+def test_gathered_parameters_grow_with_prefetch_depth(results):
+    """The README's "gathered params at peak": each unit gathered ahead adds one T5 block (262,656
+    fp32 parameters) to what is gathered at the peak. No prefetch holds the block at work;
+    BACKWARD_PRE and FSDP2's implicit prefetch one block more; explicit depth N, N blocks more."""
+    block = 4 * 262_656
+    gathered = {v["name"]: v["peak_gathered_parameter_bytes"] for v in results["variants"]}
+    unsharded = {v["name"]: v["peak_unsharded_parameter_bytes"] for v in results["variants"]}
+    depth = results["settings"]["prefetch_depth"]
+    assert gathered["fsdp1-no-prefetch"] == gathered["fsdp1-backward-post"] == unsharded["fsdp1-no-prefetch"]
+    assert gathered["fsdp1-backward-pre"] - gathered["fsdp1-no-prefetch"] == pytest.approx(block, rel=0.01)
+    assert gathered["fsdp2-implicit"] - unsharded["fsdp2-implicit"] == pytest.approx(block, rel=0.01)
+    assert gathered["fsdp2-explicit"] - unsharded["fsdp2-explicit"] == pytest.approx(depth * block, rel=0.01)
+    assert gathered["fsdp2-explicit"] > gathered["fsdp2-implicit"] > gathered["fsdp1-no-prefetch"]
 
 
 def test_fsdp1_options_recorded(results):
@@ -161,3 +176,12 @@ def test_the_prediction_on_a_cluster_shows_what_prefetching_hides(results):
 
 def test_the_readme_prediction_is_what_the_run_predicts(results):
     assert_prediction_is_the_readmes("04", results, "predicted_2x8xh100.json")
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
+    04 --quick` (its depth-2 variants); this quick run reproduces what it claims (prefetch
+    settings, gathered and unsharded parameters at the peak, memory, losses)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("04", results)

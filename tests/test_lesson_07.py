@@ -124,9 +124,6 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     """The README's table is rendered from results_cpu.json, the lesson's own `fsdp-course run 07`
     (tests/test_trust_newcomer.py checks the rendering). The quick run must reproduce its observed
     dtypes and the peak memory by category exactly."""
-    import json
+    from conftest import assert_readme_table_is_reproduced
 
-    from utilities.course.readme_tables import claim_differences, claims, lesson_dir
-
-    committed = json.loads((lesson_dir("07") / "results_cpu.json").read_text())
-    assert claim_differences(claims("07", results), claims("07", committed)) == []
+    assert_readme_table_is_reproduced("07", results)

@@ -175,3 +175,12 @@ def test_a_stray_local_state_dict_name_beside_load_from_is_ignored(tmp_path):
     (tmp_path / "fsdp1_local" / "rank0_of_x.pt").write_bytes(b"stray")
     (tmp_path / "fsdp1_local" / "rank1_of_0.pt").write_bytes(b"stray")
     assert lesson.local_on_this_world(None, tmp_path / "checkpoint") is None
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(saved):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
+    08 --quick`; this quick run reproduces what it claims (formats, file counts, exact reload and
+    resume)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("08", saved[1])

@@ -246,3 +246,12 @@ def test_pretrained_that_is_truncated_hostile_or_not_weights_is_one_line(tmp_pat
             fine_tuning.pretrained_state(Quiet, argparse.Namespace(pretrained=str(tmp_path / name)))
         assert "\n" not in str(e.value)
     assert not (tmp_path / "ran").exists()
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
+    09 --device cpu`; this quick run reproduces what it claims (trainable and frozen parameters,
+    gradient and optimizer bytes, frozen weights unchanged)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("09", results)

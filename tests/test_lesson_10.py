@@ -317,3 +317,12 @@ def test_copied_into_an_empty_folder_it_trains_with_plain_torchrun(tmp_path):
     assert len(v["losses"]) == 4 and v["losses"][-1] < v["losses"][0]
     assert v["checkpoints"] == [2, 4] and (out / "checkpoints" / "step_000004").is_dir()
     assert results["takeaway"].startswith("fsdp2: train loss")
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
+    10 --quick` with its default flags; this quick run reproduces what it claims (precision,
+    checkpointing, memory at the peak, losses)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("10", results)

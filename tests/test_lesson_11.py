@@ -51,3 +51,12 @@ def test_the_prediction_on_a_cluster_is_the_readmes(results):
     predicted = results["predicted"]
     assert "PREDICTED" in predicted["what"] and predicted["gpus"] == 16
     assert_prediction_is_the_readmes("11", results, "predicted_2x8xh100.json")
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
+    11 --quick`; this quick run reproduces what it claims (the limiter setting, memory at the peak,
+    losses)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("11", results)

@@ -121,3 +121,12 @@ def test_four_ranks_tp4_and_two_d(results, results4):
 def test_bad_flag_value_is_one_line_exit_2():
     line = flag_error("12", "--variants", "tp3-mlp")
     assert "tp3-mlp" in line and "tp2-llama" in line
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
+    12 --device cpu` (2 ranks); this quick run reproduces what it claims (the Llama variants' split
+    and replicated weight bytes, parameters and optimizer state at the peak)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("12", results)

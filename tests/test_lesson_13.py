@@ -228,3 +228,12 @@ def test_the_prediction_holds_the_published_torchtitan_rows_within_20_percent(re
         assert ran[name] == pytest.approx(value, rel=0.20), name
     assert ran["eager"] < ran["compiled"] < ran["fp8-compiled"]
     assert_prediction_is_the_readmes("13", results, "predicted_1x8xh100-96gb.json")
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
+    13 --quick`; this quick run reproduces what it claims (compiled blocks, memory at the peak,
+    losses)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("13", results)

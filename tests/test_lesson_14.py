@@ -101,3 +101,11 @@ def test_the_issue_command_plans_llama_8b_on_a_laptop():
     # fp32 AdamW moments of an 8B model, sharded 8 ways: 2 x 4 bytes x 8.03e9 / 8
     assert peak["optimizer"] == pytest.approx(2 * 4 * 8_030_261_248 / 8, rel=0.01)
     assert peak["total"] < p["budget_bytes"]
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course
+    run 14 --quick`; this quick run reproduces what it claims (the planned and measured peak by category)."""
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("14", results)

@@ -40,14 +40,26 @@ def test_setup_block_installs_cpu_torch_before_the_requirements():
 
 # -- README results tables come from a run ------------------------------------------------------------
 def test_marked_readme_tables_match_their_committed_runs():
+    """Every lesson's README has a results table rendered from a run committed beside it, which
+    names its machine; every committed run is rendered somewhere (none left behind)."""
+    from utilities.course.catalog import LESSONS
+
     lessons = T.marked_lessons()
-    assert {"01", "07"} <= set(lessons)
+    assert set(lessons) == set(LESSONS)
     for lesson in lessons:
         assert T.check(lesson) == [], f"python -m utilities.course.readme_tables --write {lesson}"
-        measured = T.lesson_dir(lesson) / "results_cpu.json"
-        if measured.exists():  # (04 and 06 render only their cluster prediction)
-            results = json.loads(measured.read_text())
-            assert results["lesson"] == lesson and results["settings"]["quick"] is False
+        folder = T.lesson_dir(lesson)
+        readme = (folder / "README.md").read_text()
+        blocks = [m for m in T.BLOCK.finditer(readme) if m.group(2) == lesson]
+        assert blocks, lesson
+        rendered = {name for m in blocks for name in m.group(3).split(",")}
+        assert rendered == {p.name for p in folder.glob("results_cpu*.json")}, lesson
+        for name in rendered:
+            results = json.loads((folder / name).read_text())
+            assert results["lesson"] == lesson and results["device"] == "cpu", (lesson, name)
+            assert results["machine"]["cpu_cores"] and results["machine"]["memory_bytes"], (lesson, name)
+            caption = next(line for line in readme.splitlines() if f"[`{name}`]({name})" in line)
+            assert ("--quick" in caption) == bool(results["settings"].get("quick")), (lesson, name)
 
 
 def test_a_hand_edited_number_is_caught(tmp_path, monkeypatch):

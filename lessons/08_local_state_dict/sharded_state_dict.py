@@ -247,9 +247,13 @@ def convert(lesson: Lesson) -> None:
         if lesson.dist.is_main:
             single, to_s = timed(to_torch_save, lesson.out / "checkpoint", lesson.out / "converted.pt")
             back, from_s = timed(from_torch_save, single, lesson.out / "converted_dcp")
-            lesson.results.add("convert", None, dcp_to_torch_save_s=round(to_s, 4),
-                               torch_save_to_dcp_s=round(from_s, 4),
+            # the table's columns hold the DCP -> torch.save direction; the way back is printed
+            lesson.results.add("convert", None, format="DCP -> one torch.save file (format_utils)",
+                               save_s=round(to_s, 4), checkpoint_bytes=single.stat().st_size, files=1,
+                               dcp_to_torch_save_s=round(to_s, 4), torch_save_to_dcp_s=round(from_s, 4),
                                torch_save_bytes=single.stat().st_size, back_to_dcp_bytes=dir_bytes(back))
+            lesson.print(f"  converted: DCP -> {single.name} {fmt_bytes(single.stat().st_size)} in "
+                         f"{to_s:.3f}s; back to DCP {fmt_bytes(dir_bytes(back))} in {from_s:.3f}s")
 
 
 def fsdp1_formats(lesson: Lesson) -> None:

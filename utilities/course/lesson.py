@@ -105,9 +105,20 @@ def cluster_prediction(args: argparse.Namespace, variants: dict[str, dict[str, A
                             precision=precision, ac=ac, batch=args.predict_batch, seq=seq)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's, wrapping flag help only at spaces: names like ``fsdp1-limit-all-gathers`` stay
+    whole (the stock wrap breaks after any hyphen)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        text = " ".join(text.split())
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+
 def lesson_parser(description: str | None) -> LessonParser:
     """The flags every lesson understands; a lesson adds its own to the returned parser."""
-    p = LessonParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = LessonParser(description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("common lesson flags")
     g.add_argument("--model", default=None,
                    help=f"named model (see `fsdp-course list --models`); default: {CPU_MODEL} on "

@@ -90,7 +90,7 @@ def _07(r: Results) -> str:
 
 
 def _08(r: Results) -> str:
-    saved = [v for v in r["variants"] if v.get("files")]
+    saved = [v for v in r["variants"] if v.get("files") and v["name"] != "convert"]  # convert: one file
     files = ", ".join(f"{v['name']} {v['files']} files" for v in saved)
     dcp = _v(r, "fsdp2-dcp")
     return (f"each rank writes its own shard ({files}); the DCP checkpoint reloads "

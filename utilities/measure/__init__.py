@@ -10,10 +10,11 @@ from utilities.measure.memory import (
     categorize,
     census,
     fmt_bytes,
+    gathered_parameter_bytes,
     is_compiled,
     tracker_supported,
     unsharded_parameter_bytes,
 )
 
-__all__ = ["CATEGORIES", "MemoryProbe", "categorize", "census", "fmt_bytes", "is_compiled",
-           "tracker_supported", "unsharded_parameter_bytes"]
+__all__ = ["CATEGORIES", "MemoryProbe", "categorize", "census", "fmt_bytes", "gathered_parameter_bytes",
+           "is_compiled", "tracker_supported", "unsharded_parameter_bytes"]

@@ -215,17 +215,15 @@ def _train_step_tracked(model, batch, device: torch.device) -> tuple[dict[str, i
     and propagation then runs those ops at their full (unsharded) size under the planner's own
     FakeTensorMode, which the tracker books as optimizer state (3 full-size fp32 tensors of the
     largest weight)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     from utilities.distributed import T5_POSITION_BIAS_VIEW
-    from utilities.measure.memory import TrackerHooks, census
+    from utilities.measure.memory import TrackerHooks, census, fsdp_mem_tracker
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=adamw_foreach(device))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    tracker = global_peak_only(FSDPMemTracker(model, optimizer))
+    tracker = global_peak_only(fsdp_mem_tracker()(model, optimizer))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None")
         warnings.filterwarnings("ignore", message=T5_POSITION_BIAS_VIEW)

@@ -1,8 +1,9 @@
 """results.json: what every lesson writes, and the table the CLI prints from it.
 
-Keys (later lessons and the tests rely on them): lesson, title, device, device_name, world_size,
-torch, model {name, parameters}, variants [{name, step_time_s, tokens_per_s, mfu,
-peak_memory_bytes {total, parameters, gradients, optimizer, activations, detail}, losses, ...}].
+Keys (later lessons and the tests rely on them): lesson, title, device, device_name, machine
+{cpu_cores, memory_bytes}, world_size, torch, model {name, parameters}, variants [{name,
+step_time_s, tokens_per_s, mfu, peak_memory_bytes {total, parameters, gradients, optimizer,
+activations, detail}, losses, ...}].
 A variant may carry extra keys of its own (e.g. ``fsdp_units``).
 """
 
@@ -30,6 +31,16 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def machine() -> dict[str, int | None]:
+    """The host's CPU cores and memory (None where the OS does not say), so a measurement names
+    the machine it was taken on."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        memory = None
+    return {"cpu_cores": os.cpu_count(), "memory_bytes": memory}
+
+
 class Results:
     """Collects a lesson's variants and writes them atomically to ``out/results.json``.
 
@@ -47,7 +58,7 @@ class Results:
                  model_name: str | None, parameters: int | None, settings: dict[str, Any]):
         self.data: dict[str, Any] = {
             "lesson": lesson, "title": title, "device": device.type,
-            "device_name": device_name(device), "world_size": world_size,
+            "device_name": device_name(device), "machine": machine(), "world_size": world_size,
             "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": {"name": model_name, "parameters": parameters},
