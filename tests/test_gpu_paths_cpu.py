@@ -120,7 +120,7 @@ reference = {k: v.clone() for k, v in spec.build("cpu").state_dict().items()}
 model, opt = build("fsdp2", 0)
 train(model, opt, batches(), 1, torch.device("cpu"), measure_memory=False)  # AdamW state exists
 whole = {n: p.full_tensor() for n, p in model.named_parameters()}
-msd, osd = L03.gather_full(model, opt)
+msd, osd = L03.gather_full_state(model, opt)
 compared = [k for k in msd if k in whole]
 found["fsdp2_gathered"] = len(msd)
 found["fsdp2_equal"] = len(compared) > 50 and all(torch.equal(msd[k], whole[k]) for k in compared)
@@ -128,7 +128,7 @@ found["fsdp2_on_cpu"] = all(v.device.type == "cpu" for v in msd.values())
 found["fsdp2_optim_states"] = len(osd.get("state", {}))
 L03.save_on_rank0(out_dir / "full.pt", msd, osd, 3)
 fresh, fresh_opt = build("fsdp2", 1)
-found["fsdp2_loaded_step"] = L03.load_full(out_dir / "full.pt", fresh, fresh_opt)
+found["fsdp2_loaded_step"] = L03.load_full_checkpoint(out_dir / "full.pt", fresh, fresh_opt)
 pairs = list(zip(model.parameters(), fresh.parameters()))
 found["fsdp2_reloaded_equal"] = all(
     torch.equal(a.to_local(), b.to_local())
@@ -152,7 +152,7 @@ def spying(module, kind, model_cfg, optim_cfg):
 
 FSDP.state_dict_type = staticmethod(spying)
 model, opt = build("fsdp1", 0)
-msd1, osd1 = L03.gather_full_fsdp1_classic(model, opt)
+msd1, osd1 = L03.gather_full_state_fsdp1_classic(model, opt)
 found["fsdp1_configs"] = configs
 found["fsdp1_gathered"] = len(msd1)
 found["fsdp1_equal"] = all(torch.equal(v, reference[k]) for k, v in msd1.items())
@@ -224,9 +224,9 @@ def test_async_save_stages_the_state_before_training_goes_on(two_ranks):
 
 
 def test_lesson_03_full_state_dict_with_cpu_offload_as_on_a_gpu(two_ranks):
-    """Twin of lesson 03 on a GPU (tests/gpu_cases.py's 03-full-state-dict): ``gather_full`` with
+    """Twin of lesson 03 on a GPU (tests/gpu_cases.py's 03-full-state-dict): ``gather_full_state`` with
     ``cpu_offload=True`` gives rank 0 every tensor whole, on the CPU, and the other ranks nothing;
-    ``save_on_rank0`` writes it and ``load_full`` (``broadcast_from_rank0``, offloaded) puts back
+    ``save_on_rank0`` writes it and ``load_full_checkpoint`` (``broadcast_from_rank0``, offloaded) puts back
     the same shards on every rank."""
     r0, r1 = two_ranks
     assert r0["asked_offload"] and not any(r0["asked_offload"])  # the real answer here: no CUDA

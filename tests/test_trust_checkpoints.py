@@ -313,22 +313,22 @@ def test_lesson10_resumes_from_a_save_killed_mid_publish(tiny, tmp_path, monkeyp
     train = _lesson10()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ckpts = tmp_path / "checkpoints"
-    train.save_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
+    train.save_training_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
     _step(model, opt)
     b = _weights(model)
     ops = _fs_ops(monkeypatch, None)
-    train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
+    train.save_training_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
     monkeypatch.undo()
     shutil.rmtree(ckpts / "step_000020")
     for k in range(ops.index("dcp.save") + 1, len(ops)):  # every kill after the data is written
         _fs_ops(monkeypatch, k)
         with pytest.raises(_Killed):
-            train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
+            train.save_training_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
         monkeypatch.undo()
         latest = train.latest_checkpoint(ckpts)
         assert latest is not None and latest.name in ("step_000020", ".step_000020.tmp"), k
         _step(model, opt)
-        assert train.load_checkpoint(latest, model, opt, sched) == (20, 20)
+        assert train.load_training_checkpoint(latest, model, opt, sched) == (20, 20)
         assert _same(_weights(model), b)
         shutil.rmtree(latest)
         _step(model, opt)
@@ -336,10 +336,10 @@ def test_lesson10_resumes_from_a_save_killed_mid_publish(tiny, tmp_path, monkeyp
     # an unfinished save (no .metadata) is never picked: step 10 is
     _fs_ops(monkeypatch, ops.index("dcp.save"), "half")
     with pytest.raises(_Killed):
-        train.save_checkpoint(ckpts, model, opt, sched, step=30, batches=30, keep_last=2)
+        train.save_training_checkpoint(ckpts, model, opt, sched, step=30, batches=30, keep_last=2)
     monkeypatch.undo()
     assert train.latest_checkpoint(ckpts).name == "step_000010"
-    train.save_checkpoint(ckpts, model, opt, sched, step=40, batches=40, keep_last=2)
+    train.save_training_checkpoint(ckpts, model, opt, sched, step=40, batches=40, keep_last=2)
     assert sorted(os.listdir(ckpts)) == ["step_000010", "step_000040"]
 
 
@@ -517,10 +517,10 @@ def test_lesson10_orders_checkpoints_by_step_across_the_padding_width(tiny, tmp_
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ckpts = tmp_path / "checkpoints"
     for step in (999_998, 999_999, 1_000_000, 1_000_001):
-        train.save_checkpoint(ckpts, model, opt, sched, step=step, batches=step, keep_last=2)
+        train.save_training_checkpoint(ckpts, model, opt, sched, step=step, batches=step, keep_last=2)
     assert sorted(os.listdir(ckpts)) == ["step_1000000", "step_1000001"]
     assert train.latest_checkpoint(ckpts).name == "step_1000001"
-    assert train.load_checkpoint(train.latest_checkpoint(ckpts), model, opt, sched)[0] == 1_000_001
+    assert train.load_training_checkpoint(train.latest_checkpoint(ckpts), model, opt, sched)[0] == 1_000_001
     (ckpts / "step_1000000").rename(ckpts / ".step_1000000.tmp")  # a save killed mid-publish
     shutil.rmtree(ckpts / "step_1000001")
     (ckpts / "step_999999").mkdir()  # an incomplete older one never wins either
@@ -570,7 +570,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     train = _lesson10()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ckpts = tmp_path / "checkpoints"
-    train.save_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
+    train.save_training_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
     real_open = filesystem.FileSystem.create_stream
 
     def full(self, path, mode):
@@ -579,7 +579,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
         return real_open(self, path, mode)
 
     monkeypatch.setattr(filesystem.FileSystem, "create_stream", full)
-    for save in (lambda: train.save_checkpoint(ckpts, model, opt, sched, step=20, batches=20,
+    for save in (lambda: train.save_training_checkpoint(ckpts, model, opt, sched, step=20, batches=20,
                                                keep_last=2),
                  lambda: D.save_checkpoint(ckpts / "step_000020", model, opt, step=20)):
         with pytest.raises(UsageError) as e:
@@ -589,7 +589,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
         assert "step_000020" in msg and "previous checkpoint" in msg
         assert sorted(os.listdir(ckpts)) == ["step_000010"]  # no partial .tmp is left
     monkeypatch.undo()
-    assert train.load_checkpoint(train.latest_checkpoint(ckpts), model, opt, sched) == (10, 10)
+    assert train.load_training_checkpoint(train.latest_checkpoint(ckpts), model, opt, sched) == (10, 10)
 
 
 def test_from_torch_save_replaces_an_earlier_conversion_whole(tiny, tmp_path):

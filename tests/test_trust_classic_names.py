@@ -94,9 +94,10 @@ def test_classic_policy_wraps_a_model_with_fsdp1(world1):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answers")
-def test_memory_maximizer_classic_calls_on_cpu(capsys):
+def test_memory_maximizer_classic_calls_on_cpu(capsys, monkeypatch):
     """The classic usage: ``Memory_Maximizer()``, ``start()``, ``update()``, ``stop(verbose=...)``,
     ``summary()``, and its ``m_*`` attributes read after training."""
+    monkeypatch.setattr(Memory_Maximizer, "_said_no_gpu", False)  # as in a fresh process
     memmax = Memory_Maximizer()
     memmax.start()
     memmax.update()
