@@ -144,7 +144,7 @@ def test_lesson_help_explains_every_flag():
 def test_readme_table_is_reproduced_by_the_quick_run(results):
     """The README's results table is rendered from results_cpu.json, the lesson's own `fsdp-course run
     05 --device cpu`; this quick run reproduces what it claims (the batches tried and their
-    verdicts, parameters and optimizer state at the peak)."""
+    verdicts, the optimizer state at the peak)."""
     from conftest import assert_readme_table_is_reproduced
 
     assert_readme_table_is_reproduced("05", results)
