@@ -131,9 +131,10 @@ def test_a_run_with_lesson_flags_checks_them_in_the_process_that_starts_the_rank
     assert run.header == []
     launch = json.loads(run.env[LAUNCH_ENV])
     assert launch["torchrun"] == ["--standalone", "--nproc-per-node=2"]
-    assert launch["header"] == [f"$ torchrun --standalone --nproc-per-node=2 "
-                                f"{os.path.relpath(info.script_path)} --device cpu --out {tmp_path} "
-                                "--quick --steps 2"]
+    (command,) = launch["header"]  # folded with " \\" at the terminal's width
+    assert " ".join(command.replace(" \\\n", " ").split()) == (
+        f"$ torchrun --standalone --nproc-per-node=2 {os.path.relpath(info.script_path)} "
+        f"--device cpu --out {tmp_path} --quick --steps 2")
     plain = cli_module.prepare_launch(info, "cpu", 2, tmp_path, True, None, [], check_then_launch=True)
     assert plain.cmd[1:3] == ["-m", "utilities.course.torchrun"] and LAUNCH_ENV not in plain.env
 
@@ -478,3 +479,29 @@ def test_making_a_lesson_only_stores_its_arguments():
     assert body and all(isinstance(s, (ast.Assign, ast.AnnAssign)) for s in body)
     calls = [n for s in body for n in ast.walk(s) if isinstance(n, ast.Call)]
     assert all(isinstance(c.func, ast.Name) and c.func.id in {"list", "dict", "tuple"} for c in calls)
+
+
+def test_what_a_learner_runs_first_fits_80_columns(monkeypatch, capsys, tmp_path):
+    """The README's first commands at 80 columns: ``fsdp-course check``, ``fsdp-course plan`` (with
+    its step-time prediction) and the torchrun line ``fsdp-course run`` prints before the lesson:
+    no line is wider (prose folds at spaces, the command folds with `` \\`` as a shell reads it)."""
+    import json
+    from pathlib import Path
+
+    from utilities.course import cli as cli_module
+    from utilities.course.launch import LAUNCH_ENV
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli_module.main(["check"]) == 0
+    assert cli_module.main(["plan", "--model", "llama-tiny", "--gpus", "8", "--gpu-memory", "80GB",
+                            "--batch", "2", "--seq", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "step time, PREDICTED" in out and "assumes:" in out
+    info = cli_module.get_lesson("01")
+    monkeypatch.chdir(tmp_path)
+    run = cli_module.prepare_launch(info, "cpu", 2, Path("runs/01_auto_wrap"), False,
+                                    "t5-tiny", ["--steps", "40"], check_then_launch=True)
+    command = json.loads(run.env[LAUNCH_ENV])["header"][-1].splitlines()
+    assert command[0].startswith("$ torchrun --standalone") and command[0].endswith(" \\")
+    lines = out.splitlines() + command
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)

@@ -234,7 +234,7 @@ def test_one_gpu_default_and_the_planner_on_a_fitting_run(one_gpu, launched, mon
     real (t5-tiny) against the GPU's free memory before anything starts."""
     monkeypatch.setattr(C, "gpu_free_bytes", lambda: [80 * GiB])
     rc = C.main(["run", "01", "--device", "cuda", "--quick", "--out", str(tmp_path)])
-    out = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out.replace("\n  ", " ").splitlines()  # folded lines rejoined
     assert rc == 0
     assert out[0].startswith("2 ranks on 1 GPU, 2 per GPU")
     assert out[1].startswith("planned: 2 ranks of t5-tiny (batch 4") and "80.00 GiB free" in out[1]

@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             return _list(args.models)
         if args.command == "check":
             from utilities.course.env_report import format_report, report
+            from utilities.measure.results import wrap_lines
 
-            print(format_report(report()))
+            print(wrap_lines(format_report(report())))
             return 0
         if args.command == "run":
             return _run(args)
@@ -351,6 +352,8 @@ def prepare_launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
     rank started), prints the header and becomes torchrun: one process importing torch instead of
     two. Ranks sharing a GPU keep the separate check, which must come before their fit is
     planned."""
+    from utilities.measure.results import shell_lines, wrap_lines
+
     cmd = lesson_command(info, device, nproc, out, quick, model, flags)
     script = str(info.script_path)
     lesson_argv = cmd[cmd.index(script) + 1:]
@@ -363,13 +366,13 @@ def prepare_launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
     header = []
     if plan.shared:
         fit = check_fit(info, plan, quick, model, flags)
-        header += [plan.first_line(), fit]
+        header += [wrap_lines(plan.first_line()), wrap_lines(fit)]
     env = dict(os.environ)
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    shown = " ".join([os.path.relpath(script), *lesson_argv])
-    header.append(f"$ torchrun {' '.join(_torchrun_args(nproc))} {shown}")
+    shown = [os.path.relpath(script), *lesson_argv]
+    header.append(shell_lines(["torchrun", *_torchrun_args(nproc), *shown]))
     if deferred:
         env[LAUNCH_ENV] = json.dumps({"torchrun": _torchrun_args(nproc), "header": header})
         return Launch([*_launcher(info), *lesson_argv], env, [])
@@ -408,13 +411,6 @@ def ctrl_c_left_to_the_launcher():
         signal.signal(signal.SIGINT, before)
 
 
-def _wrap_line(text: str, columns: int, indent: str) -> str:
-    import textwrap
-
-    return "\n".join(textwrap.wrap(text, columns, subsequent_indent=indent, break_long_words=False,
-                                   break_on_hyphens=False))
-
-
 def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
     from utilities.measure.results import load
 
@@ -440,11 +436,11 @@ def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
             continue
         res = load(out)
         summary.append((num, info.title, f"{len(res['variants'])} variants", res.get("takeaway", "")))
-    from utilities.measure.results import width
+    from utilities.measure.results import wrap_lines
 
     print("\nlesson  title and measured takeaway")
     for num, title, status, said in summary:
-        print(_wrap_line(f"{num:7s} {title}: {said or status}", width(), " " * 8))
+        print(wrap_lines(f"{num:7s} {title}: {said or status}", indent=" " * 8))
     summary_path = base / "summary.json"
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.write_text(json.dumps(summary, indent=2))

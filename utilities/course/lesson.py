@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import os
 import random
-import textwrap
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -34,7 +33,7 @@ from utilities.data import ReverseTask, batches, make_loader
 from utilities.errors import OneLineParser, UsageError, bad_value, positive_float, positive_int
 from utilities.measure.batch_search import is_oom
 from utilities.measure.release import VariantScope, live_parameters
-from utilities.measure.results import Results, table, width
+from utilities.measure.results import Results, table, wrap_lines
 from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
 from utilities.training import TrainStats, train
 
@@ -238,12 +237,7 @@ class Lesson:
     # -- the pieces a lesson uses ------------------------------------------------------------
     def print(self, *a: Any) -> None:
         """Print on rank 0 (every rank with --log-all-ranks), wrapped to the tables' width."""
-        text = " ".join(str(x) for x in a)
-        indent = " " * (len(text) - len(text.lstrip(" ")))
-        columns = width()
-        lines = textwrap.wrap(text, columns, initial_indent="", subsequent_indent=indent + "  ",
-                              break_on_hyphens=False) if len(text) > columns else [text]
-        D.print0("\n".join(lines), all_ranks=self.args.log_all_ranks)
+        D.print0(wrap_lines(" ".join(str(x) for x in a)), all_ranks=self.args.log_all_ranks)
 
     def seed(self, offset: int = 0) -> None:
         s = self.args.seed + offset

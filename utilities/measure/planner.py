@@ -36,6 +36,7 @@ import torch
 
 from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.measure import categorize, fmt_bytes
+from utilities.measure.results import wrap_lines
 from utilities.models import get_model_spec
 from utilities.torch_internals import global_peak_only
 
@@ -796,9 +797,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps(dict(p.as_dict(), largest_batch=largest), indent=2))
     else:
-        print(format_plan(p, largest))
+        print(wrap_lines(format_plan(p, largest)))
         if p.time:
-            print(format_time(p.time))
+            print(wrap_lines(format_time(p.time)))
     return 0
 
 
@@ -827,7 +828,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps([p.as_dict() for p in plans], indent=2))
     else:
-        print(format_sweep(plans))
+        print(wrap_lines(format_sweep(plans)))
     return 0
 
 

@@ -232,12 +232,12 @@ def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths[:shown]))
     more = [h for h, _ in columns[shown:]] + [_label(k) for k in dict.fromkeys(hidden)]
     if more:
-        lines.append(_wrap("more columns in results.json: " + ", ".join(more)))
+        lines.append(wrap_lines("more columns in results.json: " + ", ".join(more)))
     title = (f"lesson {results['lesson']} {results['title']}: {results['model']['name']} "
              f"({_count(results['model']['parameters'])} params) on {results['world_size']} x "
              f"{results['device_name']} ({results['device']}), torch {results['torch']}")
-    notes = [_wrap(f"note: {n}") for n in results.get("notes", [])]
-    return "\n".join([_wrap(title), *lines, *notes])
+    notes = [wrap_lines(f"note: {n}") for n in results.get("notes", [])]
+    return "\n".join([wrap_lines(title), *lines, *notes])
 
 
 _SKIP = {"name", "step_time_s", "tokens_per_s", "mfu", "losses", "step_times_s",
@@ -301,8 +301,31 @@ def _count(n: float | None) -> str:
     return f"{n:.0f}" if isinstance(n, float) else str(n)
 
 
-def _wrap(text: str) -> str:
+def wrap_lines(text: str, columns: int | None = None, indent: str | None = None) -> str:
+    """``text`` with every line longer than ``columns`` (default ``width()``) folded at spaces,
+    never inside a word or a hyphenated name; a folded line goes on indented by its own leading
+    spaces plus two (or by ``indent``). Lines that fit, table rows among them, are left as they are."""
     import textwrap
 
-    return "\n".join(textwrap.wrap(text, width(), subsequent_indent="  ", break_long_words=False,
-                                   break_on_hyphens=False)) or text
+    columns = columns or width()
+    out = []
+    for line in text.split("\n"):
+        if len(line) <= columns:
+            out.append(line)
+            continue
+        hang = indent if indent is not None else " " * (len(line) - len(line.lstrip(" "))) + "  "
+        out += textwrap.wrap(line, columns, subsequent_indent=hang, break_long_words=False,
+                             break_on_hyphens=False) or [line]
+    return "\n".join(out)
+
+
+def shell_lines(words: list[str], columns: int | None = None) -> str:
+    """A command as a user would paste it: ``$ words...``, continued with `` \\`` at the width."""
+    columns = columns or width()
+    lines, current = [], "$"
+    for word in words:
+        if len(current) + 1 + len(word) + 2 > columns and current not in ("$", "   "):
+            lines.append(current + " \\")
+            current = "   "
+        current += " " + word
+    return "\n".join([*lines, current])
