@@ -28,6 +28,7 @@ if str(REPO) not in sys.path:  # run from a checkout without install
 import torch  # noqa: E402 (after the sys.path fallback above)
 
 from utilities.measure.results import write_json  # noqa: E402
+from utilities.text import HelpFormatter  # noqa: E402
 
 RESULTS_DIR = REPO / "benchmarks" / "results"
 NO_GPU = "not yet measured: no GPU in this task"
@@ -80,7 +81,7 @@ def save(data: dict[str, Any], path: Path) -> Path:
 
 def base_parser(description: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--tiny", action="store_true",
                    help="the small CPU configuration the tests use (seconds, not minutes)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from utilities.measure import step_time as st  # noqa: E402
 from utilities.models import ModelSpec, _llama  # noqa: E402
+from utilities.text import HelpFormatter  # noqa: E402
 
 NAME = "time_model_check"
 OUT = REPO / "benchmarks" / "results" / f"{NAME}.json"
@@ -215,7 +216,7 @@ def write_readmes(data: dict, readmes: tuple[Path, ...] = READMES) -> list[Path]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--fit", action="store_true",
                    help="search the efficiencies on the 'fit' rows (from step_time.CALIBRATED) and "
                         "check with the result instead of CALIBRATED")

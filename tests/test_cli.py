@@ -262,10 +262,12 @@ def test_lesson_help_never_splits_a_variant_name(monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     checked = 0
     for name, parser in _parsers_of_every_lesson_and_the_cli():
+        lines = parser.format_help().splitlines()
+        if not name.startswith("cli"):  # a lesson's docstring is refilled at the width
+            assert max(len(line) for line in lines) <= 80, (name, max(lines, key=len))
         variants = getattr(parser, "_variants", None)
         if not variants:
             continue
-        lines = parser.format_help().splitlines()
         start = next(i for i, line in enumerate(lines) if line.startswith("  --variants"))
         end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" " * 8)), len(lines))
         words = {w.strip(",.;:()") for line in lines[start:end] for w in line.split()}

@@ -8,7 +8,6 @@ the process group says which device this rank has (``setup_run``).
 
 # no "from __future__ import annotations": Config's field types are read at runtime
 
-import argparse
 import dataclasses
 import gc
 import os
@@ -21,6 +20,7 @@ from utilities import distributed as D
 from utilities.errors import OneLineParser, UsageError, bounded, positive_float, positive_int
 from utilities.models import get_model_spec
 from utilities.precision import default_policy
+from utilities.text import HelpFormatter
 
 PRECISIONS = ("auto", "fp32", "bf16", "bf16-fp32-reduce")
 # the defaults that depend on the hardware: on a GPU, and on CPU (or with --quick)
@@ -91,7 +91,7 @@ class Config:
 
 def config_parser(description: str | None = None) -> OneLineParser:
     """argparse built from Config: --field-name for each field, its type, default and help."""
-    p = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=description, formatter_class=HelpFormatter)
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             return _list(args.models)
         if args.command == "check":
             from utilities.course.env_report import format_report, report
-            from utilities.measure.results import wrap_lines
+            from utilities.text import wrap_lines
 
             print(wrap_lines(format_report(report())))
             return 0
@@ -352,7 +352,7 @@ def prepare_launch(info: LessonInfo, device: str, nproc: int, out: Path, quick: 
     rank started), prints the header and becomes torchrun: one process importing torch instead of
     two. Ranks sharing a GPU keep the separate check, which must come before their fit is
     planned."""
-    from utilities.measure.results import shell_lines, wrap_lines
+    from utilities.text import shell_lines, wrap_lines
 
     cmd = lesson_command(info, device, nproc, out, quick, model, flags)
     script = str(info.script_path)
@@ -436,7 +436,7 @@ def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
             continue
         res = load(out)
         summary.append((num, info.title, f"{len(res['variants'])} variants", res.get("takeaway", "")))
-    from utilities.measure.results import wrap_lines
+    from utilities.text import wrap_lines
 
     print("\nlesson  title and measured takeaway")
     for num, title, status, said in summary:

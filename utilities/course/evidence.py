@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from utilities.course.catalog import LESSONS, REPO_ROOT
 from utilities.errors import OneLineParser, UsageError, bad_value
@@ -178,37 +177,18 @@ def _text(output: str | bytes | None) -> str:
 
 
 # -- README tables ---------------------------------------------------------------------------------
-def render_gpu_table(results: dict[str, Any], source: str) -> str:
-    """The markdown of one lesson's GPU run: the run named, then per variant the peak per rank, the
-    memory split, the median step and tokens/s (what a GPU measures and a CPU cannot)."""
-    def gib(n: float | None) -> str:
-        return "-" if n is None else f"{n / 2**30:.2f}"
-
-    s = results.get("settings", {})
-    lines = [f"_Rendered from [`{source}`]({source}): `fsdp-course run {results['lesson']} --device cuda"
-             f"{' --quick' if s.get('quick') else ''}` on {results['world_size']} x "
-             f"{results['device_name']} ({s.get('backend', '?')}), torch {results['torch']}, "
-             f"{results.get('date', '')[:10]}; {results['model']['name']}._", "",
-             "| variant | peak per rank (GiB) | params / optim / activ (GiB) | median step (s) | tokens/s |",
-             "|---|---|---|---|---|"]
-    for v in results["variants"]:
-        peak = v.get("peak_memory_bytes") or {}
-        parts = " / ".join(gib(peak.get(k)) for k in ("parameters", "optimizer", "activations"))
-        step = "-" if v.get("step_time_s") is None else f"{v['step_time_s']:.3f}"
-        tokens = "-" if v.get("tokens_per_s") is None else f"{v['tokens_per_s']:,.0f}"
-        lines.append(f"| {v['name']} | {gib(peak.get('total'))} | {parts} | {step} | {tokens} |")
-    return "\n".join(lines) + "\n"
-
-
 def render_readmes(folder: Path, lessons_dir: Path = REPO_ROOT / "lessons") -> list[str]:
-    """Write each marked "On a GPU" table from ``folder/runNN/results.json``; the lessons whose
-    README changed. A lesson without a run in the folder keeps its table."""
+    """Write each marked "On a GPU" table from ``folder/runNN/results.json``, rendered as the
+    lesson's CPU table is (``readme_tables.render``: the same columns, a caption naming the run);
+    the lessons whose README changed. A lesson without a run in the folder keeps its table."""
+    from utilities.course.readme_tables import render
+
     def replace(m: re.Match, readme: Path) -> str:
         results_path = folder / f"run{m.group(2)}" / "results.json"
         if not results_path.is_file():
             return m.group(0)
-        table = render_gpu_table(json.loads(results_path.read_text()),
-                                 _relative(results_path, readme.parent))
+        table = render(m.group(2), json.loads(results_path.read_text()),
+                       _relative(results_path, readme.parent))
         return m.group(1) + table + m.group(4)
 
     changed = []

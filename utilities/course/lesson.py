@@ -33,8 +33,9 @@ from utilities.data import ReverseTask, batches, make_loader
 from utilities.errors import OneLineParser, UsageError, bad_value, positive_float, positive_int
 from utilities.measure.batch_search import is_oom
 from utilities.measure.release import VariantScope, live_parameters
-from utilities.measure.results import Results, table, wrap_lines
+from utilities.measure.results import Results, table
 from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
+from utilities.text import HelpFormatter, wrap_lines
 from utilities.training import TrainStats, train
 
 CPU_MODEL = "t5-tiny"
@@ -102,17 +103,6 @@ def cluster_prediction(args: argparse.Namespace, variants: dict[str, dict[str, A
 
     return predict_variants(args.predict_model, parse_cluster(args.predict_on), variants,
                             precision=precision, ac=ac, batch=args.predict_batch, seq=seq)
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """argparse's, wrapping flag help only at spaces: names like ``fsdp1-limit-all-gathers`` stay
-    whole (the stock wrap breaks after any hyphen)."""
-
-    def _split_lines(self, text: str, width: int) -> list[str]:
-        import textwrap
-
-        text = " ".join(text.split())
-        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
 
 
 def lesson_parser(description: str | None) -> LessonParser:

@@ -530,7 +530,8 @@ def settings_flags(results: dict[str, Any], first: dict[str, Any]) -> str:
 def caption(results: dict[str, Any], source: str, first: dict[str, Any] | None = None) -> str:
     """One line naming a run: its file, command, machine, torch, date, model and sizes."""
     s = results["settings"]
-    command = f"fsdp-course run {results['lesson']} --device cpu{' --quick' if s.get('quick') else ''}"
+    command = (f"fsdp-course run {results['lesson']} --device {results['device']}"
+               f"{' --quick' if s.get('quick') else ''}")
     if results["world_size"] != 2:
         command += f" --nproc {results['world_size']}"
     flags = settings_flags(results, first) if first is not None else ""

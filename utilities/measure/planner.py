@@ -36,8 +36,8 @@ import torch
 
 from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.measure import categorize, fmt_bytes
-from utilities.measure.results import wrap_lines
 from utilities.models import get_model_spec
+from utilities.text import wrap_lines
 from utilities.torch_internals import global_peak_only
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from utilities.measure import fmt_bytes
+from utilities.text import width, wrap_lines
 from utilities.training import TrainStats
 
 
@@ -181,15 +182,6 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(p.read_text())
 
 
-def width() -> int:
-    """Columns a printed table or note may take: the terminal's (``COLUMNS`` first, as the
-    launcher passes its own terminal's width to the ranks), 120 where there is none (a pipe, a
-    notebook), never less than 60. The full detail is always in results.json."""
-    import shutil
-
-    return max(60, shutil.get_terminal_size((120, 24)).columns)
-
-
 def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
     """The comparison as a plain-text table, one row per variant, at most ``width()`` columns wide.
 
@@ -299,33 +291,3 @@ def _count(n: float | None) -> str:
         if abs(n) >= div:
             return f"{n / div:.3g}{unit}"
     return f"{n:.0f}" if isinstance(n, float) else str(n)
-
-
-def wrap_lines(text: str, columns: int | None = None, indent: str | None = None) -> str:
-    """``text`` with every line longer than ``columns`` (default ``width()``) folded at spaces,
-    never inside a word or a hyphenated name; a folded line goes on indented by its own leading
-    spaces plus two (or by ``indent``). Lines that fit, table rows among them, are left as they are."""
-    import textwrap
-
-    columns = columns or width()
-    out = []
-    for line in text.split("\n"):
-        if len(line) <= columns:
-            out.append(line)
-            continue
-        hang = indent if indent is not None else " " * (len(line) - len(line.lstrip(" "))) + "  "
-        out += textwrap.wrap(line, columns, subsequent_indent=hang, break_long_words=False,
-                             break_on_hyphens=False) or [line]
-    return "\n".join(out)
-
-
-def shell_lines(words: list[str], columns: int | None = None) -> str:
-    """A command as a user would paste it: ``$ words...``, continued with `` \\`` at the width."""
-    columns = columns or width()
-    lines, current = [], "$"
-    for word in words:
-        if len(current) + 1 + len(word) + 2 > columns and current not in ("$", "   "):
-            lines.append(current + " \\")
-            current = "   "
-        current += " " + word
-    return "\n".join([*lines, current])
