@@ -14,9 +14,6 @@ import copy
 import importlib.machinery
 import importlib.util
 import json
-import os
-import socket
-import subprocess
 import sys
 import types
 import weakref
@@ -26,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, lesson_module, no_rendezvous_env
+from conftest import REPO, free_port, lesson_module, no_rendezvous_env, run_ranks
 from gpu_cases import every_variant_released
 from test_gpu_readiness import FakeCuda, MiB, _lesson_shell
 
@@ -163,36 +160,6 @@ D.teardown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(script: str, *argv: str, ranks: int = 2, timeout: float = 120) -> list[dict]:
-    """``script`` on ``ranks`` gloo ranks (torchrun's variables, no torchrun); each rank's last
-    output line as JSON."""
-    port = _free_port()
-    procs = []
-    for rank in range(ranks):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                   LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=str(REPO))
-        procs.append(subprocess.Popen([sys.executable, "-c", script, *argv], env=env, cwd=REPO,
-                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, err[-4000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return outs
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("two_ranks")
@@ -289,7 +256,7 @@ def test_dist_info_on_a_gpu_says_what_its_collectives_can_show():
 
 # -- async save needs the CPU backend every CUDA group of the course has ---------------------------
 def _group(backend: str) -> None:
-    store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 

@@ -179,31 +179,9 @@ def test_an_oom_on_one_rank_is_an_oom_on_both(tmp_path):
     the step's loss all-reduce. Every rank must make that collective, then the same agreement:
     before, rank 1 went straight to the agreement and the two ranks waited in different
     collectives (on GPUs: NCCL and gloo, a hang until the process group's timeout)."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
+    from conftest import run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-c", ONE_RANK_OOM], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=90)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = run_ranks(ONE_RANK_OOM, timeout=90)
     assert outs[0]["best"] == outs[1]["best"] == 3
     assert [v[:2] for v in outs[0]["verdicts"]] == [v[:2] for v in outs[1]["verdicts"]]
     assert dict((b, v) for b, v, _ in outs[0]["verdicts"])[4] == "OOM"

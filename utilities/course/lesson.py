@@ -176,7 +176,7 @@ class Lesson:
                                self.spec.name, self.spec.num_parameters, settings)
         # -- ranks sharing a GPU: say so first, record it.
         if self.dist.shares_gpu:
-            self.results.data["settings"]["ranks_per_gpu"] = self.dist.ranks_per_gpu
+            self.results.setting(ranks_per_gpu=self.dist.ranks_per_gpu)
             self.results.note(self.dist.shared_gpu_note())
             self.print(self.dist.shared_gpu_note())
         self.print(f"lesson {self.number} ({self.title}): {self.spec.name} "
@@ -193,7 +193,7 @@ class Lesson:
         text = (f"one rank: nothing is sharded or communicated, so {self._needs_ranks} cannot show "
                 f"here; differences between variants below are not the lesson's effect. Run on 2 or "
                 f"more GPUs, or 2 ranks sharing one: fsdp-course run {self.number} --nproc 2")
-        self.results.data["single_rank"] = {"caveat": text, "needs": self._needs_ranks}
+        self.results.record("single_rank", {"caveat": text, "needs": self._needs_ranks})
         self.results.note(text)
         self.print(f"note: {text}")
 
@@ -205,7 +205,7 @@ class Lesson:
                 cpu = [self._cpu_note] if self._cpu_note and self.device.type == "cpu" else []
                 for text in self._notes + cpu:
                     self.results.note(text)
-                self.results.data["live_parameters_at_exit"] = live_parameters()
+                self.results.record("live_parameters_at_exit", live_parameters())
                 from utilities.course.takeaways import takeaway
 
                 self.results.takeaway(takeaway(self.results.data))
@@ -264,9 +264,7 @@ class Lesson:
             report = scope.release()
             if oom:
                 report["ended_by"] = "out of memory"
-            self.results.data.setdefault("releases", {})[name] = report
-            for entry in self.results.data["variants"][first:]:
-                entry["release"] = report
+            self.results.released(name, report, since=first)
             if report["leaked_tensors"] or report["leaked_objects"]:
                 self.print(f"    warning: {name} left {report['leaked_objects']} model/optimizer "
                            f"object(s) and {report['leaked_tensors']} tensor(s) alive")

@@ -16,14 +16,13 @@ peak.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from utilities.torch_internals import global_peak_only
+from utilities.torch_internals import fsdp_mem_tracker, global_peak_only
 
 CATEGORIES = ("total", "parameters", "gradients", "optimizer", "activations")
 
@@ -152,43 +151,6 @@ def _make_tracker(model: nn.Module, optimizer):
     tracker = global_peak_only(_mem_tracker())
     tracker.track_external(*(x for x in (model, optimizer) if x is not None))
     return tracker
-
-
-@functools.cache
-def fsdp_mem_tracker():
-    """``FSDPMemTracker`` (the class), booking every FSDP all-gather output as an all-gather buffer;
-    the lessons and the planner both track FSDP2 with it.
-
-    The stock tracker books an all-gather's output as such only while a unit's own pre-forward or
-    pre-backward runs. An explicit backward prefetch (``set_modules_to_backward_prefetch``) is
-    issued just after that, from the unit's state, so its output was booked as a temporary: a
-    depth-2 prefetch's two gathered blocks showed as temporaries, and the bytes gathered at the
-    peak did not grow with the depth. The total is unchanged; only the category moves. On a torch
-    whose tracker lacks the private names this relies on, it is the stock tracker.
-    """
-    from torch.distributed._tools import fsdp2_mem_tracker as module
-
-    stock = module.FSDPMemTracker
-    names = ("_FSDPRefType", "_FSDPState", "c10d")
-    if not (all(hasattr(module, n) for n in names) and hasattr(stock, "_update_and_maybe_create_winfos")
-            and hasattr(module._FSDPRefType, "ALL_GATHER")):
-        return stock
-    all_gather = module.c10d._allgather_base_.default
-    booked = (module._FSDPState.PRE_FW, module._FSDPState.PRE_BW)
-
-    class FSDPMemTracker(stock):  # the name results.json reports as the method
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            if (func is all_gather and out is not NotImplemented
-                    and getattr(self, "_fsdp_state", None) not in booked):
-                try:
-                    self._update_and_maybe_create_winfos(args[0], module._FSDPRefType.ALL_GATHER,
-                                                         update_existing=True)
-                except KeyError:
-                    pass  # a buffer the tracker did not see allocated (under another fake mode)
-            return out
-
-    return FSDPMemTracker
 
 
 def _mem_tracker():

@@ -217,7 +217,8 @@ def _train_step_tracked(model, batch, device: torch.device) -> tuple[dict[str, i
     FakeTensorMode, which the tracker books as optimizer state (3 full-size fp32 tensors of the
     largest weight)."""
     from utilities.distributed import T5_POSITION_BIAS_VIEW
-    from utilities.measure.memory import TrackerHooks, census, fsdp_mem_tracker
+    from utilities.measure.memory import TrackerHooks, census
+    from utilities.torch_internals import fsdp_mem_tracker
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=adamw_foreach(device))
     for p in model.parameters():

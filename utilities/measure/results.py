@@ -51,9 +51,9 @@ class Results:
     """
 
     # the keys the methods below write; ``record`` refuses them
-    OWN_KEYS = frozenset({"lesson", "title", "device", "device_name", "world_size", "torch", "date",
-                          "model", "settings", "variants", "notes", "columns", "takeaway",
-                          "predicted", "skipped"})
+    OWN_KEYS = frozenset({"lesson", "title", "device", "device_name", "machine", "world_size", "torch",
+                          "date", "model", "settings", "variants", "notes", "columns", "takeaway",
+                          "predicted", "skipped", "releases"})
 
     def __init__(self, lesson: str, title: str, device: torch.device, world_size: int,
                  model_name: str | None, parameters: int | None, settings: dict[str, Any]):
@@ -117,6 +117,13 @@ class Results:
     def skipped(self, name: str, reason: str) -> None:
         """A variant that was not run, and why (``skipped`` in results.json)."""
         self.data.setdefault("skipped", {})[name] = reason
+
+    def released(self, name: str, report: dict[str, Any], since: int) -> None:
+        """What freeing variant block ``name`` left alive (``releases``), also on each variant
+        recorded since index ``since`` (the rows that block added)."""
+        self.data.setdefault("releases", {})[name] = report
+        for entry in self.data["variants"][since:]:
+            entry["release"] = report
 
     def run_model(self, name: str, parameters: int) -> None:
         """The model the run is named by, when it is not the lesson's ``--model`` (a width sweep
