@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from utilities.measure.results import variant  # noqa: F401  (the tests' way to read a variant)
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -195,18 +197,20 @@ def assert_readme_table_is_reproduced(lesson: str, results: dict, committed_file
                                       peak_parts: tuple[str, ...] | None = None) -> None:
     """The lesson's README renders its results tables from the committed ``committed_file`` (and
     the lesson's other results files, all unchanged since), and this quick run reproduces what that
-    file claims (``readme_tables.claims``: sizes, counts, dtypes, bytes, the memory at the peak, the
+    file claims (``readme_claims.claims``: sizes, counts, dtypes, bytes, the memory at the peak, the
     losses of a committed quick run); ``peak_parts`` narrows the memory at the peak compared."""
+    from readme_claims import claim_differences, claims
+
     from utilities.course import readme_tables
 
     assert readme_tables.check(lesson) == []
     committed = json.loads((readme_tables.lesson_dir(lesson) / committed_file).read_text())
-    claimed = readme_tables.claims(lesson, committed)
+    claimed = claims(lesson, committed)
     if peak_parts is not None:
         for claim in claimed.values():
             if "peak" in claim:
                 claim["peak"] = {k: v for k, v in claim["peak"].items() if k in peak_parts}
-    differences = readme_tables.claim_differences(readme_tables.claims(lesson, results), claimed)
+    differences = claim_differences(claims(lesson, results), claimed)
     assert differences == [], differences
 
 
@@ -219,11 +223,6 @@ def assert_same_losses(results: dict, reference: str, atol: float) -> None:
         assert v["losses"] == pytest.approx(losses, abs=atol), v["name"]
 
 
-def variant(results: dict, name: str) -> dict:
-    for v in results["variants"]:
-        if v["name"] == name:
-            return v
-    raise KeyError(f"no variant {name!r} in {[v['name'] for v in results['variants']]}")
 
 
 _NOTEBOOK_RUNS: dict[str, dict] = {}

@@ -431,19 +431,29 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
 
 
 def test_every_lesson_has_its_measured_takeaway():
-    """Each lesson's line reads its own run: the committed CPU runs of 01 and 07 give their point
-    (with their numbers); a run without the variants a line reads falls back to the general one."""
+    """Each lesson's script says its point from its own run: run on each committed CPU run, its
+    ``takeaway`` gives the line that run printed (the numbers with it); a run without a variant
+    the line reads gets the range of peaks instead (``Lesson``'s fallback)."""
     import json
 
-    from utilities.course.takeaways import TAKEAWAYS, general, takeaway
+    from utilities.course.catalog import LESSONS
+    from utilities.course.launch import load_script
+    from utilities.course.lesson import Lesson
+    from utilities.measure.results import peak_range
 
-    assert set(TAKEAWAYS) == {f"{n:02d}" for n in range(1, 15)} - {"10"}  # train.py writes its own
+    for number, info in LESSONS.items():
+        if number == "10":  # train.py writes its own (TrainingLog.takeaway): tests/test_lesson_10.py
+            continue
+        said = Lesson(number, None, takeaway=load_script(info.script_path).takeaway).takeaway_line
+        for path in sorted(info.path.glob("results_cpu*.json")):
+            committed = json.loads(path.read_text())
+            assert said(committed) == committed["takeaway"], path
     r01 = json.loads((REPO / "lessons/01_auto_wrap/results_cpu.json").read_text())
-    assert takeaway(r01).startswith("per-block wrapping: 7.20 MiB -> 1.19 MiB unsharded at the peak")
-    r07 = json.loads((REPO / "lessons/07_mixed_precision/results_cpu.json").read_text())
-    assert "bf16: forward weights bfloat16" in takeaway(r07)
+    assert r01["takeaway"].startswith("per-block wrapping: 7.20 MiB -> 1.19 MiB unsharded at the peak")
     partial = dict(r01, variants=[v for v in r01["variants"] if v["name"] != "fsdp2-one-unit"])
-    assert takeaway(partial) == general(partial) and "peak per rank from" in general(partial)
+    lesson = Lesson("01", None, takeaway=load_script(LESSONS["01"].script_path).takeaway)
+    assert lesson.takeaway_line(partial) == peak_range(partial)
+    assert "peak per rank from" in peak_range(partial)
 
 
 def _course_imports(name: str) -> set[str]:

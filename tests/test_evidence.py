@@ -4,6 +4,7 @@ README rendering work, with the GPU steps replaced by CPU twins."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -68,7 +69,8 @@ def test_the_command_writes_a_manifest_and_renders_the_readme_tables(tmp_path, m
     monkeypatch.setattr(E, "gpu_steps", lambda: twin_steps(cpu_run))
     real_render = E.render_readmes
     monkeypatch.setattr(E, "render_readmes", lambda folder: real_render(folder, lessons))
-    args = E.parser().parse_args(["--out", str(tmp_path / "ev"), "--budget", "10"])
+    args = E.add_arguments(argparse.ArgumentParser()).parse_args(["--out", str(tmp_path / "ev"),
+                                                                  "--budget", "10"])
     assert E.main(args, gpu_available=lambda: True) == 1  # one step failed
     manifest = json.loads((tmp_path / "ev" / "manifest.json").read_text())
     assert set(manifest) >= {"device", "driver", "torch", "cuda", "commit", "date", "steps"}

@@ -290,7 +290,7 @@ def test_memory_probe_lets_the_steps_own_error_through():
 def test_check_says_how_each_lesson_runs_on_one_gpu(monkeypatch):
     from utilities.course import env_report
 
-    monkeypatch.setattr(env_report, "gpus", lambda: [{"index": 0, "name": "NVIDIA H100 80GB HBM3",
+    monkeypatch.setattr(env_report, "visible_gpus", lambda: [{"index": 0, "name": "NVIDIA H100 80GB HBM3",
                                                       "memory_bytes": 80 * GiB,
                                                       "capability": "9.0", "source": "torch"}])
     lessons = env_report.report()["lessons"]

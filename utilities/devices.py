@@ -6,6 +6,7 @@ costs seconds per command); ``utilities.distributed`` uses the same functions in
 from __future__ import annotations
 
 import math
+import os
 
 from utilities.errors import UsageError, bad_value
 
@@ -74,3 +75,45 @@ def resolve_backend(device: str, backend: str = "auto", shared_gpu: bool = False
     if backend == "nccl" and device != "cuda":
         raise UsageError("--backend 'nccl' is not allowed with --device cpu; allowed: gloo")
     return CUDA_BACKEND if backend == "nccl" else backend
+
+
+def visible_gpus() -> list[dict[str, object]]:
+    """Name and memory of each visible GPU, from NVML where present, else from torch."""
+    import torch
+
+    out = []
+    if not torch.cuda.is_available():
+        return out
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        nvml = True
+    except Exception:
+        nvml = False
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        row: dict[str, object] = {"index": i, "name": props.name, "memory_bytes": props.total_memory,
+                                  "capability": f"{props.major}.{props.minor}", "source": "torch"}
+        if nvml:
+            try:
+                h = pynvml.nvmlDeviceGetHandleByIndex(physical_gpu_index(i))
+                row["memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(h).total)
+                row["driver"] = pynvml.nvmlSystemGetDriverVersion()
+                row["source"] = "nvml"
+            except Exception:
+                pass
+        out.append(row)
+    if nvml:
+        pynvml.nvmlShutdown()
+    return out
+
+
+def physical_gpu_index(index: int) -> int:
+    """The index NVML knows a visible GPU by (``CUDA_VISIBLE_DEVICES`` renumbers them for torch)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index < len(ids) and ids[index].isdigit():
+            return int(ids[index])
+    return index

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from utilities.devices import physical_gpu_index
+
 GB = 1024**3
 
 
@@ -24,24 +26,13 @@ def gpu_total_memory(device: int = 0) -> tuple[int, str]:
 
         pynvml.nvmlInit()
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(device))
+            handle = pynvml.nvmlDeviceGetHandleByIndex(physical_gpu_index(device))
             return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), "nvml"
         finally:
             pynvml.nvmlShutdown()
     except Exception:
         free, total = torch.cuda.mem_get_info(device)
         return int(total), "torch.cuda.mem_get_info"
-
-
-def _physical_index(index: int) -> int:
-    import os
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if index < len(ids) and ids[index].isdigit():
-            return int(ids[index])
-    return index
 
 
 class Memory_Maximizer:  # noqa: N801 - the classic lessons' name, kept for their users

@@ -31,6 +31,13 @@ def wrap_lines(text: str, columns: int | None = None, indent: str | None = None)
     return "\n".join(out)
 
 
+def markdown(rows: list[list[str]]) -> str:
+    """A markdown table: ``rows[0]`` its header, the rest its rows (a ``|`` in a cell escaped)."""
+    cells = [[cell.replace("|", "\\|") for cell in row] for row in rows]
+    lines = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells[1:]])
+
+
 def shell_lines(words: list[str], columns: int | None = None) -> str:
     """A command as a user would paste it: ``$ words...``, continued with `` \\`` at the width."""
     columns = columns or width()

@@ -40,6 +40,7 @@ from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.errors import positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
+from utilities.measure.results import variant
 from utilities.models import ModelSpec, get_model_spec
 from utilities.training import TrainStats
 from utilities.wrapping import fsdp1_meta_init, fsdp_units, unit_parameter_counts
@@ -119,9 +120,19 @@ def parameters_per_block(spec: ModelSpec) -> int:
     return sum(p.numel() for p in block.parameters())
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    one, block = variant(results, "fsdp2-one-unit"), variant(results, "fsdp2-per-block")
+    peak = lambda v: fmt_bytes(v["peak_memory_bytes"]["total"])  # noqa: E731
+    return (f"per-block wrapping: {fmt_bytes(one['peak_unsharded_parameter_bytes'])} -> "
+            f"{fmt_bytes(block['peak_unsharded_parameter_bytes'])} unsharded at the peak, "
+            f"{peak(one)} -> {peak(block)} in all (FSDP2, {one['fsdp_units']} -> "
+            f"{block['fsdp_units']} units)")
+
+
 def main(args: argparse.Namespace) -> None:
     with Lesson("01", args, needs_ranks="how wrapping bounds the unsharded parameters at the peak",
-                notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+                notes=NOTES, cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         lesson.results.columns("fsdp_units", "largest_unit_parameters", "peak_unsharded_parameter_bytes")
         block, per_block = lesson.spec.block_class(), parameters_per_block(lesson.spec)
         lesson.print(f"block class: {block.__name__} ({per_block:,} parameters per block)")

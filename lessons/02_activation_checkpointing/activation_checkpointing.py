@@ -51,6 +51,7 @@ from utilities.distributed import world_mesh
 from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.batch_search import all_ranks_agree, find_max_batch, training_trial
+from utilities.measure.results import variant
 from utilities.training import TrainStats
 from utilities.wrapping import shard_model
 
@@ -113,8 +114,21 @@ def build(lesson: Lesson, api: str, every: int | None) -> nn.Module:
     return lesson.materialize(fsdp1_checkpointed(lesson.build_model(), block, every, lesson.device))
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    act = lambda name: fmt_bytes(variant(results, name)["peak_memory_bytes"]["activations"])  # noqa: E731
+    line = (f"checkpointing every block: activations at the peak {act('fsdp2-none')} -> "
+            f"{act('fsdp2-all')} (FSDP2), same losses")
+    found = {k: v["best"] for k, v in (results.get("batch_search") or {}).items()
+             if isinstance(v, dict) and "best" in v}
+    if found:
+        line += "; largest batch in the budget: " + ", ".join(f"{k} {b}" for k, b in found.items())
+    return line
+
+
 def main(args: argparse.Namespace) -> None:
-    with Lesson("02", args, settings={"every": args.every}, notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+    with Lesson("02", args, settings={"every": args.every}, notes=NOTES, cpu_note=CPU_NOTE,
+                takeaway=takeaway) as lesson:
         lesson.results.columns("checkpointed_blocks")
         lesson.print(f"block class: {lesson.spec.block_class().__name__}; "
                      f"selective = every {args.every} block(s)")

@@ -297,8 +297,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse(argv)
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    exact = all(v.get("outputs_identical") and v.get("next_step_identical") for v in results["variants"])
+    return (f"full state dict: {'every' if exact else 'NOT every'} reload gives identical outputs and "
+            f"an identical next step ({', '.join(v['name'] for v in results['variants'])})")
+
+
 def main(args: argparse.Namespace) -> None:
-    with Lesson("03", args, notes=(NOTE,), cpu_note=CPU_NOTE) as lesson:
+    with Lesson("03", args, notes=(NOTE,), cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         lesson.results.setting(deterministic_kernels=deterministic_kernels(lesson.device))
         lesson.results.columns("checkpoint_bytes", "save_s", "load_s", "outputs_identical",
                                "next_step_identical", "hf_identical")

@@ -37,10 +37,12 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 from utilities.course.catalog import LESSONS
-from utilities.course.lesson import Lesson, cluster_prediction, lesson_parser
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import NOT_MEASURABLE, world_mesh
 from utilities.errors import positive_int
 from utilities.measure import gathered_parameter_bytes, unsharded_parameter_bytes
+from utilities.measure.results import variant
+from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
 from utilities.prefetch import prefetch_plan, profile_steps
 from utilities.training import TrainStats
 from utilities.wrapping import fsdp1_meta_init
@@ -171,7 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_variants(VARIANTS)
     p.add_argument("--prefetch-depth", type=positive_int, default=2,
                    help="FSDP2 explicit prefetch: how many blocks ahead to all-gather (default 2)")
-    p.add_prediction(LESSONS["04"].run.gpu_model, LESSONS["04"].run.gpu_batch_size)
+    add_prediction_arguments(p, LESSONS["04"].run.gpu_model, LESSONS["04"].run.gpu_batch_size)
     p.add_argument("--trace", action="store_true",
                    help="also record a torch.profiler Chrome trace per variant on CPU (always on GPU)")
     return p.parse(argv)
@@ -183,10 +185,23 @@ GLOO_GPU_NOTE = (f"exposed communication {NOT_MEASURABLE}: the collectives run o
                  "prefetching's overlap need one rank per GPU over NCCL.")
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured, and the prediction where one was made."""
+    line = "prefetching never changes the losses"
+    predicted = results.get("predicted") or {"variants": []}
+    if {"fsdp1-no-prefetch", "fsdp1-backward-pre"} <= {v["name"] for v in predicted["variants"]}:
+        none, pre = variant(predicted, "fsdp1-no-prefetch"), variant(predicted, "fsdp1-backward-pre")
+        line += (f"; PREDICTED on {predicted['gpus']} GPUs: BACKWARD_PRE "
+                 f"{pre['step_s'] * 1e3:.0f} ms vs no prefetch {none['step_s'] * 1e3:.0f} ms per step")
+    return line
+
+
 def main(args: argparse.Namespace) -> None:
-    predicted = cluster_prediction(args, {n: predicted_knobs(n, args.prefetch_depth) for n in args.variants})
+    knobs = {name: predicted_knobs(name, args.prefetch_depth) for name in args.variants}
+    predicted = predict_from_arguments(args, knobs)
     with Lesson("04", args, settings=dict(prefetch_depth=args.prefetch_depth), notes=NOTES,
-                cpu_note=CPU_NOTE, needs_ranks="prefetching (overlap of all-gathers with compute)") as lesson:
+                cpu_note=CPU_NOTE, needs_ranks="prefetching (overlap of all-gathers with compute)",
+                takeaway=takeaway) as lesson:
         if lesson.device.type == "cuda" and not lesson.dist.nccl_on_gpu:
             lesson.results.note(GLOO_GPU_NOTE)
             lesson.print(f"note: {GLOO_GPU_NOTE}")

@@ -36,6 +36,7 @@ from utilities.distributed import world_mesh
 from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.batch_search import SearchResult, Trial, all_ranks_agree, find_max_batch
+from utilities.measure.results import variant
 from utilities.training import TrainStats, train
 
 
@@ -139,8 +140,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point: the recommendation and why (printed last)."""
+    return variant(results, "recommendation")["reason"]
+
+
 def main(args: argparse.Namespace) -> None:
-    with Lesson("05", args, cpu_note=CPU_NOTE.format(budget=args.budget_mib or CPU_BUDGET_MIB)) as lesson:
+    with Lesson("05", args, cpu_note=CPU_NOTE.format(budget=args.budget_mib or CPU_BUDGET_MIB),
+                takeaway=takeaway) as lesson:
         lesson.results.columns("batch", "phase", "verdict", "retries", "ooms")
         budget_mib = args.budget_mib or (None if lesson.device.type == "cuda" else CPU_BUDGET_MIB)
         result = search(lesson, args, budget_mib)

@@ -44,10 +44,12 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utilities.course.catalog import LESSONS
-from utilities.course.lesson import Lesson, cluster_prediction, lesson_parser
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
+from utilities.measure.results import variant
+from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
 from utilities.training import TrainStats
 from utilities.wrapping import fsdp1_meta_init
 
@@ -137,7 +139,7 @@ def reshard_divisor(world: int) -> int | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
-    p.add_prediction(LESSONS["06"].run.gpu_model, LESSONS["06"].run.gpu_batch_size)
+    add_prediction_arguments(p, LESSONS["06"].run.gpu_model, LESSONS["06"].run.gpu_batch_size)
     p.add_argument("--replicate", type=positive_int, default=None,
                    help="replicas in the hybrid (HSDP) mesh; it must divide the world size; the "
                         "shard group is world / replicate (default: 2 when the world is even)")
@@ -216,10 +218,19 @@ def predicted_knobs(name: str) -> dict:
                 limit_all_gathers=VARIANTS[name][0] == "fsdp1")
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    ddp, full = variant(results, "ddp"), variant(results, "fsdp2-reshard-true")
+    d, f = ddp["resident_bytes_per_rank"], full["resident_bytes_per_rank"]
+    return (f"state held per rank: DDP {fmt_bytes(d)} -> FULL_SHARD {fmt_bytes(f)} "
+            f"({d / f:.1f}x less on {results['world_size']} ranks), for "
+            f"{full['sent_per_step_bytes'] / ddp['sent_per_step_bytes']:.1f}x the bytes sent per step")
+
+
 def main(args: argparse.Namespace) -> None:
-    predicted = cluster_prediction(args, {n: predicted_knobs(n) for n in args.variants})
+    predicted = predict_from_arguments(args, {n: predicted_knobs(n) for n in args.variants})
     with Lesson("06", args, needs_ranks="bytes per rank falling with the number of ranks",
-                notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+                notes=NOTES, cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         lesson.results.columns("strategy", "resident_bytes_per_rank", "peak_unsharded_parameter_bytes",
                                "sent_per_step_bytes")
         world, block = lesson.dist.world_size, lesson.spec.block_class()

@@ -65,7 +65,7 @@ from utilities.dcp import (
 from utilities.distributed import fail_together, reduce_scalar
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
-from utilities.measure.results import write_json
+from utilities.measure.results import variant, write_json
 from utilities.state_dict import atomic_torch_save
 from utilities.training import train
 from utilities.wrapping import shard_model
@@ -189,8 +189,17 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    saved = [v for v in results["variants"] if v.get("files") and v["name"] != "convert"]
+    files = ", ".join(f"{v['name']} {v['files']} files" for v in saved)
+    exact = variant(results, "fsdp2-dcp").get("reload_outputs_equal")
+    return (f"each rank writes its own shard ({files}); the DCP checkpoint reloads "
+            f"{'exactly' if exact else 'NOT exactly'}")
+
+
 def main(args: argparse.Namespace) -> None:
-    with Lesson("08", args) as lesson:
+    with Lesson("08", args, takeaway=takeaway) as lesson:
         lesson.results.columns("save_s", "load_s", "checkpoint_bytes", "files", "reload_outputs_equal",
                                "max_abs_loss_diff", "format")
         # each part's models are freed (and checked) before the next part starts

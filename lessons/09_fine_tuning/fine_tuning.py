@@ -60,6 +60,7 @@ from utilities.data import LETTERS, LetterTask, batches, make_loader
 from utilities.distributed import fail_together, reduce_scalar, world_mesh
 from utilities.errors import UsageError, bounded, positive_int
 from utilities.measure import fmt_bytes
+from utilities.measure.results import variant
 from utilities.state_dict import safe_torch_load
 from utilities.training import train
 
@@ -234,8 +235,17 @@ def run_variant(lesson: Lesson, name: str, state: dict[str, torch.Tensor], args:
 
 
 # -- the lesson -----------------------------------------------------------------------------------
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    full, frozen = variant(results, "full"), variant(results, "frozen-encoder")
+    return (f"freezing the encoder: {fmt_bytes(full['optimizer_bytes_per_rank'])} -> "
+            f"{fmt_bytes(frozen['optimizer_bytes_per_rank'])} of optimizer state per rank, held-out "
+            f"loss {frozen['held_out_loss_after']:.3f} vs {full['held_out_loss_after']:.3f} trained fully")
+
+
 def main(args: argparse.Namespace) -> None:
-    with Lesson("09", args, settings=settings(args), notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+    with Lesson("09", args, settings=settings(args), notes=NOTES, cpu_note=CPU_NOTE,
+                takeaway=takeaway) as lesson:
         lesson.results.columns("trainable_parameters", "frozen_parameters", "gradient_bytes_per_rank",
                                "optimizer_bytes_per_rank", "held_out_loss_after", "frozen_bit_identical")
         lesson.check(lesson.spec.is_seq2seq, "--model", lesson.spec.name,

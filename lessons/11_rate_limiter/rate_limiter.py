@@ -41,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from utilities import Memory_Maximizer
 from utilities.course.catalog import LESSONS
-from utilities.course.lesson import Lesson, cluster_prediction, lesson_parser
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import NOT_MEASURABLE, world_mesh
+from utilities.measure.results import peak_range
+from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
 from utilities.training import default_step
 from utilities.wrapping import fsdp1_meta_init
 
@@ -143,7 +145,7 @@ GLOO_GPU_NOTE = (f"the rate limiter's effect is {NOT_MEASURABLE}: the collective
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
-    p.add_prediction(LESSONS["11"].run.gpu_model, LESSONS["11"].run.gpu_batch_size)
+    add_prediction_arguments(p, LESSONS["11"].run.gpu_model, LESSONS["11"].run.gpu_batch_size)
     return p.parse(argv)
 
 
@@ -157,10 +159,15 @@ def predicted_knobs(name: str) -> dict:
     return dict(backward_prefetch="backward_pre", limit_all_gathers=limit)
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    return "the limiter changes when all-gathers are issued, never the losses; " + peak_range(results)
+
+
 def main(args: argparse.Namespace) -> None:
-    predicted = cluster_prediction(args, {n: predicted_knobs(n) for n in args.variants})
+    predicted = predict_from_arguments(args, {n: predicted_knobs(n) for n in args.variants})
     with Lesson("11", args, needs_ranks="the rate limiter (all-gathers in flight)", notes=NOTES,
-                cpu_note=CPU_NOTE) as lesson:
+                cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         lesson.results.columns("limit_all_gathers", "max_reserved_gb", "cuda_malloc_retries")
         if lesson.device.type == "cuda" and not lesson.dist.nccl_on_gpu:
             lesson.results.note(GLOO_GPU_NOTE)

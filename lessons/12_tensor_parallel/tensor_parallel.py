@@ -203,8 +203,15 @@ def parallelize(kind: str, tp: int, mesh: DeviceMesh | None):
     return lambda model: apply_tp(model, mesh["tp"], sequence_parallel=kind == "llama-sp")
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    worst = max(v.get("max_abs_diff_vs_unsplit") or 0 for v in results["variants"])
+    return f"tensor parallel computes what the unsplit model does (max |diff| {worst:.1e})"
+
+
 def main(args) -> None:
-    with Lesson("12", args, settings={"tolerance": TOLERANCE}, notes=NOTES, cpu_note=CPU_NOTE) as lesson:
+    with Lesson("12", args, settings={"tolerance": TOLERANCE}, notes=NOTES, cpu_note=CPU_NOTE,
+                takeaway=takeaway) as lesson:
         if lesson.spec.family != "llama":
             raise UsageError(f"--model {lesson.spec.name!r} is not allowed: this lesson splits Llama "
                              "attention heads; allowed: llama-tiny, llama-1b, llama-8b")

@@ -45,9 +45,11 @@ from fp8_helpers import compare, first_step_seconds, flops_per_token, report_cro
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from utilities.course.lesson import Lesson, cluster_prediction, lesson_parser
+from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.fp8 import float8_module_filter, fp8_available, fp8_linear_names
+from utilities.measure.results import variant
+from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
 from utilities.models import ModelSpec
 from utilities.precision import default_policy, fsdp2_policy
 
@@ -137,7 +139,7 @@ def hidden_list(text: str) -> list[int]:
 def parse_args(argv=None):
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
-    p.add_prediction("llama-8b", 2, cluster="1x8xh100-96gb")
+    add_prediction_arguments(p, "llama-8b", 2, cluster="1x8xh100-96gb")
     p.add_argument("--hidden", type=hidden_list, default=None,
                    help="model width(s) to compare, e.g. 1024,4096 (a Llama block per width; "
                         f"default: {','.join(map(str, GPU_WIDTHS))} on GPU, the tiny model on CPU)")
@@ -164,8 +166,15 @@ PREDICTED_KNOBS = {"eager": {}, "compiled": dict(compile=True), "fp8-compiled": 
 PREDICTED_SEQ, PREDICTED_AC = 8192, "selective"
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    eager, compiled = variant(results, "eager"), variant(results, "compiled")
+    diff = max(abs(a - b) for a, b in zip(eager["losses"], compiled["losses"]))
+    return f"compiled trains as eager does (losses within {diff:.1e})"
+
+
 def main(args) -> None:
-    predicted = cluster_prediction(args, {n: PREDICTED_KNOBS[n] for n in args.variants},
+    predicted = predict_from_arguments(args, {n: PREDICTED_KNOBS[n] for n in args.variants},
                                    ac=PREDICTED_AC, seq=PREDICTED_SEQ)
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     widths = args.hidden or (list(GPU_WIDTHS) if on_gpu and not args.quick else None)
@@ -181,7 +190,7 @@ def main(args) -> None:
 
     with Lesson("13", args, settings=dict(precision=precision, widths=widths,
                                           compile_backend=args.compile_backend),
-                notes=(COMPILE_NOTE,), cpu_note=cpu_note) as lesson:
+                notes=(COMPILE_NOTE,), cpu_note=cpu_note, takeaway=takeaway) as lesson:
         lesson.results.columns("first_step_s", "compile_s", "speedup_vs_eager", "speedup_vs_compiled",
                                "compiled_blocks", "fp8_linears")
         block = lesson.spec.block_class()

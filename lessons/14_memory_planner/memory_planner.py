@@ -136,8 +136,15 @@ def my_plans(args) -> dict[str, dict]:
     return plans
 
 
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    ratios = [v["predicted_over_measured_ratio"] for v in results["variants"]]
+    return (f"the plan predicts the measured peak within {max(abs(x - 1) for x in ratios):.1%} "
+            f"({len(ratios)} configurations)")
+
+
 def main(args) -> None:
-    lesson = Lesson("14", args, notes=(NOTE,), cpu_note=CPU_NOTE)
+    lesson = Lesson("14", args, notes=(NOTE,), cpu_note=CPU_NOTE, takeaway=takeaway)
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         pin_cuda_device()  # the planner's meshes must find this rank's GPU, not GPU LOCAL_RANK
     mine = my_plans(args)  # before the lesson joins the real process group

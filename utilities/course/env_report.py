@@ -8,38 +8,7 @@ import torch
 
 from utilities.bf16 import bf16_ready, nccl_version
 from utilities.course.catalog import LESSONS
-
-
-def gpus() -> list[dict[str, object]]:
-    """Name and memory of each visible GPU, from NVML where present, else from torch."""
-    out = []
-    if not torch.cuda.is_available():
-        return out
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        nvml = True
-    except Exception:
-        nvml = False
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        row: dict[str, object] = {"index": i, "name": props.name, "memory_bytes": props.total_memory,
-                                  "capability": f"{props.major}.{props.minor}", "source": "torch"}
-        if nvml:
-            try:
-                from utilities.memory_maximizer import _physical_index
-
-                h = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(i))
-                row["memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(h).total)
-                row["driver"] = pynvml.nvmlSystemGetDriverVersion()
-                row["source"] = "nvml"
-            except Exception:
-                pass
-        out.append(row)
-    if nvml:
-        pynvml.nvmlShutdown()
-    return out
+from utilities.devices import visible_gpus
 
 
 def report() -> dict[str, object]:
@@ -47,7 +16,7 @@ def report() -> dict[str, object]:
 
     nccl = nccl_version()
     bf16 = bf16_ready()
-    gpu_list = gpus()
+    gpu_list = visible_gpus()
     lessons = {}
     for num, info in LESSONS.items():
         if not info.ready:

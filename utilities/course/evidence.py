@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from utilities.course.catalog import LESSONS, REPO_ROOT
-from utilities.errors import OneLineParser, UsageError, bad_value
+from utilities.errors import UsageError, bad_value
 
 BUDGET_MINUTES = 25.0
 GPU_BLOCK = re.compile(r"(<!-- gpu-results:(\d\d)[^\n]*-->\n)(.*?)(<!-- /gpu-results -->)", re.S)
@@ -91,17 +92,10 @@ def gpu_steps(python: str = sys.executable) -> list[Step]:
     steps.append(Step("benchmarks", 5.0, (python, "benchmarks/run_all.py", "--device", "cuda",
                                           "--results-dir", "{out}"),
                        "benchmarks: reference ratio, MFU, FP8 layer, compile"))
-    if _planner_can_calibrate():
-        steps.append(Step("calibrate", 1.0, (*course, "plan", "--calibrate", "--calibration",
-                                             "{out}/calibration.json"),
-                          "the time model's efficiencies measured on this GPU"))
+    steps.append(Step("calibrate", 1.0, (*course, "plan", "--calibrate", "--calibration",
+                                         "{out}/calibration.json"),
+                      "the time model's efficiencies measured on this GPU"))
     return steps
-
-
-def _planner_can_calibrate() -> bool:
-    from utilities.measure.planner import add_plan_arguments
-
-    return "--calibrate" in add_plan_arguments(argparse.ArgumentParser()).format_help()
 
 
 def select(steps: list[Step], only: list[str] | None) -> list[Step]:
@@ -115,7 +109,7 @@ def select(steps: list[Step], only: list[str] | None) -> list[Step]:
     return [s for s in steps if s.name in only]
 
 
-def format_plan(steps: list[Step], budget: float) -> str:
+def format_steps(steps: list[Step], budget: float) -> str:
     lines = [f"{'step':<12}{'min':>6}  what"]
     lines += [f"{s.name:<12}{s.minutes:>6.1f}  {s.what}" for s in steps]
     total = sum(s.minutes for s in steps)
@@ -188,7 +182,7 @@ def render_readmes(folder: Path, lessons_dir: Path = REPO_ROOT / "lessons") -> l
         if not results_path.is_file():
             return m.group(0)
         table = render(m.group(2), json.loads(results_path.read_text()),
-                       _relative(results_path, readme.parent))
+                       os.path.relpath(results_path.resolve(), readme.parent.resolve()))
         return m.group(1) + table + m.group(4)
 
     changed = []
@@ -199,12 +193,6 @@ def render_readmes(folder: Path, lessons_dir: Path = REPO_ROOT / "lessons") -> l
             readme.write_text(new)
             changed.append(readme.parent.name[:2])
     return changed
-
-
-def _relative(path: Path, start: Path) -> str:
-    import os
-
-    return os.path.relpath(path.resolve(), start.resolve())
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -252,7 +240,7 @@ def main(args: argparse.Namespace, gpu_available: Callable[[], bool] | None = No
         raise bad_value("--budget", args.budget, "minutes > 0")
     steps = select(gpu_steps(), args.only)
     if args.plan:
-        print(format_plan(steps, budget))
+        print(format_steps(steps, budget))
         return 0
     if gpu_available is None:
         import torch
@@ -269,7 +257,3 @@ def main(args: argparse.Namespace, gpu_available: Callable[[], bool] | None = No
     changed = render_readmes(out)
     print(f"evidence in {out}; READMEs re-rendered: {', '.join(changed) or 'none'}")
     return 0 if all(o.status == "ok" for o in manifest.steps) else 1
-
-
-def parser() -> argparse.ArgumentParser:
-    return add_arguments(OneLineParser(prog="fsdp-course evidence", description=__doc__.split("\n\n")[0]))

@@ -3,20 +3,20 @@
 A lesson script opens with the FSDP code it teaches, in plain functions; its ``main`` is then::
 
     args = lesson_parser(__doc__).parse(argv)
-    with Lesson("01", args, cpu_note="...") as lesson:
+    with Lesson("01", args, cpu_note="...", takeaway=takeaway) as lesson:
         lesson.run_variants(args.variants, lambda name: wrap[name](lesson.build_model()))
 
 ``Lesson`` joins the process group (NCCL on GPUs, gloo on CPU), resolves the model for the hardware
 (the catalog's ``Run``: a tiny one on CPU, a real size on GPU), seeds every rank alike, frees each
-variant before the next, and on exit writes results.json and prints the comparison on rank 0. A bad
-flag value ends the run with one line and exit code 2.
+variant before the next, and on exit writes results.json and prints the comparison on rank 0, then
+the lesson's point in one line: the script's ``takeaway(results)``, which reads what the run
+measured. A bad flag value ends the run with one line and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -33,7 +33,8 @@ from utilities.data import ReverseTask, batches, make_loader
 from utilities.errors import OneLineParser, UsageError, bad_value, positive_float, positive_int
 from utilities.measure.batch_search import is_oom
 from utilities.measure.release import VariantScope, live_parameters
-from utilities.measure.results import Results, table
+from utilities.measure.results import Results, peak_range, table
+from utilities.measure.step_time import check_prediction_arguments
 from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
 from utilities.text import HelpFormatter, wrap_lines
 from utilities.training import TrainStats, train
@@ -51,21 +52,6 @@ class LessonParser(OneLineParser):
         self.add_argument("--variants", default=",".join(self._variants),
                           help=f"comma-separated subset of: {', '.join(self._variants)}")
 
-    def add_prediction(self, model: str, batch: int, cluster: str = "2x8xh100") -> None:
-        """``--predict-on`` and ``--predict-model``: after the measurements, the step-time model's
-        prediction of the lesson's variants on a cluster (what the knob does to time where there is
-        an interconnect), for ``model`` at ``batch`` per GPU unless the flags say otherwise."""
-        from utilities.measure.step_time import CLUSTER_FORMAT
-
-        g = self.add_argument_group("prediction on a cluster (a model, not a measurement)")
-        g.add_argument("--predict-on", default=cluster,
-                       help=f"cluster to predict the variants' step time on: {CLUSTER_FORMAT}; "
-                            f"'none' to skip (default {cluster})")
-        g.add_argument("--predict-model", default=model,
-                       help=f"model to predict for (default {model}, the lesson's GPU size)")
-        g.add_argument("--predict-batch", type=positive_int, default=batch,
-                       help=f"per-GPU batch to predict for (default {batch})")
-
     def parse(self, argv: list[str] | None = None) -> argparse.Namespace:
         args = self.parse_args(argv)
         allowed = getattr(self, "_variants", None)
@@ -77,11 +63,8 @@ class LessonParser(OneLineParser):
                              f"{', '.join(allowed)}\n")
             args.variants = chosen
         try:
-            if getattr(args, "predict_on", "none") != "none":
-                from utilities.measure.step_time import parse_cluster
-
-                parse_cluster(args.predict_on)
-                get_model_spec(args.predict_model)
+            if hasattr(args, "predict_on"):
+                check_prediction_arguments(args)
             if args.model is not None:
                 get_model_spec(args.model)
             if args.device == "cuda" and not checking_flags():
@@ -89,20 +72,6 @@ class LessonParser(OneLineParser):
         except UsageError as e:
             self.exit(2, f"error: {e}\n")
         return args
-
-
-def cluster_prediction(args: argparse.Namespace, variants: dict[str, dict[str, Any]],
-                       precision: str = "bf16", ac: str = "none",
-                       seq: int | None = None) -> dict[str, Any] | None:
-    """The lesson's ``predicted`` block (``utilities.measure.step_time.predict_variants``), made on
-    rank 0 *before* the lesson joins its process group: the model traces one step on a fake group
-    of its own. Other ranks, and ``--predict-on none``, get None."""
-    if args.predict_on == "none" or int(os.environ.get("RANK", "0")) != 0:
-        return None
-    from utilities.measure.step_time import parse_cluster, predict_variants
-
-    return predict_variants(args.predict_model, parse_cluster(args.predict_on), variants,
-                            precision=precision, ac=ac, batch=args.predict_batch, seq=seq)
 
 
 def lesson_parser(description: str | None) -> LessonParser:
@@ -138,7 +107,8 @@ class Lesson:
 
     def __init__(self, number: str, args: argparse.Namespace, *,
                  settings: dict[str, Any] | None = None, needs_ranks: str | None = None,
-                 notes: tuple[str, ...] = (), cpu_note: str | None = None):
+                 notes: tuple[str, ...] = (), cpu_note: str | None = None,
+                 takeaway: Callable[[dict[str, Any]], str] | None = None):
         self.number, self.args = number, args
         self.title = LESSONS[number].title
         self._run = LESSONS[number].run  # model, batch and steps by default (the catalog's)
@@ -146,6 +116,7 @@ class Lesson:
         self._needs_ranks = needs_ranks  # what this lesson cannot show on one rank
         self._notes = list(notes)  # sentences the reader needs beside the numbers
         self._cpu_note = cpu_note  # what a CPU run does not show (added on CPU only)
+        self._takeaway = takeaway  # the lesson's point in one line, from its results (printed last)
         self.results: Results | None = None
         self._scope: VariantScope | None = None
 
@@ -206,9 +177,7 @@ class Lesson:
                 for text in self._notes + cpu:
                     self.results.note(text)
                 self.results.record("live_parameters_at_exit", live_parameters())
-                from utilities.course.takeaways import takeaway
-
-                self.results.takeaway(takeaway(self.results.data))
+                self.results.takeaway(self.takeaway_line(self.results.data))
                 path = self.results.write(self.out)
                 print("\n" + table(self.results.data), flush=True)
                 if "predicted" in self.results.data:
@@ -220,6 +189,13 @@ class Lesson:
         finally:
             D.teardown()
         return False
+
+    def takeaway_line(self, data: dict[str, Any]) -> str:
+        """The lesson's takeaway; the range of peaks when a variant it reads did not run."""
+        try:
+            return self._takeaway(data) if self._takeaway else peak_range(data)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return peak_range(data)
 
     def _fail(self, e: Exception) -> None:
         D.exit_on_error(e)  # every rank hits the same error: one line, no collective tear-down

@@ -127,32 +127,3 @@ def world1(device: str = "cpu") -> Iterator[Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def draw_timelines(predicted: dict[str, Any], names: list[str]) -> Any:
-    """The step-time model's timelines of two or more of a lesson's variants, side by side: per
-    variant a compute lane and a communication lane, each bar a unit's forward, backward,
-    all-gather or reduce-scatter (``results["predicted"]``, a prediction, not a measurement)."""
-    import matplotlib.pyplot as plt
-
-    colors = {"forward": "tab:blue", "recompute": "tab:cyan", "backward": "tab:green",
-              "optimizer": "tab:gray", "all_gather": "tab:orange", "reduce_scatter": "tab:red",
-              "all_reduce": "tab:purple"}
-    by_name = {v["name"]: v for v in predicted["variants"]}
-    fig, axes = plt.subplots(len(names), 1, figsize=(14, 1.8 * len(names)), sharex=True, squeeze=False)
-    for ax, name in zip(axes[:, 0], names):
-        v = by_name[name]
-        for row, lane in enumerate(("comm", "compute")):
-            for e in (e for e in v["timeline"] if e["lane"] == lane):
-                ax.broken_barh([(e["start"] * 1e3, (e["end"] - e["start"]) * 1e3)], (row * 10, 8),
-                               color=colors.get(e["phase"], "k"))
-        ax.set_yticks([4, 14], ["communication", "compute"])
-        ax.set_title(f"{name}: step {v['step_s'] * 1e3:.1f} ms, exposed communication "
-                     f"{v['exposed_comm_s'] * 1e3:.1f} ms", fontsize=10, loc="left")
-    axes[-1, 0].set_xlabel("ms from the step's start (PREDICTED by the step-time model)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.suptitle(f"{predicted['model']} on {predicted['cluster']}", fontsize=10)
-    fig.tight_layout()
-    fig.legend(handles, list(colors), loc="upper center", bbox_to_anchor=(0.5, 0.0),
-               ncol=len(colors), fontsize=8)
-    return fig

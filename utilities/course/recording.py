@@ -44,9 +44,3 @@ def record(info: LessonInfo, cast_path: Path, run_args: list[str], width: int = 
     else:
         tmp.unlink(missing_ok=True)
     return rc
-
-
-def read_cast(path: Path) -> tuple[dict, list[list]]:
-    """The header and events of a recording (for checks and for players)."""
-    lines = Path(path).read_text().splitlines()
-    return json.loads(lines[0]), [json.loads(x) for x in lines[1:]]

@@ -14,13 +14,14 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from utilities.measure import fmt_bytes
-from utilities.text import width, wrap_lines
+from utilities.text import markdown, width, wrap_lines
 from utilities.training import TrainStats
 
 
@@ -189,20 +190,42 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(p.read_text())
 
 
-def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
-    """The comparison as a plain-text table, one row per variant, at most ``width()`` columns wide.
+def variant(results: dict[str, Any], name: str) -> dict[str, Any]:
+    """The variant called ``name`` in a results.json (KeyError naming those there if none is)."""
+    for v in results["variants"]:
+        if v["name"] == name:
+            return v
+    raise KeyError(f"no variant {name!r} in {[v['name'] for v in results['variants']]}")
 
-    Every number is shown in a human unit (bytes as MiB/GiB, counts as 1.9M, seconds, ratios as
-    1.52x); columns that are empty for every variant are left out, and extra columns that do not
-    fit are named in a last line (their values are in results.json).
-    """
+
+def peak_range(results: dict[str, Any]) -> str:
+    """The range of peak memory per rank over the variants that ran: a lesson's takeaway when its
+    own cannot be said (``--variants`` left out a variant it reads)."""
+    measured = [v for v in results["variants"] if (v.get("peak_memory_bytes") or {}).get("total")]
+    if not measured:
+        return f"{len(results['variants'])} variants ran; see the table"
+    low, high = (f(measured, key=lambda v: v["peak_memory_bytes"]["total"]) for f in (min, max))
+    return (f"peak per rank from {fmt_bytes(low['peak_memory_bytes']['total'])} ({low['name']}) to "
+            f"{fmt_bytes(high['peak_memory_bytes']['total'])} ({high['name']})")
+
+
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def columns(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> tuple[list[Column], list[str]]:
+    """The columns of the comparison (header, a variant's cell) and the scalar keys they leave
+    out: the variant's name; step time, tokens/s, MFU and the peak; the lesson's own columns
+    (``extra_columns``, else the ``columns`` the lesson chose, else every scalar key); then the
+    peak by category and the losses. A column that is empty for every variant is left out."""
     variants = results["variants"]
     extras = list(extra_columns or results.get("columns", ()))
+    chosen = bool(extra_columns or results.get("columns"))
     hidden = []
     for v in variants:
         for k, val in v.items():
-            if k not in extras and k not in _SKIP and (val is None or isinstance(val, (int, float, str))):
-                (hidden if results.get("columns") else extras).append(k)
+            scalar = val is None or isinstance(val, (int, float, str))
+            if scalar and k not in extras and k not in _SKIP and not k.startswith("_"):
+                (hidden if chosen else extras).append(k)
     first = [
         ("step", lambda v: _seconds(v.get("step_time_s"))),
         ("tokens/s", lambda v: _count(v.get("tokens_per_s"))),
@@ -214,14 +237,23 @@ def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
                                                 ("optim", "optimizer"), ("activ", "activations"))],
         ("loss", lambda v: f"{v['losses'][0]:.3f}->{v['losses'][-1]:.3f}" if v.get("losses") else "-"),
     ]
-    lesson = [(_label(k), (lambda key: lambda v: human(key, v.get(key)))(k)) for k in extras
-              if any(v.get(k) is not None for v in variants)]
+    lesson = [(_label(k), _cell(k)) for k in extras]
     # the lesson's own columns come before the memory breakdown, so they are the last to be cut
-    columns = [("variant", lambda v: str(v["name"]))]
-    columns += [(h, f) for h, f in first if any(f(v) != "-" for v in variants)]
-    columns += lesson + [(h, f) for h, f in breakdown if any(f(v) != "-" for v in variants)]
-    rows = [[h for h, _ in columns]] + [[f(v) for _, f in columns] for v in variants]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    shown = [("variant", lambda v: str(v["name"])), *first, *lesson, *breakdown]
+    shown = [(h, f) for h, f in shown if h == "variant" or any(f(v) != "-" for v in variants)]
+    return shown, [_label(k) for k in dict.fromkeys(hidden)]
+
+
+def table(results: dict[str, Any]) -> str:
+    """The comparison as a plain-text table, one row per variant, at most ``width()`` columns wide.
+
+    Every number is shown in a human unit (bytes as MiB/GiB, counts as 1.9M, seconds, ratios as
+    1.52x); columns that are empty for every variant are left out, and extra columns that do not
+    fit are named in a last line (their values are in results.json).
+    """
+    cols, hidden = columns(results)
+    rows = [[h for h, _ in cols]] + [[f(v) for _, f in cols] for v in results["variants"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     shown, used, limit = 0, -2, width()
     for w in widths:
         if used + 2 + w > limit:
@@ -229,7 +261,7 @@ def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
         used, shown = used + 2 + w, shown + 1
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:shown], widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths[:shown]))
-    more = [h for h, _ in columns[shown:]] + [_label(k) for k in dict.fromkeys(hidden)]
+    more = [h for h, _ in cols[shown:]] + hidden
     if more:
         lines.append(wrap_lines("more columns in results.json: " + ", ".join(more)))
     title = (f"lesson {results['lesson']} {results['title']}: {results['model']['name']} "
@@ -239,6 +271,25 @@ def table(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> str:
     return "\n".join([wrap_lines(title), *lines, *notes])
 
 
+def markdown_table(variants: list[dict[str, Any]], results: dict[str, Any],
+                   picked: tuple[str, ...] = (), first: Column | None = None) -> str:
+    """The comparison of ``table`` (the same columns and cells, none cut) in markdown, over
+    ``variants`` (one run's, or the runs' of one lesson, ``results`` being one), after ``first``
+    if given. ``picked`` names the columns to show instead, by header (``peak``, ``loss``...) or
+    variant key. A row with nothing in its columns but its name is left out."""
+    cols, _ = columns({**results, "variants": variants}, tuple(k for k in picked if k not in STANDARD))
+    if picked:
+        by_header = {h: (h, f) for h, f in cols}
+        headers = (k if k in STANDARD else _label(k) for k in picked)
+        cols = [cols[0], *[by_header[h] for h in headers if h in by_header]]
+    lead = 2 if first else 1
+    cols = [first, *cols] if first else cols
+    rows = [[f(v) for _, f in cols] for v in variants]
+    return markdown([[h for h, _ in cols], *[row for row in rows if any(c != "-" for c in row[lead:])]])
+
+
+# the headers of the columns every table has (when a variant has a value for them)
+STANDARD = ("step", "tokens/s", "MFU", "peak", "params", "grads", "optim", "activ", "loss")
 _SKIP = {"name", "step_time_s", "tokens_per_s", "mfu", "losses", "step_times_s",
          "peak_memory_bytes", "release"}
 # unit suffixes dropped from a key to make its column label (the value shows the unit)
@@ -271,6 +322,8 @@ def human(key: str, value: Any) -> str:
 
 
 def _label(key: str) -> str:
+    if "." in key:  # a.b: a's label, then b
+        return f"{_label(key.split('.')[0])} {key.rsplit('.', 1)[1]}"
     if key.endswith("_per_s"):
         return key[: -len("_per_s")].replace("_", " ") + "/s"
     for suffix in _UNITS:
@@ -278,6 +331,15 @@ def _label(key: str) -> str:
             key = key[: -len(suffix)]
             break
     return key.replace("_", " ")
+
+
+def _cell(key: str) -> Callable[[dict[str, Any]], str]:
+    """A variant's value under ``key`` in a human unit; ``a.b`` reads ``v[a][b]``, in a's unit."""
+    def cell(v: dict[str, Any]) -> str:
+        for part in key.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        return human(key.split(".")[0], v)
+    return cell
 
 
 def _mem(category: str):

@@ -44,8 +44,10 @@ The API (what ``fsdp-course plan`` builds on):
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -56,9 +58,11 @@ import numpy as np
 from utilities.errors import UsageError, bad_value
 from utilities.measure.planner import STRATEGIES, check_step
 
-__all__ = ["CALIBRATED", "Cluster", "Efficiencies", "Event", "GPU", "GPUS", "StepTime", "collective_time",
-           "estimate_step_time", "format_predicted", "format_step_time", "get_gpu", "parse_cluster",
-           "predict_variants", "ring_bytes_per_gpu", "sweep", "trace_step"]
+__all__ = ["CALIBRATED", "Cluster", "Efficiencies", "Event", "GPU", "GPUS", "StepTime",
+           "add_prediction_arguments", "check_prediction_arguments", "collective_time",
+           "draw_timelines", "estimate_step_time", "format_predicted", "format_step_time",
+           "get_gpu", "parse_cluster", "predict_from_arguments", "predict_variants",
+           "predicted_rows", "ring_bytes_per_gpu", "sweep", "trace_step"]
 
 BACKWARD_PREFETCH = ("backward_pre", "backward_post", "none")
 
@@ -950,6 +954,45 @@ def parse_cluster(text: str, flag: str = "--predict-on") -> Cluster:
     return Cluster(nodes, per_node, gpu)
 
 
+def add_prediction_arguments(parser: argparse.ArgumentParser, model: str, batch: int,
+                             cluster: str = "2x8xh100") -> None:
+    """``--predict-on``, ``--predict-model`` and ``--predict-batch``: after a script's
+    measurements, this model's prediction of its variants on a cluster (what a knob does to time
+    where there is an interconnect), for ``model`` at ``batch`` per GPU unless the flags say
+    otherwise (``predict_from_arguments``)."""
+    from utilities.errors import positive_int
+
+    g = parser.add_argument_group("prediction on a cluster (a model, not a measurement)")
+    g.add_argument("--predict-on", default=cluster,
+                   help=f"cluster to predict the variants' step time on: {CLUSTER_FORMAT}; "
+                        f"'none' to skip (default {cluster})")
+    g.add_argument("--predict-model", default=model,
+                   help=f"model to predict for (default {model}, the lesson's GPU size)")
+    g.add_argument("--predict-batch", type=positive_int, default=batch,
+                   help=f"per-GPU batch to predict for (default {batch})")
+
+
+def check_prediction_arguments(args: argparse.Namespace) -> None:
+    """Refuse a ``--predict-on`` or ``--predict-model`` that cannot be predicted (UsageError)."""
+    if args.predict_on != "none":
+        from utilities.models import get_model_spec
+
+        parse_cluster(args.predict_on)
+        get_model_spec(args.predict_model)
+
+
+def predict_from_arguments(args: argparse.Namespace, variants: dict[str, dict[str, Any]],
+                           precision: str = "bf16", ac: str = "none",
+                           seq: int | None = None) -> dict[str, Any] | None:
+    """A lesson's ``predicted`` block (``predict_variants``) from its prediction flags, made on
+    rank 0 *before* the lesson joins its process group: the model traces one step on a fake group
+    of its own. Other ranks, and ``--predict-on none``, get None."""
+    if args.predict_on == "none" or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    return predict_variants(args.predict_model, parse_cluster(args.predict_on), variants,
+                            precision=precision, ac=ac, batch=args.predict_batch, seq=seq)
+
+
 def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]],
                      precision: str = "bf16", ac: str = "none", batch: int = 1,
                      seq: int | None = None) -> dict[str, Any]:
@@ -974,14 +1017,50 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
             "batch": batch, "seq": seq, "variants": rows}
 
 
+def predicted_rows(block: dict[str, Any]) -> list[list[str]]:
+    """The prediction's table, a header and a row per variant: what the lesson prints under its
+    measurements and its README renders (``utilities.course.readme_tables``)."""
+    ms = lambda seconds: f"{seconds * 1e3:.1f}ms"  # noqa: E731
+    return [["variant", "step", "comm", "exposed", "tokens/s/GPU"],
+            *[[v["name"], ms(v["step_s"]), ms(v["comm_s"]), ms(v["exposed_comm_s"]),
+               f"{v['tokens_per_s_per_gpu']:,.0f}"] for v in block["variants"]]]
+
+
 def format_predicted(block: dict[str, Any]) -> str:
     """The prediction as a table under the lesson's measurements (80 columns)."""
-    lines = [f"PREDICTED (the step-time model, not a measurement): {block['model']}, batch "
-             f"{block['batch']} x {block['seq']} per GPU, on {block['cluster']}",
-             f"{'variant':<22}{'step':>10}{'comm':>10}{'exposed':>10}{'tokens/s/GPU':>14}"]
-    for v in block["variants"]:
-        lines.append(f"{v['name'][:22]:<22}{v['step_s'] * 1e3:>8.1f}ms{v['comm_s'] * 1e3:>8.1f}ms"
-                     f"{v['exposed_comm_s'] * 1e3:>8.1f}ms{v['tokens_per_s_per_gpu']:>14,.0f}")
     import textwrap
 
-    return "\n".join([*textwrap.wrap(lines[0], 80), *lines[1:]])
+    title = (f"PREDICTED (the step-time model, not a measurement): {block['model']}, batch "
+             f"{block['batch']} x {block['seq']} per GPU, on {block['cluster']}")
+    rows = [f"{name[:22]:<22}{step:>10}{comm:>10}{exposed:>10}{tokens:>14}"
+            for name, step, comm, exposed, tokens in predicted_rows(block)]
+    return "\n".join([*textwrap.wrap(title, 80), *rows])
+
+
+def draw_timelines(predicted: dict[str, Any], names: list[str]) -> Any:
+    """The step-time model's timelines of two or more of a lesson's variants, side by side: per
+    variant a compute lane and a communication lane, each bar a unit's forward, backward,
+    all-gather or reduce-scatter (``results["predicted"]``, a prediction, not a measurement)."""
+    import matplotlib.pyplot as plt
+
+    colors = {"forward": "tab:blue", "recompute": "tab:cyan", "backward": "tab:green",
+              "optimizer": "tab:gray", "all_gather": "tab:orange", "reduce_scatter": "tab:red",
+              "all_reduce": "tab:purple"}
+    by_name = {v["name"]: v for v in predicted["variants"]}
+    fig, axes = plt.subplots(len(names), 1, figsize=(14, 1.8 * len(names)), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        v = by_name[name]
+        for row, lane in enumerate(("comm", "compute")):
+            for e in (e for e in v["timeline"] if e["lane"] == lane):
+                ax.broken_barh([(e["start"] * 1e3, (e["end"] - e["start"]) * 1e3)], (row * 10, 8),
+                               color=colors.get(e["phase"], "k"))
+        ax.set_yticks([4, 14], ["communication", "compute"])
+        ax.set_title(f"{name}: step {v['step_s'] * 1e3:.1f} ms, exposed communication "
+                     f"{v['exposed_comm_s'] * 1e3:.1f} ms", fontsize=10, loc="left")
+    axes[-1, 0].set_xlabel("ms from the step's start (PREDICTED by the step-time model)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.suptitle(f"{predicted['model']} on {predicted['cluster']}", fontsize=10)
+    fig.tight_layout()
+    fig.legend(handles, list(colors), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+               ncol=len(colors), fontsize=8)
+    return fig
