@@ -314,8 +314,8 @@ def human(key: str, value: Any) -> str:
         return _seconds(value)
     if key.endswith(("_ratio", "_x", "speedup")):
         return f"{value:.2f}x"
-    if key.endswith(("_fraction", "_pct")):
-        return f"{value:.1%}" if key.endswith("_fraction") else f"{value:.1f}%"
+    if key.endswith(("_fraction", "_pct", "_accuracy")):
+        return f"{value:.1f}%" if key.endswith("_pct") else f"{value:.1%}"
     if isinstance(value, float):
         return f"{value:.4g}"
     return _count(value) if abs(value) >= 10_000 else str(value)
