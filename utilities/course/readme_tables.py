@@ -183,8 +183,9 @@ def render(lesson: str, runs: dict[str, Any] | list[tuple[str, dict[str, Any]]],
     variants = []
     for _, r in runs:
         flags = settings_flags(r, first)
-        label = " ".join([f"{r['world_size']} ranks"] * ranks + [f"`{flags}`" if flags else ""]).strip()
-        variants += [{**v, "_run": label or "(defaults)"} for v in r["variants"]]
+        label = " ".join(filter(None, [f"{r['world_size']} ranks" if ranks else "",
+                                       f"`{flags}`" if flags else ""])) or "(defaults)"
+        variants += [{**v, "_run": label} for v in r["variants"]]
     run_column = ("run", lambda v: v["_run"]) if len(runs) > 1 else None
     lines += ["", markdown_table(variants, first, picked, run_column)]
     if first.get("takeaway") and not picked:

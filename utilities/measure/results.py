@@ -212,14 +212,14 @@ def peak_range(results: dict[str, Any]) -> str:
 Column = tuple[str, Callable[[dict[str, Any]], str]]
 
 
-def columns(results: dict[str, Any], extra_columns: tuple[str, ...] = ()) -> tuple[list[Column], list[str]]:
+def columns(results: dict[str, Any]) -> tuple[list[Column], list[str]]:
     """The columns of the comparison (header, a variant's cell) and the scalar keys they leave
-    out: the variant's name; step time, tokens/s, MFU and the peak; the lesson's own columns
-    (``extra_columns``, else the ``columns`` the lesson chose, else every scalar key); then the
-    peak by category and the losses. A column that is empty for every variant is left out."""
+    out: the variant's name; step time, tokens/s, MFU and the peak; the lesson's own columns (the
+    ``columns`` it chose, else every scalar key); then the peak by category and the losses. A
+    column that is empty for every variant is left out."""
     variants = results["variants"]
-    extras = list(extra_columns or results.get("columns", ()))
-    chosen = bool(extra_columns or results.get("columns"))
+    extras = list(results.get("columns", ()))
+    chosen = bool(extras)
     hidden = []
     for v in variants:
         for k, val in v.items():
@@ -272,18 +272,18 @@ def table(results: dict[str, Any]) -> str:
 
 
 def markdown_table(variants: list[dict[str, Any]], results: dict[str, Any],
-                   picked: tuple[str, ...] = (), first: Column | None = None) -> str:
+                   picked: tuple[str, ...] = (), lead_column: Column | None = None) -> str:
     """The comparison of ``table`` (the same columns and cells, none cut) in markdown, over
-    ``variants`` (one run's, or the runs' of one lesson, ``results`` being one), after ``first``
-    if given. ``picked`` names the columns to show instead, by header (``peak``, ``loss``...) or
-    variant key. A row with nothing in its columns but its name is left out."""
-    cols, _ = columns({**results, "variants": variants}, tuple(k for k in picked if k not in STANDARD))
+    ``variants`` (one run's, or the runs' of one lesson, ``results`` being one), after
+    ``lead_column`` if given. ``picked`` names the columns to show instead, by header (``peak``,
+    ``loss``...) or variant key. A row with nothing in its columns but its name is left out."""
+    cols, _ = columns({**results, "variants": variants})
     if picked:
-        by_header = {h: (h, f) for h, f in cols}
-        headers = (k if k in STANDARD else _label(k) for k in picked)
-        cols = [cols[0], *[by_header[h] for h in headers if h in by_header]]
-    lead = 2 if first else 1
-    cols = [first, *cols] if first else cols
+        standard = {h: (h, f) for h, f in cols if h in STANDARD}
+        chosen = [standard.get(k) if k in STANDARD else (_label(k), _cell(k)) for k in picked]
+        cols = [cols[0], *[c for c in chosen if c and any(c[1](v) != "-" for v in variants)]]
+    lead = 2 if lead_column else 1
+    cols = [lead_column, *cols] if lead_column else cols
     rows = [[f(v) for _, f in cols] for v in variants]
     return markdown([[h for h, _ in cols], *[row for row in rows if any(c != "-" for c in row[lead:])]])
 
