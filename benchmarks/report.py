@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import NO_GPU, RESULTS_DIR
+from common import NO_GPU, REPO, RESULTS_DIR
 from end_to_end import ALL_CONFIGS as E2E_GPU_CONFIGS
 from end_to_end import reference_of
 from layer import CONFIGS as LAYER_CONFIGS
@@ -45,9 +46,18 @@ def mib(b) -> str:
     return "" if b is None else f"{b / 2**20:,.1f} MiB"
 
 
-def load_all(directory: Path) -> dict[str, list[dict]]:
+def evidence_dirs() -> list[Path]:
+    """The benchmark steps' folders in every chunked GPU evidence folder (``fsdp-course evidence``)."""
+    from utilities.course.evidence import evidence_folders
+
+    return [step for folder in evidence_folders(REPO) for step in sorted(folder.glob("bench-*"))
+            if step.is_dir()]
+
+
+def load_all(directories: Path | list[Path]) -> dict[str, list[dict]]:
     found: dict[str, list[dict]] = {}
-    for path in sorted(directory.glob("*.json")):
+    directories = [directories] if isinstance(directories, Path) else directories
+    for path in sorted(p for d in directories for p in d.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
@@ -194,13 +204,48 @@ def planner_rows(files: list[dict]) -> list[list[str]]:
     return rows
 
 
-def table(directory: Path) -> str:
+def table(directory: Path | list[Path]) -> str:
     found = load_all(directory)
     rows = (e2e_rows(found.get("end_to_end", [])) + layer_rows(found.get("layer", []))
             + mm_rows(found.get("memory_maximizer", [])) + planner_rows(found.get("planner_check", [])))
     lines = ["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+CALIBRATION_START, CALIBRATION_END = "<!-- calibration:start -->", "<!-- calibration:end -->"
+
+
+def calibration_table() -> str:
+    """The time model's efficiencies as the newest GPU evidence measured them (``fsdp-course plan
+    --calibrate``, the evidence step ``calibrate``), beside the model's fitted ones."""
+    from utilities.course.evidence import evidence_folders
+    from utilities.measure.step_time import CALIBRATED
+
+    found = [f / "calibrate" / "calibration.json" for f in evidence_folders(REPO)]
+    found = [p for p in found if p.is_file()]
+    fitted = (f"fitted on published figures: matmul {CALIBRATED.matmul:.3f}, attention "
+              f"{CALIBRATED.attention:.3f}, memory {CALIBRATED.memory:.3f}")
+    if not found:
+        return (f"*{NO_GPU}: `fsdp-course evidence` measures it (step `calibrate`).* The model's "
+                f"efficiencies are the ones {fitted}.")
+    path = found[-1]
+    data = json.loads(path.read_text())
+    m, e = data["measured"], data["efficiencies"]
+    head = ["GPU", "date", "matmul", "attention", "memory", "file"]
+    row = [data["device_name"], data["date"][:10], f"{m['matmul_tflops']:.0f} TFLOP/s ({e['matmul']:.3f})",
+           f"{m['attention_tflops']:.0f} TFLOP/s ({e['attention']:.3f})",
+           f"{m['memory_gbytes_per_s']:,.0f} GB/s ({e['memory']:.3f})", f"`{os.path.relpath(path, REPO)}`"]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(row) + " |",
+                      "", f"Measured (efficiency in brackets); the model's defaults are the ones {fitted}. "
+                      "`fsdp-course plan --calibration FILE` predicts with the measured ones."])
+
+
+def render_block(readme: str, start: str, end: str, body: str) -> str:
+    if start not in readme or end not in readme:
+        return readme
+    before, rest = readme.split(start, 1)
+    return f"{before}{start}\n{body}\n{end}{rest.split(end, 1)[1]}"
 
 
 def render(readme: str, body: str) -> str:
@@ -214,20 +259,23 @@ def render(readme: str, body: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results-dir", default=str(RESULTS_DIR),
-                   help="where the result files are (default benchmarks/results)")
+    p.add_argument("--results-dir", nargs="+", default=None, metavar="DIR",
+                   help="where the result files are (default benchmarks/results and the benchmark "
+                        "steps of every GPU evidence folder, benchmarks/results/gpu/*/bench-*)")
     p.add_argument("--readme", default=str(HERE / "README.md"),
                    help="the README whose table is replaced (default benchmarks/README.md)")
     p.add_argument("--print", action="store_true", help="print the table instead of writing the README")
     args = p.parse_args(argv)
-    body = table(Path(args.results_dir))
+    dirs = [Path(d) for d in args.results_dir] if args.results_dir else [RESULTS_DIR, *evidence_dirs()]
+    body = table(dirs)
     if args.print:
         print(body)
         return 0
     path = Path(args.readme)
     old = path.read_text() if path.exists() else "# Benchmarks\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(old, body))
+    path.write_text(render_block(render(old, body), CALIBRATION_START, CALIBRATION_END,
+                                 calibration_table()))
     print(f"table written to {path}")
     return 0
 

@@ -78,8 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     from utilities.course import evidence
 
     evidence.add_arguments(sub.add_parser(
-        "evidence", help="on a GPU machine: every GPU measurement of the course in one run (--plan "
-                         "lists the steps and their minutes)",
+        "evidence", help="on a GPU machine: the course's GPU measurements in chunks of --minutes "
+                         "(--plan: what is done and next; --pack / --unpack: one archive back)",
         description=evidence.__doc__.split("\n\n")[0]))
 
     rec = sub.add_parser(

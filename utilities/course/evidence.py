@@ -1,100 +1,206 @@
-"""``fsdp-course evidence``: everything the course can only measure on a GPU, in one command.
+"""``fsdp-course evidence``: the course's GPU measurements, in chunks that fit a short GPU slot.
 
-A GPU is lent for a short time (30 minutes with the machine's start). This runs, in order of value,
-what a CPU cannot show: the GPU tests, each lesson's GPU run, the benchmarks, and the time model's
-calibration where it exists. Each step runs as its own process from the repository root, its
-output kept in ``STEP.log``; a failing step is recorded with its exit code and last error line and
-the run goes on; a step whose estimate no longer fits the budget is skipped and said so. Everything
-lands in one folder (default ``benchmarks/results/gpu/<date>-<gpu>/``) with ``manifest.json``:
-device, driver, torch, CUDA, commit, date, and each step's status and wall time. Then
-``render_readmes`` writes each lesson README's "On a GPU" table from the lesson runs in that
-folder (between ``<!-- gpu-results:NN -->`` and ``<!-- /gpu-results -->``).
+A GPU is often lent for minutes (a borrowed cloud GPU, a cluster job with a wall-clock limit).
+``--minutes M`` (default 8) runs the most valuable steps that fit in M minutes and have no result yet
+for this version of their code in the evidence folder (``--into``); the next slot takes the following
+ones, until the folder is complete. A step's version is a hash of the files it runs (the library, the
+harness, and its own lesson, test or benchmark files), so a later slot neither redoes what is still
+valid nor trusts what a code change made stale. Each step runs as its own process group from the
+repository root; its output lands in ``STEP.log``, the files it is kept for (a lesson's
+results.json, a benchmark's JSON, a JUnit file) under ``STEP/``, and its status, wall time and
+version in ``manifest.json``. A step that needs a package this machine lacks is left for a machine
+that has it, and said so; a failure is recorded and the chunk goes on.
 
-Minutes per step are estimates for one H100 until a run measures them: ``--plan`` prints them and
-their total; the manifest records what each step really took.
+``--pack FILE.tar.gz`` writes the folder into one archive (rewritten after every step, so a slot cut
+short still hands back what it did); on a CPU machine ``--unpack FILE.tar.gz`` merges it into the
+evidence folder and re-renders every lesson README's "On a GPU" table, the benchmark README's tables
+and the time model's calibration row from what is there. ``--plan`` shows what is done, what is next,
+and the minutes each step is estimated to take: an estimate for one H100 until a run measured it,
+then what it took last time.
+
+    PYTHONUNBUFFERED=1 python3 -m utilities evidence --minutes 8 --pack OUT/evidence.tar.gz
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
+import hashlib
+import importlib.util
+import io
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from utilities.course.catalog import LESSONS, REPO_ROOT
 from utilities.errors import UsageError, bad_value
 
-BUDGET_MINUTES = 25.0
+CHUNK_MINUTES = 8.0
+SCHEMA = 2
+EVIDENCE_ROOT = Path("benchmarks") / "results" / "gpu"
+PACK_LIMIT_BYTES = 16 * 2**20
+LOG_LIMIT_BYTES = 2**20  # a log longer than this keeps its last MiB
+KEPT_FILE_LIMIT_BYTES = 4 * 2**20
 GPU_BLOCK = re.compile(r"(<!-- gpu-results:(\d\d)[^\n]*-->\n)(.*?)(<!-- /gpu-results -->)", re.S)
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+# What every step runs: the library and the harness that launches a lesson.
+LIBRARY = ("utilities/*.py", "utilities/measure/*.py", "utilities/course/catalog.py",
+           "utilities/course/launch.py", "utilities/course/lesson.py", "utilities/course/torchrun.py",
+           "utilities/course/cli.py")
+GPU_TESTS = ("tests/conftest.py", "tests/gpu_cases.py", "tests/test_shared_gpu_cpu.py")
+BENCHMARKS = ("benchmarks/*.py",)
+
+# Done: a result for this version. "skipped": every test the step ran skipped itself (the reason is in
+# its log); "too-long": killed after it had a whole chunk to itself.
+DONE = ("ok", "failed", "skipped", "too-long")
 
 
 @dataclass(frozen=True)
 class Step:
-    """One thing to measure: its name (for ``--only``), the estimated minutes on one H100, the
-    command (argv, run from the repository root; ``{out}`` becomes the evidence folder) and what
-    it shows."""
+    """One thing to measure: its name (``--only``), the minutes it is estimated to take on one H100,
+    the command (argv from the repository root; ``{out}`` is the step's folder in the evidence,
+    ``{scratch}`` an empty folder deleted afterwards), what it shows, the files whose content is its
+    version (globs from the repository root), the files under ``{scratch}`` worth keeping, and the
+    Python modules it cannot run without."""
 
     name: str
     minutes: float
     command: tuple[str, ...]
     what: str
+    inputs: tuple[str, ...] = LIBRARY
+    keep: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
 
 
 @dataclass
-class Outcome:
-    name: str
-    status: str  # ok, failed, timeout, skipped
+class Record:
+    """A step's latest result in the folder."""
+
+    status: str  # ok, failed, too-long, cut (the chunk ended first), unavailable
     seconds: float = 0.0
+    version: str = ""
+    date: str = ""
+    device: str = ""
     returncode: int | None = None
-    error: str = ""  # the last line that names an error, for a failed step
+    error: str = ""
     log: str = ""
 
 
 @dataclass
 class Manifest:
-    device: str
-    driver: str
-    torch: str
-    cuda: str
-    commit: str
-    date: str
-    budget_minutes: float
-    steps: list[Outcome] = field(default_factory=list)
+    folder: str
+    schema: int = SCHEMA
+    chunks: list[dict] = field(default_factory=list)  # each: the machine, the date, the minutes, the steps
+    steps: dict[str, Record] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest | None:
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            if data.get("schema") != SCHEMA:
+                return None
+            return cls(folder=str(data["folder"]), chunks=list(data.get("chunks", [])),
+                       steps={name: Record(**record) for name, record in data.get("steps", {}).items()})
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            raise UsageError(f"{str(path)!r} is not allowed: not an evidence manifest; allowed: the "
+                             "manifest.json `fsdp-course evidence` writes") from None
+
+    def write(self, path: Path) -> None:
+        data = {"schema": self.schema, "folder": self.folder, "chunks": self.chunks,
+                "steps": {name: asdict(record) for name, record in sorted(self.steps.items())}}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+# -- the steps, most valuable first ---------------------------------------------------------------
+def claim_ids(path: Path = REPO_ROOT / "tests" / "gpu_cases.py") -> list[str]:
+    """The ids of the GPU claims (``Case("id", ...)`` in tests/gpu_cases.py), read without importing
+    the tests."""
+    ids = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Case" and node.args
+                and isinstance(node.args[0], ast.Constant)):
+            ids.append(node.args[0].value)
+    return ids
+
+
+SHARED_GPU_TESTS = {  # step -> pytest node id: lessons 01/06/14's memory on ranks sharing the GPU
+    "shared-06": "test_lesson_06_full_shard_bytes_per_rank_equal_theory[06]",
+    "shared-06x4": "test_lesson_06_full_shard_bytes_per_rank_equal_theory[06x4]",
+    "shared-01": "test_lesson_01_per_block_unsharded_peak_below_one_unit",
+    "shared-14": "test_lesson_14_plan_within_10_percent_of_the_allocator_peak",
+}
 
 
 def gpu_steps(python: str = sys.executable) -> list[Step]:
-    """The GPU evidence, most valuable first. Lessons run ``--quick`` where the full GPU size would
-    not fit the budget (02, 05: their batch searches; 10: a full training run), and say so."""
+    """The GPU evidence in order of value: one quick pass of every lesson (the failures that would
+    embarrass us), the GPU claims, memory on ranks sharing the GPU, the plain-loop reference and the
+    FSDP2 ratio, the FP8 layer, the calibration, then every lesson at its GPU size for the READMEs."""
     course = (python, "-m", "utilities")
-    quick = {"02": "its batch search is long", "05": "its batch search is long",
-             "10": "a full training run is long"}
-    steps = [Step("gpu-tests", 6.0, (python, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "tests/gpu",
-                                     "--junitxml", "{out}/gpu-tests.xml"),
-                  "the GPU tests (each has a CPU twin in the suite)")]
-    minutes = {"01": 0.8, "02": 1.0, "03": 0.6, "04": 1.0, "05": 1.0, "06": 0.8, "07": 1.0,
-               "08": 0.6, "09": 0.8, "10": 1.0, "11": 0.8, "12": 0.6, "13": 1.5, "14": 1.0}
-    for number, info in LESSONS.items():
-        if not info.ready:
-            continue
-        flags = ("--quick",) if number in quick else ()
-        note = f" (--quick: {quick[number]})" if number in quick else ""
-        steps.append(Step(f"lesson-{number}", minutes.get(number, 1.0),
-                          (*course, "run", number, "--device", "cuda", *flags, "--out",
-                           f"{{out}}/run{number}"),
-                          f"lesson {number}'s GPU run{note}"))
-    steps.append(Step("benchmarks", 5.0, (python, "benchmarks/run_all.py", "--device", "cuda",
-                                          "--results-dir", "{out}"),
-                       "benchmarks: reference ratio, MFU, FP8 layer, compile"))
-    steps.append(Step("calibrate", 1.0, (*course, "plan", "--calibrate", "--calibration",
+
+    def pytest_step(name, minutes, node, what, extra=(), needs=()):
+        file = node.split("::")[0]
+        return Step(name, minutes, (python, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "-p",
+                                    "no:cacheprovider", node, *extra, "--junitxml", "{out}/junit.xml"),
+                    what, LIBRARY + GPU_TESTS + (file, "lessons/*/*.py"), needs=needs)
+
+    def lesson_files(number):
+        return LIBRARY + (f"lessons/{LESSONS[number].folder}/*.py",)
+
+    ready = [n for n, info in LESSONS.items() if info.ready]
+    quick_minutes = {"02": 0.8, "05": 0.8, "10": 0.8, "13": 1.5}
+    steps = [Step(f"quick-{n}", quick_minutes.get(n, 0.5),
+                  (*course, "run", n, "--quick", "--device", "cuda", "--out", "{scratch}"),
+                  f"lesson {n}'s quick run on the GPU", lesson_files(n), keep=("results.json",))
+             for n in ready]
+    smoke = "tests/gpu/test_gpu_smoke.py"
+    steps += [pytest_step(f"claim-{cid}", 1.0, f"{smoke}::test_gpu_claim[{cid}]",
+                          f"GPU claim {cid} (its CPU twin is in the suite)") for cid in claim_ids()]
+    steps.append(pytest_step("gpu-readiness", 0.4, smoke, "Memory_Maximizer and bf16_ready on a real GPU",
+                             extra=("-k", "not test_gpu_claim")))
+    shared = "tests/gpu/test_shared_gpu.py"
+    steps += [pytest_step(name, 1.0, f"{shared}::{node}", f"ranks sharing the GPU: {node.split('[')[0][5:]}")
+              for name, node in SHARED_GPU_TESTS.items()]
+    bench = (python, "benchmarks/run_all.py", "--device", "cuda", "--no-report", "--results-dir", "{out}",
+             "--work-dir", "{scratch}", "--only")
+    steps.append(Step("bench-end-to-end", 4.0, (*bench, "end_to_end"),
+                      "the plain-loop reference and FSDP2's ratio to it, MFU", LIBRARY + BENCHMARKS
+                      + ("lessons/10_end_to_end/*.py",)))
+    steps.append(Step("bench-layer", 1.5, (*bench, "layer"), "one layer: eager, compiled, FP8",
+                      LIBRARY + BENCHMARKS))
+    steps.append(pytest_step("fp8", 1.5, "tests/gpu/test_fp8_smoke.py", "FP8 + compile (lesson 13)",
+                             needs=("torchao",)))
+    steps.append(Step("calibrate", 0.5, (*course, "plan", "--calibrate", "--calibration",
                                          "{out}/calibration.json"),
                       "the time model's efficiencies measured on this GPU"))
+    steps.append(Step("bench-memory-maximizer", 2.0, (*bench, "memory_maximizer"),
+                      "batch search with and without cudaMalloc retries", LIBRARY + BENCHMARKS
+                      + ("lessons/05_memory_maximizer/*.py",)))
+    long_runs = {"02": "its batch search is long", "05": "its batch search is long",
+                 "10": "a full training run is long"}
+    full_minutes = {"01": 0.8, "02": 1.0, "03": 0.6, "04": 1.0, "05": 1.0, "06": 0.8, "07": 1.0,
+                    "08": 0.6, "09": 0.8, "10": 1.0, "11": 0.8, "12": 0.6, "13": 1.5, "14": 1.0}
+    for n in ready:
+        flags = ("--quick",) if n in long_runs else ()
+        note = f" (--quick: {long_runs[n]})" if n in long_runs else ""
+        steps.append(Step(f"lesson-{n}", full_minutes.get(n, 1.0),
+                          (*course, "run", n, "--device", "cuda", *flags, "--out", "{scratch}"),
+                          f"lesson {n} at its GPU size{note}", lesson_files(n), keep=("results.json",)))
     return steps
 
 
@@ -105,16 +211,103 @@ def select(steps: list[Step], only: list[str] | None) -> list[Step]:
     names = [s.name for s in steps]
     for name in only:
         if name not in names:
-            raise bad_value("--only", name, names)
+            raise bad_value("--only", name, ", ".join(names[:6]) + ", ... (see --plan)")
     return [s for s in steps if s.name in only]
 
 
-def format_steps(steps: list[Step], budget: float) -> str:
-    lines = [f"{'step':<12}{'min':>6}  what"]
-    lines += [f"{s.name:<12}{s.minutes:>6.1f}  {s.what}" for s in steps]
-    total = sum(s.minutes for s in steps)
-    lines.append(f"{'total':<12}{total:>6.1f}  minutes on one H100 (estimates); budget {budget:g}")
+# -- versions, estimates and the chunk --------------------------------------------------------------
+def version_of(step: Step, root: Path = REPO_ROOT) -> str:
+    """A hash of the content of the files the step runs (sorted paths and their bytes)."""
+    digest = hashlib.sha256()
+    paths = sorted({p for pattern in step.inputs for p in root.glob(pattern) if p.is_file()})
+    for path in paths:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def is_done(record: Record | None, version: str) -> bool:
+    return record is not None and record.version == version and record.status in DONE
+
+
+def estimate(step: Step, record: Record | None) -> float:
+    """Minutes: what the step took last time it finished (any version), else the H100 estimate; a step
+    cut short took longer than it ran."""
+    if record is None or record.seconds <= 0:
+        return step.minutes
+    if record.status in ("ok", "failed"):
+        return max(record.seconds / 60, 0.05)
+    if record.status == "cut":
+        return max(step.minutes, record.seconds / 60 * 1.5)
+    return step.minutes
+
+
+def missing_modules(step: Step) -> list[str]:
+    return [m for m in step.needs if importlib.util.find_spec(m) is None]
+
+
+def plan_chunk(steps: list[Step], manifest: Manifest, versions: dict[str, str], minutes: float,
+               missing: Callable[[Step], list[str]] = missing_modules) -> list[Step]:
+    """The steps this chunk runs: in order of value, each not yet done for its version and runnable
+    here, as long as their estimates add up to at most ``minutes`` (a step too long for what is left
+    is passed over for a shorter one after it)."""
+    chosen, total = [], 0.0
+    for step in steps:
+        record = manifest.steps.get(step.name)
+        if is_done(record, versions[step.name]) or missing(step):
+            continue
+        minutes_needed = estimate(step, record)
+        if total + minutes_needed <= minutes:
+            chosen.append(step)
+            total += minutes_needed
+    return chosen
+
+
+def state_of(step: Step, manifest: Manifest, versions: dict[str, str],
+             missing: Callable[[Step], list[str]] = missing_modules) -> str:
+    record = manifest.steps.get(step.name)
+    if is_done(record, versions[step.name]):
+        return record.status
+    if missing(step):
+        return "needs " + ", ".join(missing(step))
+    if record is not None and record.status in DONE:
+        return "stale"
+    return "to do"
+
+
+def format_plan(steps: list[Step], manifest: Manifest, versions: dict[str, str], minutes: float,
+                folder: str, missing: Callable[[Step], list[str]] = missing_modules) -> str:
+    """The plan in 80 columns: each step's state and minutes, the next chunk marked ``>``."""
+    nxt = {s.name for s in plan_chunk(steps, manifest, versions, minutes, missing)}
+    lines = [f"evidence folder: {folder}", f"  {'step':<34}{'state':<14}{'min':>5}  source"]
+    left = 0.0
+    for step in steps:
+        record = manifest.steps.get(step.name)
+        state = state_of(step, manifest, versions, missing)
+        est = estimate(step, record)
+        source = "measured" if record is not None and record.status in ("ok", "failed") else "estimate"
+        if not is_done(record, versions[step.name]):
+            left += est
+        mark = ">" if step.name in nxt else " "
+        lines.append(f"{mark} {step.name:<34}{state[:13]:<14}{est:>5.1f}  {source}")
+    lines.append(f"next chunk ({minutes:g} min): {len(nxt)} steps marked >; {left:.1f} min of steps "
+                 "left in all")
     return "\n".join(lines)
+
+
+# -- running a chunk --------------------------------------------------------------------------------
+def scrub(text: str, scratch: str | None = None, root: Path = REPO_ROOT) -> str:
+    """Paths of this machine made neutral: the checkout relative, the scratch folder OUT, installed
+    packages site-packages/, temporary folders TMP/, the home folder ~."""
+    if scratch:
+        text = text.replace(scratch, "OUT")
+    text = text.replace(sys.executable + " ", "python ")
+    text = text.replace(str(root) + os.sep, "").replace(str(root), ".")
+    text = re.sub(r"(?<![\w.])/[^\s'\"]*?/(site|dist)-packages/", r"\1-packages/", text)
+    text = re.sub(r"(?<![\w.])/tmp/[^\s'\"/]+", "TMP", text)
+    home = os.path.expanduser("~")
+    if home not in ("", "/"):
+        text = text.replace(home + os.sep, "~/")
+    return text
 
 
 def last_error(text: str) -> str:
@@ -126,60 +319,241 @@ def last_error(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def run_steps(steps: list[Step], out: Path, budget_minutes: float,
-              clock: Callable[[], float] = time.monotonic, echo: Callable[[str], None] = print,
-              cwd: Path = REPO_ROOT) -> list[Outcome]:
-    """Run each step in order within the budget; a failure is recorded and the run goes on."""
-    out.mkdir(parents=True, exist_ok=True)
-    start = clock()
-    outcomes = []
-    for i, step in enumerate(steps, 1):
-        left = budget_minutes - (clock() - start) / 60
-        if step.minutes > left:
-            outcomes.append(Outcome(step.name, "skipped", error=f"{step.minutes:.1f} min estimated, "
-                                                                f"{left:.1f} min of budget left"))
-            echo(f"[{i}/{len(steps)}] {step.name}: skipped ({step.minutes:.1f} min estimated, "
-                 f"{left:.1f} left)")
-            continue
-        echo(f"[{i}/{len(steps)}] {step.name} (~{step.minutes:.1f} min; {left:.1f} min left): {step.what}")
-        log = out / f"{step.name}.log"
-        command = [part.replace("{out}", str(out)) for part in step.command]
-        began = clock()
+def all_skipped(junit: Path) -> bool:
+    """Whether a pytest JUnit file shows tests that all skipped themselves."""
+    if not junit.is_file():
+        return False
+    head = junit.read_text(errors="replace")[:4000]
+    tests = re.search(r'\btests="(\d+)"', head)
+    skipped = re.search(r'\bskipped="(\d+)"', head)
+    return bool(tests and skipped and int(tests.group(1)) > 0 and tests.group(1) == skipped.group(1))
+
+
+def skip_reason(junit: Path) -> str:
+    reasons = re.findall(r'<skipped [^>]*message="([^"]*)"', junit.read_text(errors="replace"))
+    return "; ".join(sorted(set(reasons)))[:300] or "every test skipped itself"
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """End the step and every process it started (torchrun's ranks hold the GPU)."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
         try:
-            proc = subprocess.run(command, cwd=cwd, text=True, capture_output=True,
-                                  timeout=max(60.0, left * 60))
-            text = f"$ {' '.join(command)}\n{proc.stdout}\n{proc.stderr}"
-            status = "ok" if proc.returncode == 0 else "failed"
-            outcome = Outcome(step.name, status, returncode=proc.returncode,
-                              error="" if status == "ok" else last_error(proc.stdout + "\n" + proc.stderr))
-        except subprocess.TimeoutExpired as e:
-            text = f"$ {' '.join(command)}\n{_text(e.stdout)}\n{_text(e.stderr)}"
-            outcome = Outcome(step.name, "timeout", error="stopped at the end of the budget")
-        except OSError as e:
-            text = f"$ {' '.join(command)}\n{e}"
-            outcome = Outcome(step.name, "failed", error=str(e))
-        log.write_text(text)
-        outcome.seconds, outcome.log = round(clock() - began, 1), log.name
-        outcomes.append(outcome)
-        said = f": {outcome.error}" if outcome.error else ""
-        echo(f"    {outcome.status} in {outcome.seconds:.0f} s{said}")
-    return outcomes
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
-def _text(output: str | bytes | None) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+def run_step(step: Step, folder: Path, seconds_left: float, whole_chunk: bool,
+             cwd: Path = REPO_ROOT) -> Record:
+    """Run one step with at most ``seconds_left``; its log and kept files land in ``folder``."""
+    out = folder / step.name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    log_path = folder / f"{step.name}.log"
+    with tempfile.TemporaryDirectory(prefix=f"evidence-{step.name}-") as scratch:
+        command = [p.replace("{out}", str(out)).replace("{scratch}", scratch) for p in step.command]
+        began = time.monotonic()
+        status, returncode, error = "ok", None, ""
+        with open(log_path, "w+b") as log:
+            log.write(f"$ {' '.join(command)}\n".encode())
+            log.flush()
+            try:
+                proc = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            except OSError as e:
+                status, error = "failed", str(e)
+            else:
+                try:
+                    returncode = proc.wait(timeout=max(1.0, seconds_left))
+                    status = "ok" if returncode == 0 else "failed"
+                except subprocess.TimeoutExpired:
+                    _stop_group(proc)
+                    status = "too-long" if whole_chunk else "cut"
+                    error = f"stopped after {seconds_left / 60:.1f} min"
+                else:
+                    _stop_group(proc)  # nothing it started may outlive it
+        seconds = round(time.monotonic() - began, 1)
+        keep_files(step, Path(scratch), out)
+        text = log_path.read_bytes()
+        if len(text) > LOG_LIMIT_BYTES:
+            text = b"[... earlier output cut ...]\n" + text[-LOG_LIMIT_BYTES:]
+        log_text = scrub(text.decode(errors="replace"), scratch)
+        log_path.write_text(log_text)
+        if status == "failed" and not error:
+            error = last_error(log_text)
+        if status == "ok" and all_skipped(out / "junit.xml"):
+            status, error = "skipped", skip_reason(out / "junit.xml")
+    if not any(out.iterdir()):
+        out.rmdir()
+    return Record(status, seconds, returncode=returncode, error=error, log=log_path.name)
+
+
+def keep_files(step: Step, scratch: Path, out: Path) -> None:
+    """Copy the files the step is kept for from its scratch folder, paths scrubbed, small ones only."""
+    for pattern in step.keep:
+        for path in sorted(scratch.glob(pattern)):
+            if path.is_file() and not path.is_symlink() and path.stat().st_size <= KEPT_FILE_LIMIT_BYTES:
+                target = out / path.relative_to(scratch)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(scrub(path.read_text(errors="replace"), str(scratch)))
+    for path in out.rglob("*"):  # what the step wrote into {out} itself
+        if path.is_file() and path.suffix in (".json", ".xml", ".txt"):
+            path.write_text(scrub(path.read_text(errors="replace"), str(scratch)))
+
+
+def run_chunk(steps: list[Step], folder: Path, manifest: Manifest, versions: dict[str, str],
+              minutes: float, machine: dict[str, str], echo: Callable[[str], None] = print,
+              after_step: Callable[[], None] = lambda: None, cwd: Path = REPO_ROOT,
+              clock: Callable[[], float] = time.monotonic) -> list[str]:
+    """Run the chunk's steps within ``minutes``; the manifest is written after every step. The names
+    of the steps run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    start = clock()
+    chunk = {"date": machine["date"], "minutes": minutes, "machine": machine, "steps": []}
+    manifest.chunks.append(chunk)
+    for i, step in enumerate(steps, 1):
+        left = minutes * 60 - (clock() - start)
+        needed = estimate(step, manifest.steps.get(step.name)) * 60
+        if left < max(needed * 0.75, 20.0):
+            echo(f"[{i}/{len(steps)}] {step.name}: left for the next chunk ({left / 60:.1f} min left)")
+            continue
+        echo(f"[{i}/{len(steps)}] {step.name} (~{needed / 60:.1f} min of {left / 60:.1f} left): {step.what}")
+        record = run_step(step, folder, left, whole_chunk=(i == 1 or left >= minutes * 60 * 0.9), cwd=cwd)
+        record.version, record.date, record.device = versions[step.name], machine["date"], machine["device"]
+        manifest.steps[step.name] = record
+        chunk["steps"].append(step.name)
+        manifest.write(folder / "manifest.json")
+        after_step()
+        said = f": {record.error}" if record.error else ""
+        echo(f"    {record.status} in {record.seconds:.0f} s{said}")
+    manifest.write(folder / "manifest.json")
+    return chunk["steps"]
+
+
+# -- one archive back, merged here ----------------------------------------------------------------
+def pack(folder: Path, archive: Path, limit: int = PACK_LIMIT_BYTES) -> int:
+    """Write the evidence folder into one .tar.gz (under ``limit``: the largest logs are cut to their
+    tails until it fits); its size in bytes."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+    cut = 0
+    while True:
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        tmp = archive.with_name(archive.name + ".tmp")
+        with tarfile.open(tmp, "w:gz") as tar:
+            for path in files:
+                data = path.read_bytes()
+                if cut and path.suffix == ".log" and len(data) > cut:
+                    data = b"[... earlier output cut ...]\n" + data[-cut:]
+                info = tarfile.TarInfo(path.relative_to(folder).as_posix())
+                info.size, info.mtime, info.mode = len(data), int(path.stat().st_mtime), 0o644
+                tar.addfile(info, io.BytesIO(data))
+        size = tmp.stat().st_size
+        if size <= limit or cut == 4096:
+            os.replace(tmp, archive)
+            return size
+        cut = max(4096, (cut or LOG_LIMIT_BYTES) // 4)
+
+
+def _safe_members(tar: tarfile.TarFile, limit: int) -> list[tarfile.TarInfo]:
+    """Plain files at most two folders down, named in letters, digits, '.', '_' and '-', adding up to
+    at most ``limit`` bytes; anything else refuses the archive."""
+    members, total = [], 0
+    for member in tar.getmembers():
+        parts = member.name.split("/")
+        if member.isdir():
+            continue
+        if (not member.isfile() or len(parts) > 3 or not all(SAFE_NAME.fullmatch(p) for p in parts)
+                or ".." in parts):
+            raise UsageError(f"--unpack: {member.name!r} is not allowed in an evidence archive; allowed: "
+                             "plain files named in letters, digits, '.', '_', '-', two folders deep")
+        total += member.size
+        if total > limit:
+            raise UsageError(f"--unpack: the archive holds more than {limit // 2**20} MiB; allowed: "
+                             "an archive `fsdp-course evidence --pack` wrote")
+        members.append(member)
+    return members
+
+
+def unpack(archive: Path, into: Path | None = None, root: Path = REPO_ROOT) -> tuple[Path, list[str]]:
+    """Merge an archive into its evidence folder (``into``, else the folder its manifest names, which
+    must lie under benchmarks/results/gpu): a step's newer record, log and files replace older ones.
+    The folder and the steps taken from the archive."""
+    try:
+        tar = tarfile.open(archive, "r:gz")
+    except (OSError, tarfile.TarError) as e:
+        raise UsageError(f"--unpack {str(archive)!r} is not allowed: {type(e).__name__}; allowed: a "
+                         ".tar.gz `fsdp-course evidence --pack` wrote") from None
+    with tar:
+        members = {m.name: m for m in _safe_members(tar, 8 * PACK_LIMIT_BYTES)}
+        if "manifest.json" not in members:
+            raise UsageError(f"--unpack {str(archive)!r} is not allowed: no manifest.json in it")
+        with tempfile.TemporaryDirectory() as tmp:
+            for member in members.values():
+                target = Path(tmp, *member.name.split("/"))
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(tar.extractfile(member).read())
+            incoming = Manifest.read(Path(tmp) / "manifest.json")
+            if incoming is None:
+                raise UsageError(f"--unpack {str(archive)!r} is not allowed: its manifest is not "
+                                 f"schema {SCHEMA}")
+            if into is None:
+                relative = Path(incoming.folder)
+                if (relative.is_absolute() or relative.parent != EVIDENCE_ROOT
+                        or not SAFE_NAME.fullmatch(relative.name)):
+                    raise UsageError(f"--unpack: the archive's folder {incoming.folder!r} is not allowed; "
+                                     f"allowed: {EVIDENCE_ROOT}/NAME (or give --into)")
+                into = root / relative
+            into.mkdir(parents=True, exist_ok=True)
+            current = Manifest.read(into / "manifest.json") or Manifest(folder=incoming.folder)
+            taken = []
+            for name, record in incoming.steps.items():
+                mine = current.steps.get(name)
+                if mine is not None and mine.date > record.date:
+                    continue
+                current.steps[name] = record
+                taken.append(name)
+                for path in (into / f"{name}.log", into / name):
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    elif path.exists():
+                        path.unlink()
+                for source in (Path(tmp) / f"{name}.log", Path(tmp) / name):
+                    if source.is_dir():
+                        shutil.copytree(source, into / name)
+                    elif source.is_file():
+                        shutil.copy2(source, into / source.name)
+            known = {json.dumps(c, sort_keys=True) for c in current.chunks}
+            current.chunks += [c for c in incoming.chunks if json.dumps(c, sort_keys=True) not in known]
+            current.chunks.sort(key=lambda c: c.get("date", ""))
+            current.write(into / "manifest.json")
+    return into, taken
 
 
 # -- README tables ---------------------------------------------------------------------------------
+def lesson_run(folder: Path, number: str) -> Path | None:
+    """The lesson's run in an evidence folder: at its GPU size, else its quick run."""
+    for name in (f"lesson-{number}", f"quick-{number}", f"run{number}"):
+        path = folder / name / "results.json"
+        if path.is_file():
+            return path
+    return None
+
+
 def render_readmes(folder: Path, lessons_dir: Path = REPO_ROOT / "lessons") -> list[str]:
-    """Write each marked "On a GPU" table from ``folder/runNN/results.json``, rendered as the
+    """Write each marked "On a GPU" table from the lesson's run in ``folder``, rendered as the
     lesson's CPU table is (``readme_tables.render``: the same columns, a caption naming the run);
     the lessons whose README changed. A lesson without a run in the folder keeps its table."""
     from utilities.course.readme_tables import render
 
     def replace(m: re.Match, readme: Path) -> str:
-        results_path = folder / f"run{m.group(2)}" / "results.json"
-        if not results_path.is_file():
+        results_path = lesson_run(folder, m.group(2))
+        if results_path is None:
             return m.group(0)
         table = render(m.group(2), json.loads(results_path.read_text()),
                        os.path.relpath(results_path.resolve(), readme.parent.resolve()))
@@ -195,65 +569,147 @@ def render_readmes(folder: Path, lessons_dir: Path = REPO_ROOT / "lessons") -> l
     return changed
 
 
+def render_benchmarks(python: str = sys.executable, root: Path = REPO_ROOT) -> str:
+    """benchmarks/README.md's tables re-rendered from the CPU results and every evidence folder
+    (``benchmarks/report.py``, which also writes the calibration row)."""
+    proc = subprocess.run([python, "benchmarks/report.py"], cwd=root, text=True, capture_output=True)
+    if proc.returncode != 0:
+        raise UsageError(f"benchmarks/report.py failed: {last_error(proc.stdout + proc.stderr)}")
+    return proc.stdout.strip()
+
+
 # -- the command -----------------------------------------------------------------------------------
 def describe_machine() -> dict[str, str]:
     import torch
 
-    driver = ""
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                 text=True, capture_output=True, timeout=20).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         driver = "unknown"
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, text=True,
-                            capture_output=True).stdout.strip() or "unknown"
+    try:
+        import transformers
+
+        transformers_version = transformers.__version__
+    except ImportError:
+        transformers_version = "none"
     return {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
             "driver": driver, "torch": torch.__version__, "cuda": str(torch.version.cuda),
-            "commit": commit,
+            "transformers": transformers_version, "cpus": str(os.cpu_count()),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def default_folder(machine: dict[str, str]) -> Path:
-    slug = re.sub(r"[^a-z0-9]+", "-", machine["device"].lower()).strip("-") or "gpu"
-    return REPO_ROOT / "benchmarks" / "results" / "gpu" / f"{machine['date'][:10]}-{slug}"
+def slug(device: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "gpu"
+
+
+def evidence_folders(root: Path = REPO_ROOT) -> list[Path]:
+    """The chunked evidence folders (those with a manifest of this schema), oldest first."""
+    base = root / EVIDENCE_ROOT
+    found = []
+    for path in sorted(base.glob("*/manifest.json")) if base.is_dir() else []:
+        try:
+            if Manifest.read(path) is not None:
+                found.append(path.parent)
+        except UsageError:
+            continue
+    return found
+
+
+def default_folder(device: str | None, date: str, root: Path = REPO_ROOT) -> Path | None:
+    """The newest evidence folder for this GPU (any GPU when ``device`` is None), else a new
+    ``DATE-GPU`` folder (None when there is no GPU to name it after)."""
+    folders = evidence_folders(root)
+    if device is not None:
+        folders = [f for f in folders if f.name.endswith("-" + slug(device))]
+    if folders:
+        return folders[-1]
+    return None if device is None else root / EVIDENCE_ROOT / f"{date[:10]}-{slug(device)}"
+
+
+def minutes_value(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 600:
+        raise bad_value("--minutes", text, "minutes in (0, 600]")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--minutes", default=str(CHUNK_MINUTES),
+                        help=f"the chunk's length (default {CHUNK_MINUTES:g}): the most valuable steps "
+                             "not yet done whose estimates fit, each stopped when the minutes run out")
+    parser.add_argument("--into", default=None, metavar="DIR",
+                        help="evidence folder (default: the newest benchmarks/results/gpu/DATE-GPU for "
+                             "this GPU, else a new one)")
     parser.add_argument("--plan", action="store_true",
-                        help="print each step with its estimated minutes on one H100, and the total")
+                        help="print each step's state and minutes, and what the next chunk runs")
     parser.add_argument("--only", nargs="+", default=None, metavar="STEP",
-                        help="run only these steps (names as --plan prints them)")
-    parser.add_argument("--budget", default=str(BUDGET_MINUTES),
-                        help=f"minutes available (default {BUDGET_MINUTES:g}); a step whose estimate "
-                             "no longer fits is skipped")
-    parser.add_argument("--out", default=None,
-                        help="evidence folder (default benchmarks/results/gpu/DATE-GPU)")
+                        help="consider only these steps (names as --plan prints them)")
+    parser.add_argument("--redo", action="store_true",
+                        help="run the steps --only names even if they are done")
+    parser.add_argument("--pack", default=None, metavar="FILE.tar.gz",
+                        help="write the evidence folder into this archive (after every step)")
+    parser.add_argument("--unpack", default=None, metavar="FILE.tar.gz",
+                        help="on any machine: merge an archive --pack wrote into its evidence folder, "
+                             "then re-render the READMEs' GPU tables")
     return parser
 
 
-def main(args: argparse.Namespace, gpu_available: Callable[[], bool] | None = None) -> int:
+def _relative(path: Path, root: Path = REPO_ROOT) -> str:
     try:
-        budget = float(args.budget)
+        return path.resolve().relative_to(root.resolve()).as_posix()
     except ValueError:
-        budget = float("nan")
-    if not budget > 0 or budget == float("inf"):
-        raise bad_value("--budget", args.budget, "minutes > 0")
-    steps = select(gpu_steps(), args.only)
-    if args.plan:
-        print(format_steps(steps, budget))
+        return str(path)
+
+
+def main(args: argparse.Namespace, gpu_available: Callable[[], bool] | None = None,
+         steps: Iterable[Step] | None = None) -> int:
+    if args.unpack:
+        folder, taken = unpack(Path(args.unpack), Path(args.into) if args.into else None)
+        changed = render_readmes(folder)
+        said = render_benchmarks()
+        print(f"merged {len(taken)} steps into {_relative(folder)}; lesson READMEs re-rendered: "
+              f"{', '.join(changed) or 'none'}; {said}")
         return 0
+    minutes = minutes_value(args.minutes)
+    steps = select(list(steps) if steps is not None else gpu_steps(), args.only)
     if gpu_available is None:
         import torch
 
         gpu_available = torch.cuda.is_available
-    if not gpu_available():
+    has_gpu = gpu_available()
+    machine = describe_machine() if has_gpu else {
+        "device": "none", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    folder = Path(args.into) if args.into else default_folder(machine["device"] if has_gpu else None,
+                                                             machine["date"])
+    manifest = (Manifest.read(folder / "manifest.json") if folder is not None else None) or Manifest(
+        folder=_relative(folder) if folder is not None else "")
+    versions = {s.name: version_of(s) for s in steps}
+    if args.redo:
+        if not args.only:
+            raise UsageError("--redo is not allowed without --only; allowed: --only STEP ... --redo")
+        for step in steps:
+            manifest.steps.pop(step.name, None)
+    if args.plan:
+        print(format_plan(steps, manifest, versions, minutes,
+                          _relative(folder) if folder is not None else "none yet (no GPU here)"))
+        return 0
+    if not has_gpu:
         raise UsageError("fsdp-course evidence needs a CUDA GPU and none is visible here; "
                          "`fsdp-course evidence --plan` shows what it would run")
-    machine = describe_machine()
-    out = Path(args.out) if args.out else default_folder(machine)
-    manifest = Manifest(**machine, budget_minutes=budget)
-    manifest.steps = run_steps(steps, out, budget)
-    (out / "manifest.json").write_text(json.dumps(asdict(manifest), indent=2) + "\n")
-    changed = render_readmes(out)
-    print(f"evidence in {out}; READMEs re-rendered: {', '.join(changed) or 'none'}")
-    return 0 if all(o.status == "ok" for o in manifest.steps) else 1
+    chunk = plan_chunk(steps, manifest, versions, minutes)
+    archive = Path(args.pack) if args.pack else None
+    after = (lambda: pack(folder, archive)) if archive else (lambda: None)
+    print(f"evidence into {_relative(folder)}: {len(chunk)} steps in at most {minutes:g} min on "
+          f"{machine['device']}")
+    ran = run_chunk(chunk, folder, manifest, versions, minutes, machine, after_step=after)
+    if archive:
+        size = pack(folder, archive)
+        print(f"packed {_relative(folder)} into {archive} ({size / 2**20:.2f} MiB)")
+    left = [s.name for s in steps if not is_done(manifest.steps.get(s.name), versions[s.name])]
+    print(f"ran {len(ran)} steps; {len(left)} left for later chunks")
+    failed = [n for n in ran if manifest.steps[n].status != "ok"]
+    return 1 if failed else 0
