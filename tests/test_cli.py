@@ -256,6 +256,38 @@ def test_tables_fit_the_terminal_and_never_split_a_value(monkeypatch, columns):
             assert any(line.startswith(v["name"] + " ") or line == v["name"] for line in lines), (path, v)
 
 
+@pytest.mark.parametrize("columns", [60, 80, 120])
+def test_tables_keep_activations_and_say_why_a_category_is_not_a_column(monkeypatch, columns):
+    """At every width (a terminal, or 120 in a notebook or a log) each committed run's table shows
+    the peak's activations; a category that is 0 at the peak in every variant (gradients, freed
+    by zero_grad before the forward peak) is no ``0 B`` column but a note under the table, in the
+    printed table and the README's alike."""
+    import json
+
+    from utilities.measure.results import idle_categories, markdown_table, table
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    idle_seen = 0
+    for path in sorted((REPO / "lessons").glob("*/results_cpu*.json")):
+        results = json.loads(path.read_text())
+        lines = table(results).splitlines()
+        header = next(line for line in lines if line.startswith("variant "))
+        idle = idle_categories(results["variants"])
+        if any((v.get("peak_memory_bytes") or {}).get("activations") for v in results["variants"]):
+            assert " activ " in f"{header} ", (path, header)
+        markdown_header = markdown_table(results["variants"], results).splitlines()[0]
+        for label, key in (("grads", "gradients"), ("activ", "activations")):
+            if key in idle:
+                idle_seen += 1
+                assert f" {label} " not in f"{header} " and f"| {label} |" not in markdown_header, path
+                assert any(line.startswith(f"note: {key}: 0 B at the peak in every variant")
+                           for line in lines), path
+    assert idle_seen >= 5
+    r01 = json.loads((REPO / "lessons/01_auto_wrap/results_cpu.json").read_text())
+    assert "zero_grad freed" in " ".join(table(r01).split())
+    assert "zero_grad freed" in (REPO / "lessons/01_auto_wrap/README.md").read_text()
+
+
 def test_lesson_help_never_splits_a_variant_name(monkeypatch):
     """``fsdp-course run NN -- --help`` at 80 columns: each variant name the help lists is whole on
     one line (argparse's own wrap breaks after hyphens: ``fsdp1-limit-`` / ``all-gathers``)."""
