@@ -78,6 +78,10 @@ def test_check_reports_versions_and_bf16():
         (["run", "01", "--", "--steps", "0"], ["0", "integers >= 1"]),
         (["run", "01", "--", "--model", "gpt-17"], ["gpt-17", "t5-tiny"]),
         (["run", "01", "--out", "/proc/forbidden"], ["--out", "/proc/forbidden"]),
+        # a flag shortened as argparse allows: the answer names the flag as typed
+        (["run", "01", "--", "--batch", "-3"], ["argument --batch (short for --batch-size): -3"]),
+        (["run", "01", "--", "--seq", "3x"], ["argument --seq (short for --seq-len): '3x'"]),
+        (["run", "01", "--dev", "tpu"], ["argument --dev (short for --device)", "tpu"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, must_mention):
@@ -89,6 +93,28 @@ def test_bad_input_is_one_line_and_exit_2(args, must_mention):
     assert "Traceback" not in proc.stdout + proc.stderr
     for text in must_mention:
         assert text in err, err
+
+
+def test_a_shortened_flag_is_named_as_typed():
+    """argparse takes any unambiguous prefix of a flag; its errors named only the full flag, so
+    ``--batch -3`` was answered about ``--batch-size``."""
+    from utilities.errors import OneLineParser, positive_int
+
+    p = OneLineParser(prog="x")
+    p.add_argument("-n", "--nproc", type=positive_int)
+    p.add_argument("--batch-size", type=positive_int)
+    p.add_argument("--backend", choices=["gloo", "nccl"])
+    for argv, said in ((["--batch", "-3"], "argument --batch (short for --batch-size): -3 is"),
+                       (["--batch-s=0"], "argument --batch-s (short for --batch-size): 0 is"),
+                       (["--npr", "x"], "argument --npr (short for -n/--nproc): 'x' is"),
+                       (["--back", "mpi"], "argument --back (short for --backend): invalid choice"),
+                       (["--batch-size", "-3"], "argument --batch-size: -3 is"),
+                       (["--ba", "1"], "ambiguous option: --ba could match")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            p.parse_args(argv)
+        assert err.getvalue().startswith(f"error: {said}"), (argv, err.getvalue())
+    assert p.parse_args(["--batch", "4"]).batch_size == 4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answers")
