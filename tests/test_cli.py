@@ -53,10 +53,22 @@ def test_run_all_runs_every_lesson_and_summarizes(monkeypatch, tmp_path, capsys)
     assert "FAILED" in out and "lesson 14's point" in out and "fastest" not in out
 
 
-def test_list_models_shows_parameter_counts():
-    proc = cli_here("list", "--models")
+def test_list_models_shows_parameter_counts_without_building_a_model(monkeypatch):
+    """``fsdp-course list --models`` took 15 s building every model on meta to count it: the named
+    models' counts come from their shapes, and are the counts of the models built."""
+    from utilities.models import MODELS, ModelSpec, _count_parameters
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("list --models built a model")
+
+    with monkeypatch.context() as m:
+        m.setattr(ModelSpec, "build", no_build)
+        _count_parameters.cache_clear()  # counts an earlier test made would hide a build
+        proc = cli_here("list", "--models")
     assert proc.returncode == 0
     assert "t5-tiny" in proc.stdout and "llama-8b" in proc.stdout and "8,030.3M" in proc.stdout
+    for name, spec in MODELS.items():
+        assert spec.known_parameters == _count_parameters(spec), name
 
 
 def test_check_reports_versions_and_bf16():
