@@ -215,8 +215,8 @@ Column = tuple[str, Callable[[dict[str, Any]], str]]
 # The memory categories of the peak, by column label; a category that is 0 at the peak in every
 # variant is a note instead of a column (``idle_categories``), saying why where the reason is
 # general: gradients exist only from backward on, and zero_grad frees the last step's.
-CATEGORIES = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer"),
-              ("activ", "activations"))
+CATEGORY_COLUMNS = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer"),
+                    ("activ", "activations"))
 IDLE_CATEGORY_REASONS = {
     "gradients": "the peak comes before backward makes a gradient, and zero_grad freed the last step's",
 }
@@ -228,7 +228,7 @@ KEPT_FIRST = ("variant", "peak", "activ", "step", "tokens/s", "MFU")
 def idle_categories(variants: list[dict[str, Any]]) -> list[str]:
     """The memory categories that are 0 at the peak in every variant that measured one."""
     peaks = [v["peak_memory_bytes"] for v in variants if (v.get("peak_memory_bytes") or {}).get("total")]
-    return [key for _, key in CATEGORIES
+    return [key for _, key in CATEGORY_COLUMNS
             if peaks and all(key in p and not p[key] for p in peaks)]
 
 
@@ -264,7 +264,7 @@ def columns(results: dict[str, Any]) -> tuple[list[Column], list[str]]:
     ]
     idle = idle_categories(variants)
     breakdown = [
-        *[(label, _mem(key)) for label, key in CATEGORIES if key not in idle],
+        *[(label, _mem(key)) for label, key in CATEGORY_COLUMNS if key not in idle],
         ("loss", lambda v: f"{v['losses'][0]:.3f}->{v['losses'][-1]:.3f}" if v.get("losses") else "-"),
     ]
     lesson = [(_label(k), _cell(k)) for k in extras]
