@@ -53,10 +53,22 @@ def test_run_all_runs_every_lesson_and_summarizes(monkeypatch, tmp_path, capsys)
     assert "FAILED" in out and "lesson 14's point" in out and "fastest" not in out
 
 
-def test_list_models_shows_parameter_counts():
-    proc = cli_here("list", "--models")
+def test_list_models_shows_parameter_counts_without_building_a_model(monkeypatch):
+    """``fsdp-course list --models`` took 15 s building every model on meta to count it: the named
+    models' counts come from their shapes, and are the counts of the models built."""
+    from utilities.models import MODELS, ModelSpec, _count_parameters
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("list --models built a model")
+
+    with monkeypatch.context() as m:
+        m.setattr(ModelSpec, "build", no_build)
+        _count_parameters.cache_clear()  # counts an earlier test made would hide a build
+        proc = cli_here("list", "--models")
     assert proc.returncode == 0
     assert "t5-tiny" in proc.stdout and "llama-8b" in proc.stdout and "8,030.3M" in proc.stdout
+    for name, spec in MODELS.items():
+        assert spec.known_parameters == _count_parameters(spec), name
 
 
 def test_check_reports_versions_and_bf16():
@@ -78,6 +90,10 @@ def test_check_reports_versions_and_bf16():
         (["run", "01", "--", "--steps", "0"], ["0", "integers >= 1"]),
         (["run", "01", "--", "--model", "gpt-17"], ["gpt-17", "t5-tiny"]),
         (["run", "01", "--out", "/proc/forbidden"], ["--out", "/proc/forbidden"]),
+        # a flag shortened as argparse allows: the answer names the flag as typed
+        (["run", "01", "--", "--batch", "-3"], ["argument --batch (short for --batch-size): -3"]),
+        (["run", "01", "--", "--seq", "3x"], ["argument --seq (short for --seq-len): '3x'"]),
+        (["run", "01", "--dev", "tpu"], ["argument --dev (short for --device)", "tpu"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, must_mention):
@@ -89,6 +105,28 @@ def test_bad_input_is_one_line_and_exit_2(args, must_mention):
     assert "Traceback" not in proc.stdout + proc.stderr
     for text in must_mention:
         assert text in err, err
+
+
+def test_a_shortened_flag_is_named_as_typed():
+    """argparse takes any unambiguous prefix of a flag; its errors named only the full flag, so
+    ``--batch -3`` was answered about ``--batch-size``."""
+    from utilities.errors import OneLineParser, positive_int
+
+    p = OneLineParser(prog="x")
+    p.add_argument("-n", "--nproc", type=positive_int)
+    p.add_argument("--batch-size", type=positive_int)
+    p.add_argument("--backend", choices=["gloo", "nccl"])
+    for argv, said in ((["--batch", "-3"], "argument --batch (short for --batch-size): -3 is"),
+                       (["--batch-s=0"], "argument --batch-s (short for --batch-size): 0 is"),
+                       (["--npr", "x"], "argument --npr (short for -n/--nproc): 'x' is"),
+                       (["--back", "mpi"], "argument --back (short for --backend): invalid choice"),
+                       (["--batch-size", "-3"], "argument --batch-size: -3 is"),
+                       (["--ba", "1"], "ambiguous option: --ba could match")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            p.parse_args(argv)
+        assert err.getvalue().startswith(f"error: {said}"), (argv, err.getvalue())
+    assert p.parse_args(["--batch", "4"]).batch_size == 4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answers")
@@ -254,6 +292,38 @@ def test_tables_fit_the_terminal_and_never_split_a_value(monkeypatch, columns):
         assert max(len(line) for line in lines) <= columns, path
         for v in results["variants"]:
             assert any(line.startswith(v["name"] + " ") or line == v["name"] for line in lines), (path, v)
+
+
+@pytest.mark.parametrize("columns", [60, 80, 120])
+def test_tables_keep_activations_and_say_why_a_category_is_not_a_column(monkeypatch, columns):
+    """At every width (a terminal, or 120 in a notebook or a log) each committed run's table shows
+    the peak's activations; a category that is 0 at the peak in every variant (gradients, freed
+    by zero_grad before the forward peak) is no ``0 B`` column but a note under the table, in the
+    printed table and the README's alike."""
+    import json
+
+    from utilities.measure.results import idle_categories, markdown_table, table
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    idle_seen = 0
+    for path in sorted((REPO / "lessons").glob("*/results_cpu*.json")):
+        results = json.loads(path.read_text())
+        lines = table(results).splitlines()
+        header = next(line for line in lines if line.startswith("variant "))
+        idle = idle_categories(results["variants"])
+        if any((v.get("peak_memory_bytes") or {}).get("activations") for v in results["variants"]):
+            assert " activ " in f"{header} ", (path, header)
+        markdown_header = markdown_table(results["variants"], results).splitlines()[0]
+        for label, key in (("grads", "gradients"), ("activ", "activations")):
+            if key in idle:
+                idle_seen += 1
+                assert f" {label} " not in f"{header} " and f"| {label} |" not in markdown_header, path
+                assert any(line.startswith(f"note: {key}: 0 B at the peak in every variant")
+                           for line in lines), path
+    assert idle_seen >= 5
+    r01 = json.loads((REPO / "lessons/01_auto_wrap/results_cpu.json").read_text())
+    assert "zero_grad freed" in " ".join(table(r01).split())
+    assert "zero_grad freed" in (REPO / "lessons/01_auto_wrap/README.md").read_text()
 
 
 def test_lesson_help_never_splits_a_variant_name(monkeypatch):

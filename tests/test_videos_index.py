@@ -59,3 +59,43 @@ def test_record_command_writes_a_cast(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     header, *events = map(json.loads, (tmp_path / "01_auto_wrap.cast").read_text().splitlines())
     assert "fsdp2-per-block" in "".join(e[2] for e in events)
+
+
+# An absolute path that names a user's home or an installation: a home folder (Linux, macOS,
+# Windows, its backslashes as JSON writes them), or any folder through a virtual environment or
+# an installed package's folder. A
+# run's own output folder (``/tmp/...`` in lesson 03's results: where its checkpoints went)
+# names neither, so it may stay.
+MACHINE_PATH = re.compile(r"(?<![\w.~])(/root/|/home/\w|/Users/\w|[A-Za-z]:\\\\Users\\\\"
+                          r"|/[^\s\"']*?/\.?venv/|/[^\s\"']*?/(site|dist)-packages/)")
+
+
+def test_no_committed_cast_or_results_file_names_a_machines_home_or_installation():
+    files = [*(REPO / "videos").glob("*.cast"), *(REPO / "lessons").glob("*/*.json"),
+             *(REPO / "benchmarks" / "results").rglob("*.json")]
+    assert len(files) > 30
+    for path in files:
+        found = MACHINE_PATH.search(path.read_text())
+        assert found is None, f"{path.relative_to(REPO)}: {found.group(0)!r}"
+    assert MACHINE_PATH.search('"/work/main/.venv/lib/python3.11/site-packages/torch/x.py:478"')
+    assert MACHINE_PATH.search('"C:\\\\Users\\\\ann\\\\fsdp"') and MACHINE_PATH.search("at /home/ann/fsdp")
+    assert not MACHINE_PATH.search("results written to runs/01_auto_wrap/results.json")
+
+
+def test_recordings_make_paths_relative():
+    """What a recorded line names on this machine (an installed package, the repository, the
+    standard library, the home folder) is written relative, a venv inside the repository too."""
+    import warnings
+
+    import torch
+
+    from utilities.course.catalog import REPO_ROOT
+    from utilities.course.recording import relative_paths
+
+    line = f"{torch.__file__}:478: UserWarning; {warnings.__file__}; {REPO_ROOT}/lessons/x.py"
+    assert relative_paths(line) == "site-packages/torch/__init__.py:478: UserWarning; " \
+        f"python{'.'.join(map(str, __import__('sys').version_info[:2]))}/warnings.py; lessons/x.py"
+    roots = [("/work/main/.venv/lib/python3.11/site-packages/", "site-packages/"), ("/work/main/", "")]
+    assert relative_paths("/work/main/.venv/lib/python3.11/site-packages/torch/a.py and "
+                          "/work/main/lessons/b.py", roots) == "site-packages/torch/a.py and lessons/b.py"
+    assert MACHINE_PATH.search(relative_paths(f"{__import__('pathlib').Path.home()}/x/.venv/bin")) is None

@@ -184,6 +184,10 @@ TORCH_INTERNAL_WARNINGS = (
     # FSDP1 at world size 1 runs NO_SHARD, whose sharded state dict is a full one: the lessons say
     # so before any number (results.json "single_rank"), in the learner's words, not torch's.
     "When using ``NO_SHARD`` for ``ShardingStrategy``",
+    # FSDP1's HYBRID_SHARD over shard groups of one rank runs NO_SHARD in each: lesson 06 says so
+    # under its table (its HYBRID_TRAP note), with what it costs, in one line instead of torch's
+    # two per rank.
+    "FSDP is switching to use `NO_SHARD` instead of ShardingStrategy.HYBRID_SHARD",
 )
 
 

@@ -31,9 +31,35 @@ def exit_on_usage_error(exc: UsageError, code: int = 2) -> NoReturn:
 class OneLineParser(argparse.ArgumentParser):
     """argparse that answers a bad flag with one line and exit 2, not a usage dump; a number that
     is not finite (``nan``, ``inf``: ``float()`` accepts both) is refused for every flag whose type
-    gives a float, whatever that type checks itself (every comparison with NaN is false)."""
+    gives a float, whatever that type checks itself (every comparison with NaN is false).
+
+    A flag may be shortened to any prefix that names one flag, as argparse allows (``--batch 4``
+    for ``--batch-size 4``); an error about it names the flag as typed and the one it stands for
+    (``argument --batch (short for --batch-size): -3 is not allowed``)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        self._shortened = self.shortened_flags(args)
+        return super().parse_known_args(args, namespace)
+
+    def shortened_flags(self, args: list[str]) -> dict[str, str]:
+        """The flags in ``args`` typed as a prefix of exactly one of this parser's: by the name
+        argparse's messages give its flag (``--batch-size``, or ``-n/--nproc``), what was typed."""
+        typed = {}
+        for arg in args:
+            if arg == "--":
+                break
+            name = arg.split("=", 1)[0]
+            if not name.startswith("--") or name in self._option_string_actions:
+                continue
+            actions = {id(a): a for flag, a in self._option_string_actions.items() if flag.startswith(name)}
+            if len(actions) == 1:
+                typed["/".join(next(iter(actions.values())).option_strings)] = name
+        return typed
 
     def error(self, message: str) -> NoReturn:
+        for flag, typed in getattr(self, "_shortened", {}).items():
+            message = message.replace(f"argument {flag}:", f"argument {typed} (short for {flag}):", 1)
         self.exit(2, f"error: {message} (see --help)\n")
 
     def _get_value(self, action: argparse.Action, arg_string: str):

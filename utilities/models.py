@@ -2,7 +2,8 @@
 
 Nothing is downloaded: every model is built from its config, so lessons run offline and the sizes
 are exact. Each entry knows its transformer block class (what auto-wrap wraps) and its parameter
-count (computed on the meta device, so asking costs no memory).
+count (from its shapes for the named models; on the meta device for a config file, so asking
+costs no memory).
 
 torch and transformers are imported when a model is built, not with this module: the launcher
 checks ``--model`` names without loading them.
@@ -40,6 +41,9 @@ class ModelSpec:
     # config -> model, built on the current default device; None: transformers' class for the task
     make_model: Callable[[object], nn.Module] | None = None
     block_type: type | None = None  # the block class itself, for a model built by make_model
+    # the parameter count from the architecture's shapes (the named models: listing them builds
+    # nothing); None: counted on the meta device when asked
+    known_parameters: int | None = None
 
     @property
     def is_seq2seq(self) -> bool:
@@ -67,7 +71,7 @@ class ModelSpec:
 
     @property
     def num_parameters(self) -> int:
-        return _count_parameters(self)
+        return self.known_parameters if self.known_parameters is not None else _count_parameters(self)
 
     def build(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
         """Build with random weights on ``device`` (``"meta"`` for a model too large for one host),
@@ -108,7 +112,16 @@ def _attention_shape(cfg) -> tuple[int, int, int]:
     return layers, heads, head_dim
 
 
-def _t5(d_model: int, d_ff: int, layers: int, heads: int, d_kv: int, vocab: int = VOCAB):
+def _t5(d_model: int, d_ff: int, layers: int, heads: int, d_kv: int, vocab: int = VOCAB) -> dict:
+    """A T5 (v1.0: ReLU feed-forward, embeddings tied to the LM head, 32 relative-position buckets)
+    of these shapes: its config factory and its parameter count, from the shapes."""
+    inner, buckets = heads * d_kv, 32
+    attention = 4 * d_model * inner + d_model  # q, k, v, o and its layer norm
+    feed_forward = 2 * d_model * d_ff + d_model  # wi, wo and its layer norm
+    encoder = layers * (attention + feed_forward) + buckets * heads + d_model  # + bias, final norm
+    decoder = layers * (2 * attention + feed_forward) + buckets * heads + d_model  # + cross-attention
+    parameters = vocab * d_model + encoder + decoder
+
     def make():
         from transformers import T5Config
 
@@ -121,11 +134,18 @@ def _t5(d_model: int, d_ff: int, layers: int, heads: int, d_kv: int, vocab: int 
             eos_token_id=tok.eos_id, decoder_start_token_id=tok.pad_id, use_cache=False,
         )
 
-    return make
+    return dict(make_config=make, known_parameters=parameters)
 
 
 def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int = VOCAB,
-           tie: bool = False, max_pos: int = 8192):
+           tie: bool = False, max_pos: int = 8192) -> dict:
+    """A Llama (no biases, SwiGLU, RMSNorm) of these shapes: its config factory and its parameter
+    count, from the shapes."""
+    head_dim = hidden // heads
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o; k, v
+    block = attention + 3 * hidden * inter + 2 * hidden  # + gate, up, down and two norms
+    parameters = vocab * hidden * (1 if tie else 2) + layers * block + hidden  # + the final norm
+
     def make():
         from transformers import LlamaConfig
 
@@ -139,7 +159,7 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, voca
             eos_token_id=tok.eos_id, use_cache=False, attention_dropout=0.0,
         )
 
-    return make
+    return dict(make_config=make, known_parameters=parameters)
 
 
 # The "real size" entries keep the published architecture shapes; the vocabulary is the course's
@@ -148,16 +168,21 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, voca
 MODELS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
-        ModelSpec("t5-tiny", "t5", _t5(128, 512, 4, 4, 32), "T5Block", 64),
-        ModelSpec("t5-small", "t5", _t5(512, 2048, 6, 8, 64, vocab=32128), "T5Block", 512),
-        ModelSpec("t5-base", "t5", _t5(768, 3072, 12, 12, 64, vocab=32128), "T5Block", 512),
-        ModelSpec("t5-large", "t5", _t5(1024, 4096, 24, 16, 64, vocab=32128), "T5Block", 512),
-        ModelSpec("t5-3b", "t5", _t5(1024, 16384, 24, 32, 128, vocab=32128), "T5Block", 512),
-        ModelSpec("llama-tiny", "llama", _llama(128, 352, 4, 4, 2), "LlamaDecoderLayer", 64),
-        ModelSpec("llama-1b", "llama", _llama(2048, 8192, 16, 32, 8, vocab=128256, tie=True),
-                  "LlamaDecoderLayer", 2048),
-        ModelSpec("llama-8b", "llama", _llama(4096, 14336, 32, 32, 8, vocab=128256),
-                  "LlamaDecoderLayer", 2048),
+        ModelSpec("t5-tiny", "t5", block_class_name="T5Block", default_seq_len=64, **_t5(128, 512, 4, 4, 32)),
+        ModelSpec("t5-small", "t5", block_class_name="T5Block", default_seq_len=512,
+                  **_t5(512, 2048, 6, 8, 64, vocab=32128)),
+        ModelSpec("t5-base", "t5", block_class_name="T5Block", default_seq_len=512,
+                  **_t5(768, 3072, 12, 12, 64, vocab=32128)),
+        ModelSpec("t5-large", "t5", block_class_name="T5Block", default_seq_len=512,
+                  **_t5(1024, 4096, 24, 16, 64, vocab=32128)),
+        ModelSpec("t5-3b", "t5", block_class_name="T5Block", default_seq_len=512,
+                  **_t5(1024, 16384, 24, 32, 128, vocab=32128)),
+        ModelSpec("llama-tiny", "llama", block_class_name="LlamaDecoderLayer", default_seq_len=64,
+                  **_llama(128, 352, 4, 4, 2)),
+        ModelSpec("llama-1b", "llama", block_class_name="LlamaDecoderLayer", default_seq_len=2048,
+                  **_llama(2048, 8192, 16, 32, 8, vocab=128256, tie=True)),
+        ModelSpec("llama-8b", "llama", block_class_name="LlamaDecoderLayer", default_seq_len=2048,
+                  **_llama(4096, 14336, 32, 32, 8, vocab=128256)),
     )
 }
 

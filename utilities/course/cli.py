@@ -242,12 +242,12 @@ def gpu_free_bytes() -> list[int]:
 
 
 def _lesson_settings(flags: list[str]) -> argparse.Namespace:
-    """The lesson flags the launcher needs to plan (already validated by the lesson's parser)."""
+    """The lesson flags the launcher needs to plan, as typed: the lesson's parser is the one to
+    refuse a bad value, in its one line (a backend is read before it runs; sizes only after)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--model", default=None)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--backend", default="auto")
+    for flag, default in (("--model", None), ("--batch-size", None), ("--seq-len", None),
+                          ("--backend", "auto")):
+        p.add_argument(flag, default=default)
     return p.parse_known_args(flags)[0]
 
 
@@ -269,11 +269,11 @@ def check_fit(info: LessonInfo, plan: LaunchPlan, quick: bool, model: str | None
     lesson = _lesson_settings(flags)
     default_model, default_batch = run_defaults(info, quick)
     name = lesson.model or model or default_model
-    batch = lesson.batch_size or default_batch
+    batch = int(lesson.batch_size or default_batch)
     free = min(free_bytes if free_bytes is not None else gpu_free_bytes())
     share = max(1, free // plan.ranks_per_gpu)
     p = plan_memory(name, plan.nproc, share, strategy="full_shard", precision="fp32", ac="none",
-                    batch=batch, seq=lesson.seq_len, device_type="cpu")
+                    batch=batch, seq=int(lesson.seq_len) if lesson.seq_len else None, device_type="cpu")
     need = p.peak_bytes["total"]
     what = (f"{plan.nproc} ranks of {name} (batch {batch} x seq {p.seq}, fp32, full_shard), "
             f"{plan.ranks_per_gpu} per GPU,")

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from utilities.measure.results import markdown_table
+from utilities.measure.results import idle_category_notes, markdown_table
 from utilities.measure.step_time import predicted_rows
 from utilities.text import markdown
 
@@ -188,6 +188,8 @@ def render(lesson: str, runs: dict[str, Any] | list[tuple[str, dict[str, Any]]],
         variants += [{**v, "_run": label} for v in r["variants"]]
     run_column = ("run", lambda v: v["_run"]) if len(runs) > 1 else None
     lines += ["", markdown_table(variants, first, picked, run_column)]
+    if not picked:
+        lines += [f"\n{note[0].upper()}{note[1:]}." for note in idle_category_notes(variants)]
     if first.get("takeaway") and not picked:
         lines.append(f"\nTakeaway, as the run printed it: {first['takeaway']}.")
     for _, r in runs:

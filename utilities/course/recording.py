@@ -1,7 +1,8 @@
 """Terminal recordings of real lesson runs, as asciinema v2 ``.cast`` files.
 
 ``fsdp-course record NN`` runs ``fsdp-course run NN`` for real and records what it printed, with
-the real timing, so the course's demos never drift from what the code does. Play one with
+the real timing, so the course's demos never drift from what the code does. Paths are recorded
+relative (``relative_paths``): a cast shows no machine's folders or user name. Play one with
 ``asciinema play videos/01_auto_wrap.cast`` or embed it with asciinema-player.
 """
 
@@ -9,18 +10,42 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
 from utilities.course.catalog import REPO_ROOT, LessonInfo
 
 
+def machine_roots() -> list[tuple[str, str]]:
+    """This machine's absolute folders a recorded line may name, each with what it becomes:
+    installed packages' folders ``site-packages/``, the repository's root nothing (paths relative
+    to it, as the lessons run from it), the standard library ``python3.X/``, the home folder ``~/``.
+    Longest first, so a virtual environment inside the repository reads ``site-packages/...``."""
+    packages = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                *site.getsitepackages(), site.getusersitepackages()}
+    roots = {f"{p}/": "site-packages/" for p in packages if p}
+    roots[f"{sysconfig.get_paths()['stdlib']}/"] = f"python{sys.version_info[0]}.{sys.version_info[1]}/"
+    roots[f"{REPO_ROOT}/"] = ""
+    roots[f"{Path.home()}/"] = "~/"
+    return sorted(roots.items(), key=lambda item: -len(item[0]))
+
+
+def relative_paths(line: str, roots: list[tuple[str, str]] | None = None) -> str:
+    """``line`` with each of this machine's absolute folders (``machine_roots``) made relative."""
+    for root, relative in roots if roots is not None else machine_roots():
+        line = line.replace(root, relative)
+    return line
+
+
 def record(info: LessonInfo, cast_path: Path, run_args: list[str], width: int = 120,
            height: int = 40) -> int:
     """Run the lesson through the CLI and write its output as an asciinema v2 recording."""
-    shown = "fsdp-course run " + " ".join([info.number, *run_args])
+    roots = machine_roots()
+    shown = relative_paths("fsdp-course run " + " ".join([info.number, *run_args]), roots)
     cmd = [sys.executable, "-m", "utilities", "run", info.number, *run_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS=str(width))
     cast_path.parent.mkdir(parents=True, exist_ok=True)
@@ -36,7 +61,7 @@ def record(info: LessonInfo, cast_path: Path, run_args: list[str], width: int = 
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         for line in proc.stdout:
             f.write(json.dumps([round(time.monotonic() - start, 3), "o",
-                                line.rstrip("\n") + "\r\n"]) + "\n")
+                                relative_paths(line.rstrip("\n"), roots) + "\r\n"]) + "\n")
         rc = proc.wait()
         f.write(json.dumps([round(time.monotonic() - start, 3), "o", f"[exit {rc}]\r\n"]) + "\n")
     if rc == 0:

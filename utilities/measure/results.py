@@ -212,11 +212,41 @@ def peak_range(results: dict[str, Any]) -> str:
 Column = tuple[str, Callable[[dict[str, Any]], str]]
 
 
+# The memory categories of the peak, by column label; a category that is 0 at the peak in every
+# variant is a note instead of a column (``idle_categories``), saying why where the reason is
+# general: gradients exist only from backward on, and zero_grad frees the last step's.
+CATEGORY_COLUMNS = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer"),
+                    ("activ", "activations"))
+IDLE_CATEGORY_REASONS = {
+    "gradients": "the peak comes before backward makes a gradient, and zero_grad freed the last step's",
+}
+# The columns a table keeps first when the terminal is too narrow for all (the rest in their
+# order): the variant, its peak and the category most of a training peak is made of.
+KEPT_FIRST = ("variant", "peak", "activ", "step", "tokens/s", "MFU")
+
+
+def idle_categories(variants: list[dict[str, Any]]) -> list[str]:
+    """The memory categories that are 0 at the peak in every variant that measured one."""
+    peaks = [v["peak_memory_bytes"] for v in variants if (v.get("peak_memory_bytes") or {}).get("total")]
+    return [key for _, key in CATEGORY_COLUMNS
+            if peaks and all(key in p and not p[key] for p in peaks)]
+
+
+def idle_category_notes(variants: list[dict[str, Any]]) -> list[str]:
+    """One line per category ``idle_categories`` leaves out of the table, and why."""
+    notes = []
+    for key in idle_categories(variants):
+        why = IDLE_CATEGORY_REASONS.get(key)
+        notes.append(f"{key}: 0 B at the peak in every variant, not a column" + (f" ({why})" if why else ""))
+    return notes
+
+
 def columns(results: dict[str, Any]) -> tuple[list[Column], list[str]]:
     """The columns of the comparison (header, a variant's cell) and the scalar keys they leave
     out: the variant's name; step time, tokens/s, MFU and the peak; the lesson's own columns (the
     ``columns`` it chose, else every scalar key); then the peak by category and the losses. A
-    column that is empty for every variant is left out."""
+    column that is empty for every variant is left out, and so is a category that is 0 at the
+    peak in every variant (``idle_category_notes`` says so under the table)."""
     variants = results["variants"]
     extras = list(results.get("columns", ()))
     chosen = bool(extras)
@@ -232,13 +262,14 @@ def columns(results: dict[str, Any]) -> tuple[list[Column], list[str]]:
         ("MFU", lambda v: "-" if v.get("mfu") is None else f"{v['mfu']:.1%}"),
         ("peak", _mem("total")),
     ]
+    idle = idle_categories(variants)
     breakdown = [
-        *[(label, _mem(key)) for label, key in (("params", "parameters"), ("grads", "gradients"),
-                                                ("optim", "optimizer"), ("activ", "activations"))],
+        *[(label, _mem(key)) for label, key in CATEGORY_COLUMNS if key not in idle],
         ("loss", lambda v: f"{v['losses'][0]:.3f}->{v['losses'][-1]:.3f}" if v.get("losses") else "-"),
     ]
     lesson = [(_label(k), _cell(k)) for k in extras]
-    # the lesson's own columns come before the memory breakdown, so they are the last to be cut
+    # the lesson's own columns come before the rest of the memory breakdown, so that they are cut
+    # after it (``KEPT_FIRST`` are cut last)
     shown = [("variant", lambda v: str(v["name"])), *first, *lesson, *breakdown]
     shown = [(h, f) for h, f in shown if h == "variant" or any(f(v) != "-" for v in variants)]
     return shown, [_label(k) for k in dict.fromkeys(hidden)]
@@ -248,26 +279,33 @@ def table(results: dict[str, Any]) -> str:
     """The comparison as a plain-text table, one row per variant, at most ``width()`` columns wide.
 
     Every number is shown in a human unit (bytes as MiB/GiB, counts as 1.9M, seconds, ratios as
-    1.52x); columns that are empty for every variant are left out, and extra columns that do not
-    fit are named in a last line (their values are in results.json).
+    1.52x); columns that are empty for every variant are left out, a memory category that is 0 at
+    the peak in every variant is a note, and columns that do not fit (``KEPT_FIRST`` fit first,
+    then the others in their order) are named in a last line (their values are in results.json).
     """
     cols, hidden = columns(results)
     rows = [[h for h, _ in cols]] + [[f(v) for _, f in cols] for v in results["variants"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    shown, used, limit = 0, -2, width()
-    for w in widths:
-        if used + 2 + w > limit:
+    headers = [h for h, _ in cols]
+    priority = sorted(range(len(cols)), key=lambda i: (KEPT_FIRST.index(headers[i])
+                                                       if headers[i] in KEPT_FIRST else len(KEPT_FIRST), i))
+    fitting, used, limit = set(), -2, width()
+    for i in priority:
+        if used + 2 + widths[i] > limit:
             break
-        used, shown = used + 2 + w, shown + 1
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:shown], widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths[:shown]))
-    more = [h for h, _ in cols[shown:]] + hidden
+        used = used + 2 + widths[i]
+        fitting.add(i)
+    keep = sorted(fitting)
+    lines = ["  ".join(r[i].ljust(widths[i]) for i in keep).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * widths[i] for i in keep))
+    more = [headers[i] for i in range(len(cols)) if i not in fitting] + hidden
     if more:
         lines.append(wrap_lines("more columns in results.json: " + ", ".join(more)))
     title = (f"lesson {results['lesson']} {results['title']}: {results['model']['name']} "
              f"({_count(results['model']['parameters'])} params) on {results['world_size']} x "
              f"{results['device_name']} ({results['device']}), torch {results['torch']}")
-    notes = [wrap_lines(f"note: {n}") for n in results.get("notes", [])]
+    notes = [wrap_lines(f"note: {n}") for n in [*idle_category_notes(results["variants"]),
+                                                 *results.get("notes", [])]]
     return "\n".join([wrap_lines(title), *lines, *notes])
 
 
