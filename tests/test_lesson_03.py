@@ -10,7 +10,8 @@ import torch
 from conftest import REPO, flag_error, notebook_results, notebook_run_dir, variant
 
 from utilities.errors import UsageError
-from utilities.state_dict import FORMAT, atomic_torch_save, check_model_keys, read_full
+from utilities.safe_files import atomic_torch_save
+from utilities.state_dict import FORMAT, check_model_keys, read_full
 
 sys.path.insert(0, str(REPO / "lessons" / "03_full_state_dict"))  # the lesson's own functions
 

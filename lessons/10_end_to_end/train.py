@@ -58,7 +58,6 @@ from utilities.dcp import (
     dcp_load,
     dcp_save,
     latest_checkpoint,
-    lock_checkpoints,
     prepare_save,
     publish_save,
     recover_checkpoints,
@@ -68,6 +67,7 @@ from utilities.dcp import (
 from utilities.errors import UsageError
 from utilities.models import META_INIT_THRESHOLD, get_model_spec, init_weights
 from utilities.prefetch import set_explicit_prefetch
+from utilities.safe_files import lock_checkpoints
 from utilities.wrapping import fsdp1_meta_init
 
 # --precision: the dtype FSDP all-gathers parameters in (compute), and the one it reduces gradients in
