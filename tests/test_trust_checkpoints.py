@@ -36,18 +36,6 @@ class _Touch:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.fixture
-def tiny(world1):
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    _step(model, opt)
-    return model, opt
-
-
 def _step(model, opt) -> None:
     model(torch.randn(2, 8)).sum().backward()
     opt.step()

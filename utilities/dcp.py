@@ -267,12 +267,16 @@ def _layout(name: Any) -> torch.layout:
     return layouts[name]
 
 
+_layout.__module__, _layout.__qualname__ = "torch.serialization", "_get_layout"  # as it is named
+
+
 def _path_maker(cls: type) -> Any:
     def make(*parts: Any) -> Any:
         if not all(type(part) is str for part in parts):
             raise DamagedPickle(f"gives {cls.__name__} something other than strings")
         return cls(*parts)
 
+    make.__module__, make.__qualname__ = cls.__module__, cls.__qualname__  # as the pickle names it
     return make
 
 
@@ -419,6 +423,7 @@ def _check_metadata(p: Path, md: Any) -> None:
     root = os.path.realpath(p)
     for name in files:
         parts = Path(name).parts
+        need(not os.path.islink(p / name), f"data file {name!r} is a link, not a regular file")
         need(bool(name) and "\0" not in name and not os.path.isabs(name) and ".." not in parts
              and os.path.realpath(p / name).startswith(root + os.sep),
              f"data file {name!r} lies outside the checkpoint folder")
@@ -551,7 +556,7 @@ def _unlike(expected: Any, got: Any, depth: int = 0) -> str | None:
         for e, g in zip(expected, got):
             inner = _unlike(e, g, depth + 1)
             if inner is not None:
-                return f"a list of {inner}s" if depth == 0 else inner
+                return f"a list of {len(expected)} item(s), each {inner}"
         return None
     if isinstance(expected, dict):
         if not isinstance(got, dict):

@@ -613,7 +613,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         args = self.stack.pop()
         cls = self.stack.pop()
         if not isinstance(cls, type) or cls not in self._buildable:
-            raise RefusedGlobal(f"creating {_describe(cls)}")
+            raise RefusedGlobal(f"{_describe(cls)} (to create an object)")
         self.append(cls.__new__(cls, *args))
 
     def load_newobj_ex(self) -> None:
@@ -756,7 +756,7 @@ def check_torch_zip(source: BinaryIO, what: str) -> None:
         if len(set(names)) != len(names):
             raise UsageError(f"{what} is damaged or hostile: its zip archive names a record twice; "
                              "refused, nothing was loaded")
-        for record in records:
+        for record in sorted(records, key=lambda r: -r.file_size):  # the largest claim first
             if record.compress_type != zipfile.ZIP_STORED or record.file_size != record.compress_size \
                     or record.header_offset + record.compress_size > size:
                 raise UsageError(
