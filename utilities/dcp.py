@@ -63,6 +63,7 @@ from utilities.safe_files import (
     staging_path,
     swap_in,
 )
+from utilities.torch_internals import require_dcp_reader_hooks
 
 METADATA = ".metadata"
 
@@ -490,7 +491,8 @@ def _safe_reader(path: Path, metadata: Any):
     class SafeFileSystemReader(FileSystemReader):
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
-            self.fs = RegularFilesOnly()
+            if hasattr(self, "fs"):  # else refused below (require_dcp_reader_hooks)
+                self.fs = RegularFilesOnly()
 
         def read_metadata(self, *args: Any, **kwargs: Any):
             if kwargs.get("rank") is not None:  # per-rank metadata files: the course writes none
@@ -506,7 +508,9 @@ def _safe_reader(path: Path, metadata: Any):
                               f"entry at byte {sinfo.offset} of {sinfo.relative_path}")
             return super()._slice_file(file, sinfo)
 
-    return SafeFileSystemReader(str(path))
+    reader = SafeFileSystemReader(str(path))
+    require_dcp_reader_hooks(reader)
+    return reader
 
 
 def _safe_planner(path: Path):
