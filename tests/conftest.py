@@ -310,6 +310,23 @@ def world1(monkeypatch):
 
 
 @pytest.fixture
+def tiny(world1):
+    """A two-layer FSDP2 model and its AdamW after one step, on the one-rank gloo world: the
+    checkpoint tests' subject (a save takes well under a second)."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+@pytest.fixture
 def lesson_runner(tmp_path):
     def run(number: str, *flags: str, **kw) -> dict:
         return run_lesson(number, tmp_path / f"run_{number}", *flags, **kw)

@@ -10,7 +10,8 @@ import torch
 from conftest import REPO, flag_error, notebook_results, notebook_run_dir, variant
 
 from utilities.errors import UsageError
-from utilities.state_dict import FORMAT, atomic_torch_save, check_model_keys, read_full
+from utilities.safe_files import atomic_torch_save
+from utilities.state_dict import FORMAT, check_model_keys, read_full
 
 sys.path.insert(0, str(REPO / "lessons" / "03_full_state_dict"))  # the lesson's own functions
 
@@ -194,22 +195,24 @@ def test_bad_flag_value_exits_2_with_one_line():
 
 
 def test_rank0_failing_to_save_stops_every_rank_in_one_line(tmp_path):
-    """Only rank 0 writes; when it cannot (here a folder under /proc, as a full disk would), rank 1
-    used to wait for its answer for ever. Two real ranks: the run must end within seconds, with
-    rank 0's error as the one line and exit 2."""
+    """Only rank 0 writes; when it cannot (here a folder where the checkpoint's name goes, as a
+    full disk would), rank 1 used to wait for its answer for ever. Two real ranks: the run must end
+    within seconds, with rank 0's error as the one line and exit 2."""
     import time
 
     from conftest import cli
 
+    ckpts = tmp_path / "ckpts"
+    (ckpts / "fsdp2.pt").mkdir(parents=True)  # os.replace cannot put a file there
     started = time.monotonic()
     proc = cli("run", "03", "--device", "cpu", "--nproc", "2", "--quick", "--out", str(tmp_path),
-               "--", "--variants", "fsdp2", "--no-export", "--checkpoint-dir", "/proc/no/such/dir",
+               "--", "--variants", "fsdp2", "--no-export", "--checkpoint-dir", str(ckpts),
                timeout=120)
     took = time.monotonic() - started
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert took < 90, took
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith("error: saving /proc/no/such/dir/fsdp2.pt"), errors
+    assert len(errors) == 1 and errors[0].startswith(f"error: saving {ckpts / 'fsdp2.pt'}"), errors
     assert "Traceback" not in proc.stdout + proc.stderr
 
 

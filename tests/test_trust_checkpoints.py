@@ -21,6 +21,7 @@ from conftest import REPO
 from torch import nn
 
 import utilities.dcp as D
+import utilities.safe_files as S
 from utilities.errors import UsageError
 from utilities.state_dict import FORMAT, read_full
 
@@ -33,18 +34,6 @@ class _Touch:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
-
-
-@pytest.fixture
-def tiny(world1):
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    _step(model, opt)
-    return model, opt
 
 
 def _step(model, opt) -> None:
@@ -134,7 +123,7 @@ def test_sharded_tensor_metadata_with_enums_pickled_by_name_loads(tmp_path):
     3.11.2 pickles enums. Loaded with the local state dict's allowlist (``load_fsdp1_local``)."""
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-    from utilities.state_dict import safe_torch_load
+    from utilities.safe_files import safe_torch_load
 
     props = TensorProperties.create_from_tensor(torch.zeros(2, 3))
     path = tmp_path / "rank0_of_2.pt"
@@ -209,8 +198,9 @@ class _Killed(BaseException):
 
 
 def _fs_ops(monkeypatch, kill_at: int | None, how: str = "before") -> list[str]:
-    """Route utilities.dcp's os.replace / shutil.rmtree / mkdir / dcp.save through a counter that
-    raises ``_Killed`` at op number ``kill_at``: before the op, or (``how="half"``) after doing
+    """Route the os.replace / shutil.rmtree / mkdir / dcp.save of utilities.dcp and
+    utilities.safe_files through a counter that raises ``_Killed`` at op number ``kill_at``:
+    before the op, or (``how="half"``) after doing
     half of it (half a directory deleted; a DCP save's data written but not its ``.metadata``).
     Lesson 10 saves through ``utilities.dcp.dcp_save``, so its ``dcp.save`` counts too."""
     ops: list[str] = []
@@ -232,11 +222,12 @@ def _fs_ops(monkeypatch, kill_at: int | None, how: str = "before") -> list[str]:
     fake_dcp.save = lambda *a, **k: op("dcp.save", real_save, *a, **k)
     real_mkdir = Path.mkdir
     monkeypatch.setattr(D, "os", fake_os)
-    monkeypatch.setattr(D, "shutil", fake_shutil)
+    monkeypatch.setattr(S, "os", fake_os)  # the swap and the removal live in utilities.safe_files
+    monkeypatch.setattr(S, "shutil", fake_shutil)
     monkeypatch.setattr(D, "dcp", fake_dcp)
 
-    def mkdir(self, *a, **k):  # only utilities.dcp's own mkdir is an operation of ours, not DCP's
-        if sys._getframe(1).f_globals.get("__name__") == D.__name__:
+    def mkdir(self, *a, **k):  # only our own mkdir is an operation of ours, not DCP's
+        if sys._getframe(1).f_globals.get("__name__") in (D.__name__, S.__name__):
             return op("mkdir", real_mkdir, self, *a, **k)
         return real_mkdir(self, *a, **k)
 
@@ -534,8 +525,8 @@ def test_publish_syncs_the_new_folder_before_renaming_it(tiny, tmp_path, monkeyp
     model, opt = tiny
     events = []
     real_replace = os.replace
-    monkeypatch.setattr(D, "_fsync_dir", lambda d: events.append(("fsync", Path(d).name)))
-    monkeypatch.setattr(D.os, "replace", lambda a, b: (events.append(("replace", Path(a).name)),
+    monkeypatch.setattr(S, "fsync_dir", lambda d: events.append(("fsync", Path(d).name)))
+    monkeypatch.setattr(S.os, "replace", lambda a, b: (events.append(("replace", Path(a).name)),
                                                        real_replace(a, b)))
     D.save_checkpoint(tmp_path / "ckpt", model, opt, step=1)
     assert events == [("fsync", ".ckpt.tmp"), ("replace", ".ckpt.tmp"), ("fsync", tmp_path.name)]
@@ -612,14 +603,14 @@ def test_from_torch_save_replaces_an_earlier_conversion_whole(tiny, tmp_path):
 def test_a_checkpoint_folder_takes_one_run_at_a_time(tmp_path):
     """Two `run 10` on one --out: one's recovery deleted the other's .tmp. The second is refused in
     one line naming the holder; the lock goes with the process that held it."""
-    first = D.lock_checkpoints(tmp_path / "checkpoints")
+    first = S.lock_checkpoints(tmp_path / "checkpoints")
     with pytest.raises(UsageError) as e:
-        D.lock_checkpoints(tmp_path / "checkpoints")
+        S.lock_checkpoints(tmp_path / "checkpoints")
     msg = str(e.value)
     assert "\n" not in msg and "in use by pid" in msg and str(os.getpid()) in msg, msg
     assert os.listdir(tmp_path / "checkpoints") == []  # nothing inside the folder itself
     first.close()  # as the process ending does
-    D.lock_checkpoints(tmp_path / "checkpoints").close()
+    S.lock_checkpoints(tmp_path / "checkpoints").close()
     assert "lock_checkpoints(cfg.ckpt_dir)" in (REPO / "lessons/10_end_to_end/train.py").read_text()
 
 

@@ -33,8 +33,6 @@ import enum
 import io
 import math
 import os
-import pickle
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +45,25 @@ from torch import nn
 
 from utilities.distributed import fail_together, world_size
 from utilities.errors import UsageError
-from utilities.state_dict import safe_torch_load
+from utilities.safe_files import (
+    DamagedPickle,
+    RefusedChange,
+    RefusedGlobal,
+    RestrictedUnpickler,
+    atomic_torch_save,
+    check_torch_slice,
+    enum_member,
+    guarded_container,
+    open_regular,
+    previous_path,
+    regular_file_size,
+    remove_path,
+    safe_torch_load,
+    scan_pickle,
+    staging_path,
+    swap_in,
+)
+from utilities.torch_internals import require_dcp_reader_hooks
 
 METADATA = ".metadata"
 
@@ -82,22 +98,14 @@ class Resumed:
 
 
 # -- save: write to .NAME.tmp, publish by renames that never lose a complete checkpoint -----------
-def _tmp_dir(path: Path) -> Path:
-    return path.parent / f".{path.name}.tmp"
-
-
-def _old_dir(path: Path) -> Path:
-    return path.parent / f".{path.name}.old"
-
-
 def prepare_save(path: Path) -> Path:
     """Every rank calls it before writing ``path``: rank 0 recovers what a killed earlier save of
     ``path`` left, then makes an empty ``.NAME.tmp``; returns it (write there, then ``publish_save``)."""
-    tmp = _tmp_dir(path)
+    tmp = staging_path(path)
     with fail_together(f"preparing {tmp}"):  # also the barrier: rank 0 failing stops every rank
         if _rank() == 0:
             recover_checkpoint(path)  # first finish or undo what a killed earlier save left
-            _remove(tmp)  # an unfinished save's leftovers, or a file planted in its place
+            remove_path(tmp)  # an unfinished save's leftovers, or a file planted in its place
             tmp.mkdir(parents=True)
     return tmp
 
@@ -108,63 +116,6 @@ def publish_save(tmp: Path, path: Path) -> None:
     with fail_together(f"publishing {path}"):  # also the barrier after the swap
         if _rank() == 0:
             swap_in(tmp, path)
-
-
-def swap_in(tmp: Path, path: Path) -> None:
-    """Replace ``path`` by the complete checkpoint ``tmp`` so that a kill at any instant leaves one.
-
-    0. sync ``tmp`` (its files are synced by DCP, their names in it not);
-    1. ``path`` -> ``.NAME.old`` (after deleting an ``.old`` left by an earlier kill: ``path`` is
-       complete then); 2. ``tmp`` -> ``path``; 3. delete ``.NAME.old``. Between 1 and 2 only
-    ``.old`` and the complete ``tmp`` exist; ``resolve_checkpoint`` picks ``tmp``, the newer one.
-    Never ``rmtree(path)`` before the rename: a kill in between would leave no published copy.
-    """
-    old = _old_dir(path)
-    _fsync_dir(tmp)  # DCP renames .metadata into place inside tmp without syncing the folder
-    if path.exists():
-        _remove(old)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    _remove(old, ignore_errors=True)
-
-
-def _remove(path: Path, ignore_errors: bool = False) -> None:
-    """Delete ``.NAME.tmp`` / ``.NAME.old``: the folder a save made, or a file or symlink found in
-    its place (``rmtree`` refuses a symlink, and ``mkdir`` a name that a file holds)."""
-    try:
-        if path.is_symlink() or (path.exists() and not path.is_dir()):
-            path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)
-    except OSError:
-        if not ignore_errors:
-            raise
-
-
-def _fsync_files(directory: Path) -> None:
-    """Sync every file directly in ``directory`` (for writers that do not, e.g. ``save_pretrained``)."""
-    for f in directory.iterdir():
-        if f.is_file() and not f.is_symlink():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the renames durable (a power cut, not only a kill); a no-op where not supported."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, step: int = 0,
@@ -202,7 +153,7 @@ def _save_failed(exc: BaseException, tmp: Path) -> None:
     if not isinstance(inner, Exception):
         raise exc
     if _rank() == 0:
-        _remove(tmp, ignore_errors=True)
+        remove_path(tmp, ignore_errors=True)
     name = tmp.name[1:-len(".tmp")] if tmp.name.endswith(".tmp") else tmp.name
     raise UsageError(one_line_error(f"saving checkpoint {tmp.parent / name}", inner)
                      .replace("; the other ranks stopped too", "")
@@ -259,67 +210,75 @@ def async_save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=N
 
 
 # -- reading a checkpoint without running code from it ----------------------------------------------
-def _metadata_globals() -> dict[tuple[str, str], Any]:
-    """What a DCP ``.metadata`` pickle may name: DCP's metadata classes, torch dtypes / Size / layout,
-    the path DCP records as ``checkpoint_id``, and plain containers. Nothing that runs code."""
-    import collections
-    import pathlib
-
+def _metadata_classes() -> set[type]:
+    """DCP's metadata dataclasses: the only objects a ``.metadata`` pickle may create and give
+    state to (``RestrictedUnpickler``'s ``buildable``)."""
     from torch.distributed.checkpoint import filesystem as fs_module
     from torch.distributed.checkpoint import metadata as md_module
 
+    names = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+             "TensorProperties", "MetadataIndex", "StorageMeta")
+    return {getattr(md_module, n) for n in names if hasattr(md_module, n)} | {fs_module._StorageInfo}
+
+
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """What a DCP ``.metadata`` pickle may name: DCP's metadata classes and enum, torch dtypes, and
+    in place of every other global it needs (``torch.Size``, ``_get_layout``, the path classes
+    DCP records as ``checkpoint_id``, the containers) a function of ours that builds a new object
+    from plain arguments: the pickle never holds a class or a cache the process shares."""
+    import collections
+    import pathlib
+
+    from torch.distributed.checkpoint import metadata as md_module
+
     allowed: dict[tuple[str, str], Any] = {}
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
-        if hasattr(md_module, name):
-            allowed[(md_module.__name__, name)] = getattr(md_module, name)
-    allowed[(fs_module.__name__, "_StorageInfo")] = fs_module._StorageInfo
-    allowed[("torch", "Size")] = torch.Size
+    for cls in _metadata_classes():
+        allowed[(cls.__module__, cls.__name__)] = cls
+    if hasattr(md_module, "_MEM_FORMAT_ENCODING"):
+        allowed[(md_module.__name__, "_MEM_FORMAT_ENCODING")] = md_module._MEM_FORMAT_ENCODING
+    allowed[("torch", "Size")] = _size
     for name, value in vars(torch).items():  # a dict lookup: no module __getattr__ runs
         if isinstance(value, torch.dtype):
             allowed[("torch", name)] = value
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("torch.serialization", "_get_layout")] = _layout
     for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath,
                 pathlib.PureWindowsPath):
-        allowed[("pathlib", cls.__name__)] = cls
-        allowed[(cls.__module__, cls.__name__)] = cls  # pathlib._local in Python 3.13
+        allowed[("pathlib", cls.__name__)] = allowed[(cls.__module__, cls.__name__)] = _path_maker(cls)
     for cls in (set, frozenset, tuple, list, dict):
-        allowed[("builtins", cls.__name__)] = cls
-    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+        allowed[("builtins", cls.__name__)] = guarded_container(cls)
+    allowed[("collections", "OrderedDict")] = guarded_container(collections.OrderedDict)
     enums = {cls for cls in allowed.values() if isinstance(cls, type) and issubclass(cls, enum.Enum)}
-    allowed[("builtins", "getattr")] = lambda cls, name: _enum_member(enums, cls, name)
+    allowed[("builtins", "getattr")] = lambda cls, name: enum_member(enums, cls, name)
     return allowed
 
 
-def _enum_member(enums: set[type[enum.Enum]], cls: Any, name: Any) -> enum.Enum:
-    """What ``builtins.getattr`` may do in a checkpoint's pickle: name a member of one of ``enums``
-    (some Python versions, 3.11.2 among them, pickle an enum member as ``getattr(cls, "NAME")``);
-    any other attribute of anything is refused."""
-    if cls in enums and isinstance(name, str) and name in cls.__members__:
-        return cls[name]
-    raise _RefusedGlobal(f"builtins.getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
+def _size(dims: Any) -> torch.Size:
+    """``torch.Size`` of a tuple or list of integers, as DCP's metadata pickles one."""
+    if type(dims) not in (tuple, list) or not all(type(d) is int for d in dims):
+        raise DamagedPickle("gives torch.Size something other than integers")
+    return torch.Size(dims)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that resolves a global only from ``_metadata_globals()``: a crafted
-    ``.metadata`` naming ``posix.system`` (or anything else) is refused before anything is called."""
-
-    def __init__(self, file, allowed: dict[tuple[str, str], Any]):
-        super().__init__(file)
-        self._allowed = allowed
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return self._allowed[(module, name)]
-        except KeyError:
-            raise _RefusedGlobal(f"{module}.{name}") from None
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _RefusedGlobal("a persistent id")
+def _layout(name: Any) -> torch.layout:
+    """``torch.serialization._get_layout``'s answer, from a table of our own (its cache is shared
+    by every later ``torch.load`` of the process)."""
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if name not in layouts:
+        raise DamagedPickle(f"names the layout {name!r}, which torch does not have")
+    return layouts[name]
 
 
-class _RefusedGlobal(pickle.UnpicklingError):
-    pass
+_layout.__module__, _layout.__qualname__ = "torch.serialization", "_get_layout"  # as it is named
+
+
+def _path_maker(cls: type) -> Any:
+    def make(*parts: Any) -> Any:
+        if not all(type(part) is str for part in parts):
+            raise DamagedPickle(f"gives {cls.__name__} something other than strings")
+        return cls(*parts)
+
+    make.__module__, make.__qualname__ = cls.__module__, cls.__qualname__  # as the pickle names it
+    return make
 
 
 _MAX_METADATA_BYTES = 1 << 30  # DCP's metadata of a model with thousands of tensors is megabytes
@@ -341,11 +300,11 @@ def read_metadata(path: str | os.PathLike) -> Any:
     """
     p = Path(path)
     file = p / METADATA
-    try:
-        with open(file, "rb") as f:
+    with open_regular(file, f"checkpoint {str(p)!r}: its") as f:  # no link, no FIFO
+        try:
             data = f.read(_MAX_METADATA_BYTES + 1)
-    except OSError as e:
-        raise UsageError(f"checkpoint {str(p)!r}: cannot read {METADATA} ({e.strerror})") from None
+        except OSError as e:
+            raise UsageError(f"checkpoint {str(p)!r}: cannot read {METADATA} ({e.strerror})") from None
     if len(data) > _MAX_METADATA_BYTES:
         raise _damaged(p, f"{METADATA} is larger than {_MAX_METADATA_BYTES >> 20} MiB")
     metadata = _unpickle_metadata(p, data)
@@ -354,162 +313,24 @@ def read_metadata(path: str | os.PathLike) -> Any:
 
 
 def _unpickle_metadata(p: Path, data: bytes) -> Any:
-    """Unpickle ``data`` with ``_MetadataUnpickler`` after ``_check_pickle`` read every opcode."""
+    """Unpickle ``data`` with a ``RestrictedUnpickler`` after ``scan_pickle`` read every opcode."""
     allowed = _metadata_globals()
     try:
-        _check_pickle(data, _MAX_DEPTH, lambda module, name: (module, name) in allowed)
-        return _MetadataUnpickler(io.BytesIO(data), allowed).load()
-    except _RefusedGlobal as e:
+        scan_pickle(data, _MAX_DEPTH, lambda module, name: (module, name) in allowed,
+                    guard_keys=False)  # the unpickler follows the keys itself, on the real objects
+        return RestrictedUnpickler(data, allowed, _metadata_classes()).load()
+    except RefusedChange as e:
+        raise UsageError(f"checkpoint {str(p)!r}: {METADATA} asks to change the running process: "
+                         f"it {e}; refused, nothing was loaded and nothing was changed") from None
+    except RefusedGlobal as e:
         raise UsageError(f"checkpoint {str(p)!r}: {METADATA} asks to run code when loaded: it names "
                          f"{e}, which is not one of DCP's metadata classes; refused, nothing was "
                          "loaded") from None
-    except _DamagedPickle as e:
+    except DamagedPickle as e:
         raise _damaged(p, f"{METADATA} is not a readable pickle ({e})") from None
     except Exception as e:  # noqa: BLE001 - an admitted class refusing its arguments, in one line
         reason = " ".join(str(e).split())[:160]
         raise _damaged(p, f"{METADATA} does not unpickle ({type(e).__name__}: {reason})") from None
-
-
-class _DamagedPickle(Exception):
-    pass
-
-
-class _Node:
-    """What ``_check_pickle`` knows of one object the pickle builds: how deeply it nests, and
-    whether it already sits inside another object (then it may no longer grow)."""
-
-    __slots__ = ("depth", "inside", "text")
-
-    def __init__(self, depth: int = 0, text: Any = None):
-        self.depth, self.inside, self.text = depth, False, text
-
-
-_MARK = object()
-_GROWS = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}  # change the object below
-
-
-def _check_pickle(data: bytes, max_depth: int, admitted: Any) -> None:
-    """Read every opcode of ``data`` (nothing is built or called) and follow the unpickler's stack,
-    to refuse a pickle that is truncated, malformed, or builds objects nested deeper than
-    ``max_depth`` (``_DamagedPickle``), or that names a global ``admitted(module, name)`` refuses
-    (``_RefusedGlobal``, even when the pickle is also malformed further on: it was written to run
-    code, not damaged by chance: random bytes almost never spell two dotted identifiers).
-
-    Deep nesting must be refused before unpickling: hashing a dict key or set item recurses in C
-    once per level, and a few hundred thousand levels crash the interpreter.
-
-    An object that is already inside another may not grow (``APPEND`` to a list that is an item of
-    a tuple): it would deepen its container after the container's depth was counted. Pickles of
-    cyclic objects need that; DCP's metadata has none.
-    """
-    import pickletools
-
-    stack: list[Any] = []
-    memo: dict[Any, _Node] = {}
-
-    def pop() -> Any:
-        if not stack:
-            raise _DamagedPickle("pops an empty stack")
-        return stack.pop()
-
-    def pop_node() -> _Node:
-        node = pop()
-        if node is _MARK:
-            raise _DamagedPickle("finds a mark where an object belongs")
-        return node
-
-    def pop_to_mark() -> list[_Node]:
-        items = []
-        while True:
-            item = pop()
-            if item is _MARK:
-                return items
-            items.append(item)
-
-    def nested(children: list[_Node]) -> int:
-        for child in children:
-            child.inside = True
-        depth = 1 + max((c.depth for c in children), default=-1)
-        if depth > max_depth:
-            raise _DamagedPickle(f"nests objects more than {max_depth} levels deep")
-        return depth
-
-    import re
-
-    identifier = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
-    refused: list[str] = []
-
-    def named(module: Any, name: Any) -> None:
-        if isinstance(module, str) and isinstance(name, str) and identifier.match(module) \
-                and identifier.match(name) and not admitted(module, name):
-            refused.append(f"{module}.{name}")
-
-    stopped = False
-    try:
-        for op, arg, _pos in pickletools.genops(data):
-            name = op.name
-            if name == "STOP":
-                pop_node()
-                stopped = True
-            elif name in ("PROTO", "FRAME"):
-                continue
-            elif name == "MARK":
-                stack.append(_MARK)
-            elif name == "POP":
-                pop()
-            elif name == "POP_MARK":
-                pop_to_mark()
-            elif name == "DUP":
-                node = pop_node()
-                stack += [node, node]
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-                if not stack or stack[-1] is _MARK:
-                    raise _DamagedPickle("memoizes nothing")
-                memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
-            elif name == "GLOBAL" or name == "INST":
-                named(*(arg.split(" ", 1) if " " in arg else (arg, None)))
-                if name == "GLOBAL":
-                    stack.append(_Node())
-                else:
-                    stack.append(_Node(nested(pop_to_mark())))
-            elif name == "STACK_GLOBAL":
-                module_node, name_node = [pop_node() for _ in range(2)][::-1]
-                named(module_node.text, name_node.text)
-                stack.append(_Node())
-            elif isinstance(arg, str) and not op.stack_before and len(op.stack_after) == 1:
-                stack.append(_Node(text=arg))  # a string: STACK_GLOBAL may take it as a name
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
-                if arg not in memo:
-                    raise _DamagedPickle(f"refers to memo entry {arg!r} that was never stored")
-                stack.append(memo[arg])
-            else:
-                before = op.stack_before
-                if pickletools.stackslice in before:  # the objects down to the last mark
-                    sliced, fixed = pop_to_mark(), before.index(pickletools.markobject)
-                else:
-                    sliced, fixed = [], len(before)
-                operands = [pop_node() for _ in range(fixed)][::-1]
-                if name in _GROWS:
-                    target, children = operands[0], operands[1:] + sliced
-                    if target.inside:
-                        raise _DamagedPickle("changes an object after placing it in another")
-                    target.depth = max(target.depth, nested(children))
-                    stack.append(target)
-                else:
-                    children = operands + sliced
-                    for _ in op.stack_after:
-                        stack.append(_Node(nested(children) if children else 0))
-    except Exception as e:  # noqa: BLE001 - pickletools on a truncated or foreign stream
-        if refused:
-            raise _RefusedGlobal(refused[0]) from None
-        if isinstance(e, _DamagedPickle):
-            raise
-        reason = " ".join(str(e).split())[:120]
-        raise _DamagedPickle(reason or type(e).__name__) from None
-    if refused:
-        raise _RefusedGlobal(refused[0])
-    if not stopped:
-        raise _DamagedPickle("ends before its STOP opcode")
 
 
 def _check_metadata(p: Path, md: Any) -> None:
@@ -603,15 +424,19 @@ def _check_metadata(p: Path, md: Any) -> None:
     root = os.path.realpath(p)
     for name in files:
         parts = Path(name).parts
+        need(not os.path.islink(p / name), f"data file {name!r} is a link, not a regular file")
         need(bool(name) and "\0" not in name and not os.path.isabs(name) and ".." not in parts
              and os.path.realpath(p / name).startswith(root + os.sep),
              f"data file {name!r} lies outside the checkpoint folder")
-    missing = [f for f in files if not (p / f).is_file()]
+    sizes = {name: regular_file_size(p / name) for name in files}  # None: not a regular file
+    missing = [f for f in files if sizes[f] is None and not os.path.lexists(p / f)]
     if missing:
         raise UsageError(f"checkpoint {str(p)!r} is missing {missing[0]} (listed in {METADATA}; "
                          f"{len(missing)} of {len(files)} data files missing); nothing was "
                          "loaded")
-    sizes = {name: (p / name).stat().st_size for name in files}
+    special = [f for f in files if sizes[f] is None]
+    need(not special, f"data file {special[0] if special else ''!r} is a link, FIFO or device, not a "
+                      "regular file")
     need(tensor_bytes <= sum(sizes.values()),
          f"its tensors ({tensor_bytes} bytes) are larger than its data files")
     ranges: dict[str, list[tuple[int, int, str]]] = {}
@@ -635,7 +460,7 @@ def _check_bytes_entries(p: Path, metadata: Any) -> None:
     for index, info in (metadata.storage_data or {}).items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
-        with open(p / info.relative_path, "rb") as f:
+        with open_regular(p / info.relative_path, f"checkpoint {str(p)!r}: data file") as f:
             f.seek(info.offset)
             data = f.read(info.length)
         safe_torch_load(io.BytesIO(data), f"checkpoint {str(p)!r}: entry {index.fqn}")
@@ -644,11 +469,31 @@ def _check_bytes_entries(p: Path, metadata: Any) -> None:
 def _safe_reader(path: Path, metadata: Any):
     """A ``FileSystemReader`` that never opens ``.metadata``: it hands DCP ``metadata``, the object
     ``read_metadata`` checked. (PyTorch's own reader opens the file again and unpickles it with a
-    plain ``pickle.load``: a file swapped after our check would run code there.)"""
+    plain ``pickle.load``: a file swapped after our check would run code there.) It opens each data
+    file without following a link and only as a regular file (a link planted after the check
+    would load another checkpoint's shard, a FIFO would hang the load), and checks every entry's
+    ``torch.save`` bytes (``check_torch_slice``: no zip bomb, no pickle built to be slow) before
+    DCP's ``torch.load`` reads them."""
+    from contextlib import contextmanager
+
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    class RegularFilesOnly(FileSystem):
+        @contextmanager
+        def create_stream(self, file: str | os.PathLike, mode: str):
+            if mode != "rb":
+                raise UsageError(f"checkpoint {str(path)!r} is opened to be read only")
+            with open_regular(file, f"checkpoint {str(path)!r}: data file") as stream:
+                yield stream
+
     class SafeFileSystemReader(FileSystemReader):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            if hasattr(self, "fs"):  # else refused below (require_dcp_reader_hooks)
+                self.fs = RegularFilesOnly()
+
         def read_metadata(self, *args: Any, **kwargs: Any):
             if kwargs.get("rank") is not None:  # per-rank metadata files: the course writes none
                 raise UsageError(f"checkpoint {str(path)!r}: per-rank metadata is not supported")
@@ -657,20 +502,96 @@ def _safe_reader(path: Path, metadata: Any):
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    return SafeFileSystemReader(str(path))
+        def _slice_file(self, file, sinfo):
+            check_torch_slice(file, sinfo.offset, sinfo.length,
+                              f"checkpoint {str(path)!r} is damaged: reading its data failed: the "
+                              f"entry at byte {sinfo.offset} of {sinfo.relative_path}")
+            return super()._slice_file(file, sinfo)
+
+    reader = SafeFileSystemReader(str(path))
+    require_dcp_reader_hooks(reader)
+    return reader
 
 
-def _safe_planner():
-    """DCP's default load planner, but a non-tensor entry must pass ``weights_only=True`` first."""
+def _safe_planner(path: Path):
+    """DCP's default load planner, but a non-tensor entry must pass ``weights_only=True`` first and
+    have the kind of value this run's own state has there (``check_like``): a string where the
+    scheduler keeps its learning rates would fail later, once per rank, with a traceback."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            safe_torch_load(value, f"checkpoint entry {read_item.dest_index.fqn}")
+            fqn = read_item.dest_index.fqn
+            loaded = safe_torch_load(value, f"checkpoint entry {fqn}")
+            if fqn in self.state_dict:
+                check_like(path, fqn, self.state_dict[fqn], loaded)
             value.seek(0)
             super().load_bytes(read_item, value)
 
     return SafeLoadPlanner()
+
+
+def check_like(path: str | os.PathLike, fqn: str, expected: Any, got: Any) -> None:
+    """Refuse, in one line, a checkpoint value ``got`` at ``fqn`` that is not of the kind of this
+    run's own value ``expected``: the same type (any number for a float, finite; a bool or None for
+    a bool or None: optimizers keep ``foreach`` / ``fused`` as either), lists and tuples of the same
+    length, item by item, dicts key by key for the keys both have."""
+    allowed = _unlike(expected, got)
+    if allowed is not None:
+        shown = repr(got) if len(repr(got)) <= 40 else repr(got)[:37] + "..."
+        raise _damaged(Path(path), f"entry {fqn} is {shown} (a {type(got).__name__}); allowed: "
+                                   f"{allowed}, as this run's own state has there")
+
+
+def _unlike(expected: Any, got: Any, depth: int = 0) -> str | None:
+    """What is allowed where ``got`` is not of ``expected``'s kind, else None."""
+    if expected is None or isinstance(expected, bool):
+        return None if got is None or isinstance(got, bool) else "a bool or None"
+    if isinstance(expected, int):
+        return None if type(got) is int else "an integer"
+    if isinstance(expected, float):
+        ok = type(got) in (int, float) and math.isfinite(got)
+        return None if ok else "a finite number"
+    if isinstance(expected, str):
+        return None if isinstance(got, str) else "a string"
+    if isinstance(expected, (list, tuple)):
+        if type(got) not in (list, tuple) or len(got) != len(expected):
+            return f"a list of {len(expected)} item(s)"
+        for e, g in zip(expected, got):
+            inner = _unlike(e, g, depth + 1)
+            if inner is not None:
+                return f"a list of {len(expected)} item(s), each {inner}"
+        return None
+    if isinstance(expected, dict):
+        if not isinstance(got, dict):
+            return "a dict"
+        for key in expected.keys() & got.keys():
+            inner = _unlike(expected[key], got[key], depth + 1)
+            if inner is not None:
+                return f"{inner} at key {key!r}"
+        return None
+    if isinstance(expected, torch.Tensor):
+        return None if isinstance(got, torch.Tensor) else "a tensor"
+    return None if type(got) is type(expected) else f"a {type(expected).__name__}"
+
+
+MAX_TRAINER_COUNT = 2 ** 40  # steps or batches: far beyond any run, far below int64
+
+
+def trainer_position(state: dict[str, Any], path: str | os.PathLike) -> tuple[int, int]:
+    """``(step, batches consumed)`` that ``dcp_load`` put into ``state["trainer"]``, checked:
+    integers in [0, ``MAX_TRAINER_COUNT``], else one line (a step of -10**12 would train for
+    ever)."""
+    trainer = state["trainer"]
+    position = []
+    for key in ("step", "batches_consumed"):
+        value = trainer[key]
+        value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        if type(value) is not int or not 0 <= value <= MAX_TRAINER_COUNT:
+            raise UsageError(f"checkpoint {str(path)!r} is damaged or hostile: trainer.{key} is "
+                             f"{value!r}; allowed: integers in [0, {MAX_TRAINER_COUNT}]; refused")
+        position.append(value)
+    return position[0], position[1]
 
 
 # -- which directory holds the checkpoint, after a kill at any instant ------------------------------
@@ -685,8 +606,8 @@ def _check_dir(p: Path, entries: bool = True) -> None:
     """Refuse, in one line, a directory that is not a complete, safe DCP checkpoint; else the
     metadata it was checked with."""
     if not p.is_dir():
-        if _tmp_dir(p).is_dir():
-            raise UsageError(f"checkpoint {str(p)!r} was never completed (only {_tmp_dir(p).name} "
+        if staging_path(p).is_dir():
+            raise UsageError(f"checkpoint {str(p)!r} was never completed (only {staging_path(p).name} "
                              "exists: the save did not finish)")
         raise UsageError(f"checkpoint {str(p)!r} does not exist or is not a directory")
     if not (p / METADATA).is_file():
@@ -716,7 +637,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path | None:
     and every file it names exists (DCP writes ``.metadata`` last, after every rank's data).
     """
     p = Path(path)
-    for candidate in (_tmp_dir(p), p, _old_dir(p)):
+    for candidate in (staging_path(p), p, previous_path(p)):
         if candidate != p and candidate.is_symlink():
             continue  # the course never makes .tmp / .old a link: planted, never followed
         if _complete(candidate):
@@ -728,14 +649,14 @@ def recover_checkpoint(path: str | os.PathLike) -> Path | None:
     """Finish or undo what a killed save left, so only ``path`` remains (one process only: rank 0
     before a save). Returns ``path``, or None where no complete checkpoint of that name exists."""
     p = Path(path)
-    tmp, old = _tmp_dir(p), _old_dir(p)
+    tmp, old = staging_path(p), previous_path(p)
     best = resolve_checkpoint(p)
     if best == tmp:
         swap_in(tmp, p)  # the save had finished: publish it now
     elif best == old:
         os.replace(old, p)  # only the previous checkpoint survived: put it back
     for leftover in (tmp, old):
-        _remove(leftover, ignore_errors=True)  # incomplete, or superseded by ``path``
+        remove_path(leftover, ignore_errors=True)  # incomplete, or superseded by ``path``
     return p if best is not None else None
 
 
@@ -765,37 +686,6 @@ def latest_checkpoint(directory: str | os.PathLike, pattern: str = "step_*") -> 
         if found is not None:
             return found
     return None
-
-
-def lock_checkpoints(directory: str | os.PathLike) -> Any:
-    """Take ``directory``'s lock for as long as this process lives (keep the returned file open):
-    one run at a time saves into a checkpoint folder. A second run into the same folder would
-    recover, prune and overwrite under the first one's feet (its recovery deleted the other's
-    ``.tmp``); it is refused in one ``UsageError`` line naming the holder. The lock is the file
-    ``.NAME.lock`` beside the folder, held with ``flock``: the kernel releases it when the process
-    ends, however it ends, so a killed run never leaves it taken. (On a network filesystem whose
-    ``flock`` is local to each host, runs on two hosts are not kept apart.)"""
-    import fcntl
-    import socket
-
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    lock = open(d.parent / f".{d.name}.lock", "a+")  # noqa: SIM115 - held open until exit
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        raise UsageError(f"checkpoint folder {str(d)!r} is in use by {holder}: one run at a time "
-                         "may save there; wait for it to end, or give another --out / --ckpt-dir"
-                         ) from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    lock.flush()
-    return lock
 
 
 def recover_checkpoints(directory: str | os.PathLike, pattern: str = "step_*") -> list[Path]:
@@ -843,8 +733,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None) -
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-    trainer = state["trainer"]
-    return Resumed(int(trainer["step"]), int(trainer["batches_consumed"]), time.perf_counter() - t0)
+    step, batches_consumed = trainer_position(state, p)
+    return Resumed(step, batches_consumed, time.perf_counter() - t0)
 
 
 def dcp_load(state: dict[str, Any], path: str | os.PathLike, metadata: Any = None) -> None:
@@ -857,7 +747,7 @@ def dcp_load(state: dict[str, Any], path: str | os.PathLike, metadata: Any = Non
     if metadata is None:
         metadata = read_metadata(p)
     with _one_line_failure(p):
-        dcp.load(state, storage_reader=_safe_reader(p, metadata), planner=_safe_planner())
+        dcp.load(state, storage_reader=_safe_reader(p, metadata), planner=_safe_planner(p))
 
 
 class _one_line_failure:
@@ -896,8 +786,6 @@ def to_torch_save(dcp_dir: str | os.PathLike, file: str | os.PathLike) -> Path:
     """One ``torch.save`` file holding the full (unsharded) tensors; no process group needed."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    from utilities.state_dict import atomic_torch_save
 
     # Not PyTorch's dcp_to_torch_save: its reader opens .metadata again with a plain pickle.load
     # and its planner reads non-tensor entries with weights_only=False. The same steps here with
@@ -942,8 +830,8 @@ def from_torch_save(file: str | os.PathLike, dcp_dir: str | os.PathLike) -> Path
 
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        tmp = _tmp_dir(target)
-        _remove(tmp)
+        tmp = staging_path(target)
+        remove_path(tmp)
         tmp.mkdir(parents=True)
         try:
             dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
@@ -1025,7 +913,7 @@ def _sharded_tensor_globals() -> list[Any]:
     def only_known_attributes(obj: Any, name: str) -> Any:
         if obj is ShardedTensor and name == "ProcessGroupState":
             return ShardedTensor.ProcessGroupState
-        return _enum_member({MEM_FORMAT_ENCODING}, obj, name)  # refuses any other getattr
+        return enum_member({MEM_FORMAT_ENCODING}, obj, name)  # refuses any other getattr
 
     return [ShardedTensor, ShardedTensor.ProcessGroupState, Shard, ShardMetadata,
             ShardedTensorMetadata, TensorProperties, MEM_FORMAT_ENCODING, ChunkShardingSpec,

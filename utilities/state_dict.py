@@ -22,10 +22,8 @@ the keys and shapes ourselves: a wrong file is one line naming it, never a parti
 
 from __future__ import annotations
 
-import io
 import os
-import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,15 @@ from torch import nn
 
 from utilities.distributed import fail_together, one_line_error
 from utilities.errors import UsageError
+from utilities.safe_files import (
+    atomic_torch_save,
+    exchange_in,
+    fsync_files,
+    remove_path,
+    safe_torch_load,
+    staging_path,
+    swap_in,
+)
 
 FORMAT = "fsdp-course-full-state-dict-v1"
 HOWS = ("dcp", "fsdp1-classic")
@@ -101,29 +108,13 @@ def save_full(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
     return int(_broadcast_object(size))
 
 
-def atomic_torch_save(obj: Any, path: Path) -> int:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path.stat().st_size
-
-
 # -- loading -----------------------------------------------------------------------------------
 def read_full(path: str | os.PathLike) -> dict[str, Any]:
     """Read a full checkpoint on this process (``weights_only=True``: tensors and plain data only,
     no arbitrary pickled code). A missing, truncated, foreign or code-carrying file is a one-line
     UsageError."""
     p = Path(path)
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise UsageError(f"checkpoint {p} does not exist")
     ckpt = safe_torch_load(p, f"checkpoint {p}")
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
@@ -132,68 +123,6 @@ def read_full(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(ckpt.get("model"), dict) or not isinstance(ckpt.get("step"), int):
         raise UsageError(f"checkpoint {p} is incomplete: it lacks the model state dict or the step")
     return ckpt
-
-
-def safe_torch_load(source: str | os.PathLike | io.BytesIO, what: str,
-                    allow: Sequence[Any] = (), keep: tuple[type[Exception], ...] = ()) -> Any:
-    """``torch.load(source, weights_only=True)``, with ``allow`` (classes, or ``(object, "module.name")``
-    pairs) admitted for this call only, and every failure turned into one line. Errors of a type in
-    ``keep`` that are not about the file's format (an admitted class refusing its state, e.g. a
-    ShardedTensor saved on another world size) propagate for the caller to word.
-
-    Why not plain ``torch.load``: a pickle may name any importable function (``posix.system``) and
-    ``weights_only=False`` calls it while loading. The weights-only unpickler refuses every global
-    outside PyTorch's tensor/container allowlist; we say which one it refused, and that nothing was
-    loaded, instead of PyTorch's multi-paragraph advice to turn the check off.
-    """
-    import pickle
-
-    try:
-        if allow:
-            with torch.serialization.safe_globals(list(allow)):
-                return torch.load(source, map_location="cpu", weights_only=True)
-        return torch.load(source, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights only" in str(e).lower() or "WeightsUnpickler" in str(e):
-            refused = refused_globals(source, str(e), allow)
-            raise UsageError(f"{what} asks to run code when loaded: the safe loader refused "
-                             f"{refused}; nothing was loaded (a checkpoint needs only tensors and "
-                             "plain data: this file was written by other code or tampered with)") from None
-        raise UsageError(_unreadable(what, e)) from None
-    except Exception as e:  # zip/pickle errors of a truncated or foreign file
-        if isinstance(e, keep) and "PytorchStreamReader" not in str(e) and "zip" not in str(e):
-            raise
-        raise UsageError(_unreadable(what, e)) from None
-
-
-def _unreadable(what: str, e: BaseException) -> str:
-    reason = " ".join(str(e).split())[:160]
-    return f"{what} is not readable (truncated or not a torch.save file): {type(e).__name__}: {reason}"
-
-
-def refused_globals(source: str | os.PathLike | io.BytesIO, message: str = "",
-                    allow: Sequence[Any] = ()) -> str:
-    """The globals a pickle names that the weights-only loader does not admit, as text
-    (``posix.system``); found by reading the pickle's opcodes, never by running it."""
-    import re
-
-    names: list[str] = []
-    try:
-        if isinstance(source, io.BytesIO):
-            source.seek(0)
-        if allow:
-            with torch.serialization.safe_globals(list(allow)):
-                names = list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
-        else:
-            names = list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
-    except Exception:  # noqa: BLE001 - not a zip file, or an older torch: read the error instead
-        names = []
-    if not names:
-        names = re.findall(r"GLOBAL ([\w.]+)", message) or re.findall(r"got <class '([\w.]+)'>", message)
-    if not names:
-        return "an object it does not admit"
-    unique = list(dict.fromkeys(names))
-    return ", ".join(unique[:3]) + (", ..." if len(unique) > 3 else "")
 
 
 def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -351,20 +280,20 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory:
     if directory.is_dir() and any(directory.iterdir()) and not (directory / "config.json").is_file():
         raise UsageError(f"cannot export to {directory}: it exists and is not an export (no "
                          "config.json); not replaced")
-    # written beside it, then renamed over it: an earlier export is replaced whole (no stale
-    # shard of it stays beside the new files), and a crash mid-write leaves the earlier one
-    from utilities.dcp import _fsync_files, _remove, _tmp_dir, swap_in
-
-    tmp = _tmp_dir(directory)
-    _remove(tmp)
+    # written beside it, then published over it with one atomic rename where the system has one
+    # (an exchange: a kill at any instant leaves an export, old or new, under its name); elsewhere
+    # with swap_in's two renames, between which a kill leaves only .NAME.old and .NAME.tmp
+    tmp = staging_path(directory)
+    remove_path(tmp)
     tmp.mkdir(parents=True)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        _fsync_files(tmp)
+        fsync_files(tmp)
     except BaseException:
-        _remove(tmp, ignore_errors=True)
+        remove_path(tmp, ignore_errors=True)
         raise
-    swap_in(tmp, directory)
+    if not exchange_in(tmp, directory):
+        swap_in(tmp, directory)
     return directory
 
 

@@ -248,3 +248,18 @@ def fsdp_mem_tracker():
             return out
 
     return FSDPMemTracker
+
+
+# -- DCP's file reader -------------------------------------------------------------------------------
+
+def require_dcp_reader_hooks(reader: Any) -> None:
+    """The two places of DCP's ``FileSystemReader`` that the course's safe reader replaces (torch
+    2.6 to 2.14 have both): ``fs``, the object that opens each data file, and ``_slice_file``, which
+    hands an entry's bytes to ``torch.load``. Without them the data files would be opened and read
+    unchecked: refused in one line instead."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not callable(getattr(FileSystemReader, "_slice_file", None)):
+        raise _unsupported("loading a DCP checkpoint safely", "FileSystemReader._slice_file")
+    if not hasattr(reader, "fs"):
+        raise _unsupported("loading a DCP checkpoint safely", "FileSystemReader.fs")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -48,6 +49,7 @@ from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import fail_together, reduce_scalar
 from utilities.measure import fmt_bytes
 from utilities.models import META_INIT_THRESHOLD
+from utilities.safe_files import lock_checkpoints
 from utilities.state_dict import FORMAT, export_hf, read_on_rank0
 from utilities.training import sync
 from utilities.wrapping import shard_model
@@ -102,8 +104,10 @@ def save_on_rank0(path: str | os.PathLike, model_sd: dict[str, Any], optim_sd: d
                   step: int) -> int:
     """Rank 0 writes one ``torch.save`` file; returns its size on every rank.
 
-    It writes to a temporary name in the same directory, flushes it to disk, and renames it over
-    ``path`` (``os.replace`` is atomic), so a crash mid-write leaves the previous checkpoint whole.
+    It writes to a temporary file of its own in the same directory (``mkstemp``: a unique name, so
+    two saves never write into one temporary), flushes it to disk, and renames it over ``path``
+    (``os.replace`` is atomic), so a crash mid-write leaves the previous checkpoint whole. Two runs
+    saving into one folder would still overwrite each other's files: ``main`` locks the folder.
 
     Only rank 0 writes, so only rank 0 can fail (a full disk, a folder it may not write): the other
     ranks would wait for its answer for ever. ``fail_together`` shares the outcome, and every rank
@@ -113,9 +117,10 @@ def save_on_rank0(path: str | os.PathLike, model_sd: dict[str, Any], optim_sd: d
     with fail_together(f"saving {path}"):
         if dist.get_rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            tmp = Path(name)
             try:
-                with open(tmp, "wb") as f:
+                with os.fdopen(fd, "wb") as f:
                     torch.save({"format": FORMAT, "step": step, "model": model_sd,
                                 "optimizer": optim_sd}, f)
                     f.flush()
@@ -309,11 +314,13 @@ def main(args: argparse.Namespace) -> None:
         lesson.results.setting(deterministic_kernels=deterministic_kernels(lesson.device))
         lesson.results.columns("checkpoint_bytes", "save_s", "load_s", "outputs_identical",
                                "next_step_identical", "hf_identical")
+        ckpt_dir = Path(args.checkpoint_dir or lesson.out / "checkpoints")
+        with fail_together(f"locking {ckpt_dir}"):  # a second run saving there: one line, exit 2
+            lock = lock_checkpoints(ckpt_dir) if dist.get_rank() == 0 else None  # noqa: F841 - held
         probe = next(lesson.data(seed_offset=1000))  # a fixed batch, never trained on, for comparisons
         for name in args.variants:
             with lesson.variant(name):  # everything the variant made is freed before the next one
-                round_trip(lesson, name, probe, Path(args.checkpoint_dir or lesson.out / "checkpoints"),
-                           export=not args.no_export)
+                round_trip(lesson, name, probe, ckpt_dir, export=not args.no_export)
 
 
 if __name__ == "__main__":

@@ -60,13 +60,14 @@ from utilities.dcp import (
     prepare_save,
     publish_save,
     to_torch_save,
+    trainer_position,
     training_state,
 )
 from utilities.distributed import fail_together, reduce_scalar
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
 from utilities.measure.results import variant, write_json
-from utilities.state_dict import atomic_torch_save
+from utilities.safe_files import atomic_torch_save
 from utilities.training import train
 from utilities.wrapping import shard_model
 
@@ -116,7 +117,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module,
     state = training_state(model, optimizer)
     dcp_load(state, path)  # dcp.load(state, checkpoint_id=str(path)), read safely
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["trainer"]["step"]), int(state["trainer"]["batches_consumed"])
+    return trainer_position(state, path)  # the two counters, checked: integers in range
 
 
 def save_fsdp1_local(directory: str | os.PathLike, model: FSDP) -> tuple[Path, int]:

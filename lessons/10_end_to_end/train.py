@@ -54,20 +54,22 @@ from train_metrics import TrainingLog, tokens_in
 from utilities import distributed as D
 from utilities.data import ReverseTask, make_loader
 from utilities.dcp import (
+    MAX_TRAINER_COUNT,
     check_checkpoint,
     dcp_load,
     dcp_save,
     latest_checkpoint,
-    lock_checkpoints,
     prepare_save,
     publish_save,
     recover_checkpoints,
     step_order,
+    trainer_position,
     training_state,
 )
 from utilities.errors import UsageError
 from utilities.models import META_INIT_THRESHOLD, get_model_spec, init_weights
 from utilities.prefetch import set_explicit_prefetch
+from utilities.safe_files import lock_checkpoints
 from utilities.wrapping import fsdp1_meta_init
 
 # --precision: the dtype FSDP all-gathers parameters in (compute), and the one it reduces gradients in
@@ -147,10 +149,15 @@ def parallelize(model: nn.Module, cfg: Config, device: torch.device) -> nn.Modul
 
 # -- checkpoints: DCP, every rank writes its own shards ---------------------------------------------
 def save_training_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                             scheduler: LambdaLR, step: int, batches: int, keep_last: int) -> Path:
+                             scheduler: LambdaLR, step: int, batches: int, keep_last: int,
+                             earlier_run: frozenset[str] = frozenset()) -> Path:
     """Write into .step_N.tmp and publish it with utilities.dcp's crash-safe swap (old -> .old,
     new -> step_N, delete .old): a kill at any instant leaves a complete checkpoint that
-    latest_checkpoint finds. The scheduler is Stateful: DCP calls its state_dict()."""
+    latest_checkpoint finds. The scheduler is Stateful: DCP calls its state_dict().
+
+    Then only the newest ``keep_last`` of this run's checkpoints are kept. ``earlier_run`` names
+    another run's checkpoints in the folder (a fresh run in an old folder): never pruned, and never
+    counted, so their higher steps cannot make this run delete its own newest checkpoint."""
     final = ckpt_dir / f"step_{step:06d}"
     state = training_state(model, optimizer, step, batches)  # model + optimizer + step + data position
     state["scheduler"] = scheduler
@@ -163,8 +170,8 @@ def save_training_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.
     with D.fail_together(f"pruning {ckpt_dir}"):  # also the barrier
         if dist.get_rank() == 0:
             # by the number, not the text: "step_1000000" sorts before "step_999999" as text
-            saved = sorted((q for q in ckpt_dir.glob("step_*") if q.name[5:].isdigit()),
-                           key=step_order)
+            saved = sorted((q for q in ckpt_dir.glob("step_*") if q.name[5:].isdigit()
+                            and (q.name not in earlier_run or q.name == final.name)), key=step_order)
             for old in saved[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)  # half-deleted: older, incomplete, skipped
     return final
@@ -178,7 +185,11 @@ def load_training_checkpoint(path: Path, model: nn.Module, optimizer: torch.opti
     state["scheduler"] = scheduler  # DCP calls scheduler.load_state_dict() after reading
     dcp_load(state, check_checkpoint(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["trainer"]["step"]), int(state["trainer"]["batches_consumed"])
+    if not 0 <= scheduler.last_epoch <= MAX_TRAINER_COUNT:  # its type was checked on loading
+        raise UsageError(f"checkpoint {str(path)!r} is damaged or hostile: scheduler.last_epoch is "
+                         f"{scheduler.last_epoch}; allowed: integers in [0, {MAX_TRAINER_COUNT}]; "
+                         "refused")
+    return trainer_position(state, path)  # step and batches: integers in range, else one line
 
 
 def resume(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -194,9 +205,17 @@ def resume(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
         D.print0(f"--resume: no checkpoint in {cfg.ckpt_dir}, starting from step 0")
     elif latest is not None:
         D.print0(f"note: {cfg.ckpt_dir} holds checkpoints of an earlier run; this fresh run saves "
-                 "beside them (and replaces those of the same step): use --resume to continue, or "
-                 "another --out")
+                 "beside them (replacing those of the same step, pruning only its own): use "
+                 "--resume to continue, or another --out")
     return 0, 0, None
+
+
+def earlier_checkpoints(cfg: Config, resumed_from: Path | None) -> set[str]:
+    """The checkpoints of another run in --ckpt-dir, which this run must neither prune nor count:
+    every one there when a fresh run starts; none when it resumes (they are its own history)."""
+    if resumed_from is not None or cfg.resume:
+        return set()
+    return {q.name for q in Path(cfg.ckpt_dir).glob("step_*") if q.name[5:].isdigit()}
 
 
 # -- the training loop ---------------------------------------------------------------------------
@@ -210,6 +229,7 @@ def main(cfg: Config) -> None:
     log = TrainingLog(cfg, spec, info)
     optimizer, scheduler = make_optimizer(model, cfg, device)
     start_step, consumed, resumed_from = resume(cfg, model, optimizer, scheduler)
+    earlier_run = earlier_checkpoints(cfg, resumed_from)  # rank 0 prunes; every rank agrees anyway
     if start_step >= cfg.steps:
         D.print0(f"nothing to do: the checkpoint is at step {start_step} and --steps is {cfg.steps} "
                  f"(raise --steps to train further); {cfg.out} is left as it is")
@@ -240,8 +260,10 @@ def main(cfg: Config) -> None:
                 held_out = data_stream(cfg, eval_set, rank, world, device)
                 log.eval(step, evaluate(model, held_out, cfg.eval_batches, device))
             if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                log.checkpoint(step, save_training_checkpoint(Path(cfg.ckpt_dir), model, optimizer, scheduler,
-                                                     step, consumed, cfg.keep_last))
+                saved = save_training_checkpoint(Path(cfg.ckpt_dir), model, optimizer, scheduler, step,
+                                                  consumed, cfg.keep_last, frozenset(earlier_run))
+                earlier_run.discard(saved.name)  # replaced: this run's own now
+                log.checkpoint(step, saved)
             if cfg.crash_after_step == step:  # testing: what a crash leaves, on every rank
                 log.close(f"--crash-after-step {step}: exiting every rank without cleanup")
                 os._exit(3)

@@ -1,0 +1,456 @@
+"""The second red team's holes in reading and writing checkpoints, each reproduced as an attack.
+
+A refused file leaves the process as it was; any file is read or refused in time proportional to
+its size; the lock cannot be redirected or bypassed; two saves never share a temporary; a fresh run
+never prunes its own newest checkpoint; a zip bomb is refused before it inflates; hostile trainer
+values are one line; a data file swapped for a link or a FIFO after the check is refused; an HF
+export is published with one rename. Everything runs in this process on a one-rank gloo world
+with a two-layer model, but for the one lesson 03 launch that shows its folder lock.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import pickle
+import shutil
+import signal
+import struct
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+from test_trust_checkpoints import _lesson10, _step
+
+import utilities.dcp as D
+import utilities.safe_files as S
+from utilities.errors import UsageError
+from utilities.state_dict import FORMAT, read_full
+
+
+def _one_line(e: pytest.ExceptionInfo, *parts: str) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    for part in parts:
+        assert part in msg, msg
+    return msg
+
+
+@pytest.fixture
+def no_hang():
+    """A test that would hang on a FIFO fails after 30 s instead."""
+    def stuck(*_):
+        raise TimeoutError("hung")
+
+    old = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(30)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+# -- item 1: a refused .metadata changes nothing in the process ----------------------------------
+def _build_on(module: str, name: str, state: bytes) -> bytes:
+    """A pickle that pushes the global ``module.name`` and BUILDs it with ``state`` (opcodes)."""
+    return b"\x80\x04c" + f"{module}\n{name}\n".encode() + state + b"b."
+
+
+def test_a_refused_metadata_cannot_poison_torchs_layout_cache(tiny, tmp_path):
+    """BUILD on ``torch.serialization._get_layout`` set its cache to a wrong table: every later
+    good checkpoint of the process was refused. Refused now, and the cache is untouched."""
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=1)
+    D.save_checkpoint(tmp_path / "evil", model, opt, step=1)
+    layout_fn = torch.serialization._get_layout
+    cache_before = dict(getattr(layout_fn, "cache", {}))
+    cache_object = getattr(layout_fn, "cache", None)
+    state = b"N}\x8c\x05cache}\x8c\rtorch.stridedctorch\nfloat32\nss\x86"  # (None, {cache: {...}})
+    for payload in (_build_on("torch.serialization", "_get_layout", state),
+                    _build_on("torch.serialization", "_get_layout",
+                              b"}\x8c\x05cache}\x8c\rtorch.stridedctorch\nfloat32\nss")):
+        (tmp_path / "evil" / ".metadata").write_bytes(payload)
+        with pytest.raises(UsageError) as e:
+            D.check_checkpoint(tmp_path / "evil")
+        _one_line(e, "asks to change the running process", "_layout", "nothing was changed")
+        assert getattr(layout_fn, "cache", None) is cache_object
+        assert dict(getattr(layout_fn, "cache", {})) == cache_before
+    assert D.load_checkpoint(ckpt, model, opt).step == 1  # a good checkpoint still loads
+
+
+def test_a_refused_metadata_cannot_redefine_path_division(tiny, tmp_path):
+    """BUILD with slot state on ``pathlib.PosixPath`` set ``PosixPath.__truediv__``: every
+    ``a / b`` of the process changed meaning. End to end: a planted ``step_9999999`` made lesson 10
+    --resume start from 0, then every save failed. Now it is passed over, nothing changes."""
+    model, opt = tiny
+    train = _lesson10()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpts = tmp_path / "checkpoints"
+    train.save_training_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
+    divide = pathlib.PosixPath.__truediv__
+    planted = ckpts / "step_9999999"
+    shutil.copytree(ckpts / "step_000010", planted)
+    for cls in ("PosixPath", "PurePosixPath"):
+        (planted / ".metadata").write_bytes(_build_on(
+            "pathlib", cls, b"N}\x8c\x0b__truediv__ctorch\nfloat32\ns\x86"))  # (None, {...})
+        with pytest.raises(UsageError) as e:
+            D.check_checkpoint(planted)
+        _one_line(e, "asks to change the running process", "PosixPath")
+        assert pathlib.PosixPath.__truediv__ is divide and "__truediv__" not in vars(pathlib.PosixPath)
+        assert str(Path("a") / "b") == "a/b"
+        assert train.latest_checkpoint(ckpts).name == "step_000010"
+    assert train.load_training_checkpoint(train.latest_checkpoint(ckpts), model, opt, sched)[0] == 10
+    train.save_training_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
+    assert (ckpts / "step_000020" / ".metadata").is_file()
+
+
+def test_the_metadata_unpickler_gives_state_only_to_dcp_objects_it_built(tiny, tmp_path):
+    """NEWOBJ of anything but DCP's metadata classes, a container op on a non-container, and a
+    dataclass state with a name that is not a field are refused too; a real checkpoint's metadata
+    still reads to the same object as pickle.loads gives."""
+    model, opt = tiny
+    ckpt = tmp_path / "ckpt"
+    D.save_checkpoint(ckpt, model, opt, step=1)
+    good = (ckpt / ".metadata").read_bytes()
+    assert D.read_metadata(ckpt) == pickle.loads(good)
+    md = "torch.distributed.checkpoint.metadata"
+    for payload, says in [
+        (b"\x80\x04ctorch\nfloat32\n)\x81.", "to create an object"),  # NEWOBJ on a dtype
+        (b"\x80\x04c" + f"{md}\nStorageMeta\n".encode() + b")\x81}\x8c\t__class__K\x01sb.",
+         "not its fields"),
+        (b"\x80\x04ctorch\nfloat32\n\x8c\x01aK\x01s.", "SETITEM to a dtype"),
+    ]:
+        (ckpt / ".metadata").write_bytes(payload)
+        with pytest.raises(UsageError) as e:
+            D.check_checkpoint(ckpt)
+        _one_line(e, says)
+
+
+# -- item 2: keys that all hash alike --------------------------------------------------------------
+_P = 2 ** 61 - 1  # every multiple of it hashes to 0
+
+
+def _long1(n: int) -> bytes:
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def _colliding_dict(n: int) -> bytes:
+    """Opcodes of a dict of ``n`` distinct int keys that all hash to 0 (about 13 bytes each)."""
+    body = bytearray(b"}")
+    for start in range(0, n, 1000):
+        body += b"(" + b"".join(_long1(k * _P) + b"N" for k in range(start + 1, min(n, start + 1000) + 1))
+        body += b"u"
+    return bytes(body)
+
+
+def _torch_file_with_pickle(data_pkl: bytes) -> bytes:
+    """A torch.save zip whose data.pkl is ``data_pkl`` (the other records as torch.save wrote them)."""
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT}, buf)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = data_pkl if info.filename.endswith("/data.pkl") else src.read(info)
+            dst.writestr(info.filename, data, compress_type=zipfile.ZIP_STORED)
+    return out.getvalue()
+
+
+def test_metadata_with_keys_that_hash_alike_is_refused_in_time_proportional_to_size(tmp_path):
+    """A half-MiB .metadata holding 40,000 int keys of one hash took 40-90 s to unpickle (each key
+    compared with every earlier one); it is refused after a few keys."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    data = b"\x80\x04" + _colliding_dict(40_000) + b"."
+    assert len(data) > 400_000
+    (ckpt / ".metadata").write_bytes(data)
+    started = time.monotonic()
+    with pytest.raises(UsageError) as e:
+        D.check_checkpoint(ckpt)
+    took = time.monotonic() - started
+    _one_line(e, "damaged or hostile", "hash alike")
+    assert took < 5, took
+
+
+@pytest.mark.parametrize("container", ["dict", "set", "frozenset", "OrderedDict"])
+def test_a_full_state_dict_with_keys_that_hash_alike_is_refused_before_torch_load(tmp_path,
+                                                                                  container):
+    """The same through ``weights_only`` torch.load of a .pt (its unpickler is pure Python and
+    inserts each key as it comes): the pickle is scanned first and refused."""
+    n = 40_000
+    keys = b"(" + b"".join(_long1(k * _P) for k in range(1, n + 1))
+    inner = {
+        "dict": _colliding_dict(n),
+        "set": b"cbuiltins\nset\n" + keys + b"l\x85R",  # set([...]), as protocol 2 pickles one
+        "frozenset": b"cbuiltins\nfrozenset\n" + keys + b"l\x85R",
+        "OrderedDict": b"ccollections\nOrderedDict\n" + b"(" + b"".join(
+            _long1(k * _P) + b"N\x86" for k in range(1, n + 1)) + b"l\x85R",
+    }[container]
+    pkl = b"\x80\x02}(X\x06\x00\x00\x00formatX" + struct.pack("<I", len(FORMAT)) + FORMAT.encode() \
+        + b"X\x05\x00\x00\x00model" + inner + b"u."
+    path = tmp_path / "evil.pt"
+    path.write_bytes(_torch_file_with_pickle(pkl))
+    started = time.monotonic()
+    with pytest.raises(UsageError) as e:
+        read_full(path)
+    took = time.monotonic() - started
+    msg = _one_line(e, "damaged or hostile")
+    assert "hash alike" in msg or "from items that" in msg or "dict or a list" in msg, msg
+    assert took < 10, took
+
+
+def test_many_distinct_int_keys_still_load(tmp_path):
+    """Not a refusal of big dicts: 50,000 int keys (an optimizer's state by index) load."""
+    path = tmp_path / "big.pt"
+    state = {i: {"step": i} for i in range(50_000)}
+    torch.save({"format": FORMAT, "step": 1, "model": {}, "optimizer": {"state": state}}, path)
+    assert len(read_full(path)["optimizer"]["state"]) == 50_000
+
+
+# -- items 3 and 4: the lock cannot be redirected, nor bypassed through a link ------------------------
+def test_a_planted_lock_link_fifo_or_hard_link_is_refused_and_its_target_untouched(tmp_path, no_hang):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious")
+    lock = tmp_path / ".checkpoints.lock"
+    for plant, says in ((lambda: lock.symlink_to(victim), "symbolic link"),
+                        (lambda: os.mkfifo(lock), "FIFO"),
+                        (lambda: os.link(victim, lock), "hard link")):
+        plant()
+        with pytest.raises(UsageError) as e:
+            S.lock_checkpoints(tmp_path / "checkpoints")
+        _one_line(e, says, ".checkpoints.lock")
+        assert victim.read_text() == "precious"
+        lock.unlink()
+    S.lock_checkpoints(tmp_path / "checkpoints").close()  # a regular lock file works
+
+
+def test_a_symlinked_checkpoint_folder_takes_the_same_lock(tmp_path):
+    """Two runs saved into one folder through --ckpt-dir real and --ckpt-dir link."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    first = S.lock_checkpoints(tmp_path / "link")
+    with pytest.raises(UsageError) as e:
+        S.lock_checkpoints(real)
+    _one_line(e, "in use by pid")
+    first.close()
+    first = S.lock_checkpoints(real)
+    with pytest.raises(UsageError):
+        S.lock_checkpoints(tmp_path / "link")
+    first.close()
+
+
+# -- item 5: lesson 03's temporaries are its own, and a run locks its folder ---------------------------
+def test_lesson03_saves_at_once_never_share_a_temporary(world1, tmp_path, monkeypatch):
+    """With the fixed name ``.NAME.tmp`` a second save during the first one wrote into the first's
+    temporary, and the first then published the other run's state or a torn file."""
+    from conftest import lesson_module
+
+    lesson03 = lesson_module("03")
+    path = tmp_path / "ck.pt"
+    real_save = torch.save
+    nested = []
+
+    def save_with_another_save_meanwhile(obj, f, *a, **k):
+        if not nested:
+            nested.append(1)
+            lesson03.save_on_rank0(path, {"w": torch.zeros(4)}, {}, 2)  # the other run
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save_with_another_save_meanwhile)
+    lesson03.save_on_rank0(path, {"w": torch.ones(4)}, {}, 1)
+    monkeypatch.undo()
+    ckpt = read_full(path)  # complete: one save or the other, whole
+    assert ckpt["step"] == 1 and torch.equal(ckpt["model"]["w"], torch.ones(4))
+    assert [f.name for f in tmp_path.iterdir()] == ["ck.pt"]
+
+
+def test_lesson03_refuses_a_checkpoint_folder_another_run_holds(tmp_path):
+    from conftest import cli
+
+    ckpts = tmp_path / "ckpts"
+    held = S.lock_checkpoints(ckpts)
+    try:
+        proc = cli("run", "03", "--device", "cpu", "--nproc", "1", "--quick", "--out", str(tmp_path),
+                   "--", "--variants", "fsdp2", "--no-export", "--checkpoint-dir", str(ckpts),
+                   timeout=120)
+    finally:
+        held.close()
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert len(errors) == 1 and "is in use by pid" in errors[0], errors
+    assert list(ckpts.iterdir()) == []
+
+
+# -- item 6: a fresh lesson 10 run in an old folder prunes only its own -----------------------------
+def test_a_fresh_lesson10_run_in_an_old_folder_keeps_its_own_newest_checkpoints(tiny, tmp_path):
+    """keep_last counted the earlier run's higher steps: each new save of the fresh run was deleted
+    as soon as it was written. The fresh run now neither counts nor prunes the earlier run's."""
+    model, opt = tiny
+    train = _lesson10()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpts = tmp_path / "checkpoints"
+    for step in (100, 110):  # the earlier run
+        train.save_training_checkpoint(ckpts, model, opt, sched, step=step, batches=step, keep_last=2)
+    cfg = train.parse_args(["--ckpt-dir", str(ckpts)])
+    earlier = train.earlier_checkpoints(cfg, None)
+    assert earlier == {"step_000100", "step_000110"}
+    assert train.earlier_checkpoints(train.parse_args(["--ckpt-dir", str(ckpts), "--resume"]), None) \
+        == set()
+    for step in (10, 20, 30, 110):
+        saved = train.save_training_checkpoint(ckpts, model, opt, sched, step=step, batches=step,
+                                               keep_last=2, earlier_run=frozenset(earlier))
+        earlier.discard(saved.name)
+        assert saved.is_dir()
+    # 110 replaced the earlier run's own step 110: it is this run's now, and prunes its 20
+    assert sorted(os.listdir(ckpts)) == ["step_000030", "step_000100", "step_000110"]
+    assert "earlier_run" in (REPO / "lessons/10_end_to_end/train.py").read_text()
+
+
+# -- item 7: a zip bomb in a .pt ---------------------------------------------------------------------
+def test_a_zip_bomb_pt_is_refused_before_it_inflates(tmp_path):
+    """torch's reader inflates a compressed record: 8 MB of zeros in a 20 KB file loaded (2 MiB
+    inflating to 2.2 GiB in the red team's). torch.save never compresses: refused."""
+    plain = io.BytesIO()
+    torch.save({"format": FORMAT, "step": 1, "model": {"w": torch.zeros(2_000_000)}, "optimizer": {}},
+               plain)
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(plain.getvalue())) as src, \
+            zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    path = tmp_path / "bomb.pt"
+    path.write_bytes(bomb.getvalue())
+    assert path.stat().st_size < 100_000
+    assert torch.load(path, weights_only=True)["model"]["w"].numel() == 2_000_000  # the attack
+    with pytest.raises(UsageError) as e:
+        read_full(path)
+    _one_line(e, "damaged or hostile", "8000000 bytes (compressed)", f"file of {path.stat().st_size}")
+    entry = io.BytesIO(bomb.getvalue())  # a DCP non-tensor entry is read the same way
+    with pytest.raises(UsageError, match="compressed"):
+        S.safe_torch_load(entry, "entry")
+
+
+# -- item 8: hostile trainer values ------------------------------------------------------------------
+def test_a_hostile_step_is_one_line(tiny, tmp_path):
+    """trainer.step = -10**12 resumed and trained 'forever'."""
+    model, opt = tiny
+    train = _lesson10()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    D.save_checkpoint(tmp_path / "ckpt", model, opt, step=-10 ** 12)
+    with pytest.raises(UsageError) as e:
+        D.load_checkpoint(tmp_path / "ckpt", model, opt)
+    _one_line(e, "trainer.step is -1000000000000", "allowed: integers in [0, ")
+    ckpts = tmp_path / "checkpoints"
+    path = train.save_training_checkpoint(ckpts, model, opt, sched, step=5, batches=-1, keep_last=2)
+    with pytest.raises(UsageError) as e:
+        train.load_training_checkpoint(path, model, opt, sched)
+    _one_line(e, "trainer.batches_consumed is -1")
+
+
+def test_a_string_where_the_scheduler_keeps_its_rates_is_one_line(tiny, tmp_path):
+    """A string ``base_lrs`` loaded, then failed once per rank with a traceback at the next step."""
+    model, opt = tiny
+    train = _lesson10()
+    ckpts = tmp_path / "checkpoints"
+    hostile = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    hostile.base_lrs = "abc"
+    path = train.save_training_checkpoint(ckpts, model, opt, hostile, step=5, batches=5, keep_last=2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(UsageError) as e:
+        train.load_training_checkpoint(path, model, opt, sched)
+    _one_line(e, "entry scheduler.base_lrs is 'abc' (a str)", "allowed: a list of 1 item(s)")
+    assert sched.base_lrs == [1e-3]  # refused before the scheduler took it
+    hostile.base_lrs, hostile.last_epoch = [float("nan")], 5
+    path = train.save_training_checkpoint(ckpts, model, opt, hostile, step=6, batches=6, keep_last=2)
+    with pytest.raises(UsageError) as e:
+        train.load_training_checkpoint(path, model, opt, sched)
+    _one_line(e, "scheduler.base_lrs", "each a finite number")
+    hostile.base_lrs, hostile.last_epoch = [1e-3], -10 ** 12
+    path = train.save_training_checkpoint(ckpts, model, opt, hostile, step=7, batches=7, keep_last=2)
+    with pytest.raises(UsageError) as e:
+        train.load_training_checkpoint(path, model, opt, sched)
+    _one_line(e, "scheduler.last_epoch is -1000000000000")
+
+
+# -- item 9: a data file swapped after the check --------------------------------------------------------
+def test_a_shard_swapped_for_a_link_or_a_fifo_after_the_check_is_refused(tiny, tmp_path, no_hang):
+    """After the check, the shard became a link to another checkpoint's shard (its weights loaded)
+    or a FIFO (the load hung). Shards are opened without following links, as regular files."""
+    model, opt = tiny
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    D.save_checkpoint(ckpt, model, opt, step=1)
+    _step(model, opt)
+    D.save_checkpoint(other, model, opt, step=2)
+    shard = ckpt / "__0_0.distcp"
+    kept = tmp_path / "kept.distcp"
+    shutil.copyfile(shard, kept)
+    for swap, says in ((lambda: shard.symlink_to(other / "__0_0.distcp"), "symbolic link"),
+                       (lambda: os.mkfifo(shard), "FIFO")):
+        p, metadata = D._checked(ckpt)
+        shard.unlink()
+        swap()
+        with pytest.raises(UsageError) as e:
+            D.dcp_load(D.training_state(model, opt), p, metadata)
+        _one_line(e, says)
+        with pytest.raises(UsageError) as e:  # and the check itself, before any load
+            D.check_checkpoint(ckpt)
+        _one_line(e, "not a regular file")
+        shard.unlink()
+        shutil.copyfile(kept, shard)
+    (ckpt / ".metadata").unlink()
+    os.mkfifo(ckpt / ".metadata")
+    with pytest.raises(UsageError) as e:
+        D.read_metadata(ckpt)
+    _one_line(e, "FIFO")
+    os.mkfifo(tmp_path / "fifo.pt")
+    with pytest.raises(UsageError) as e:
+        read_full(tmp_path / "fifo.pt")
+    _one_line(e, "FIFO")
+
+
+# -- item 10: the HF export is published with one rename --------------------------------------------
+class _Killed(BaseException):
+    pass
+
+
+def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkeypatch):
+    """The export replaced the earlier one with two renames (old away, new in): a kill between them
+    left no export. Where the filesystem can exchange two names atomically it is one rename."""
+    from utilities.models import get_model_spec
+    from utilities.state_dict import export_hf
+
+    a, b = tmp_path / "probe_a", tmp_path / "probe_b"
+    a.mkdir()
+    b.mkdir()
+    if not S._rename_exchange(a, b):
+        pytest.skip("this filesystem has no atomic exchange: the README names the window")
+    spec = get_model_spec("llama-tiny")
+    torch.manual_seed(0)
+    model = spec.build(device="cpu").eval()
+    hf = tmp_path / "hf"
+    export_hf(model.state_dict(), spec.config(), hf)
+    first = (hf / "model.safetensors").read_bytes()
+    real = S._rename_exchange
+    for when in ("before", "after"):
+        def killed(x, y, when=when):
+            if when == "after":
+                real(x, y)
+            raise _Killed(when)
+
+        monkeypatch.setattr(S, "_rename_exchange", killed)
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)
+        with pytest.raises(_Killed):
+            export_hf(model.state_dict(), spec.config(), hf)
+        monkeypatch.undo()
+        assert (hf / "config.json").is_file() and (hf / "model.safetensors").is_file(), when
+        changed = (hf / "model.safetensors").read_bytes() != first
+        assert changed == (when == "after"), when
+        first = (hf / "model.safetensors").read_bytes()
+    export_hf(model.state_dict(), spec.config(), hf)  # the next export cleans up
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("probe")) == ["hf"]
