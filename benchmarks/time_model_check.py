@@ -58,8 +58,8 @@ def _meta_count(spec) -> int:
 
 # Llama 2 7B (torchtitan PR 165's "Llama 7B"): hidden 4096, FFN 11008, 32 layers, 32 heads (no
 # GQA), 32,000-token vocabulary.
-LLAMA2_7B = _OffCatalogueSpec("llama2-7b", "llama", _llama(4096, 11008, 32, 32, 32, vocab=32000),
-                              "LlamaDecoderLayer", 4096)
+LLAMA2_7B = _OffCatalogueSpec("llama2-7b", "llama", block_class_name="LlamaDecoderLayer",
+                              default_seq_len=4096, **_llama(4096, 11008, 32, 32, 32, vocab=32000))
 
 TITAN_8B = dict(model="llama-8b", gpus=8, gpu="h100-96gb", strategy="full_shard", precision="bf16",
                 ac="selective", batch=2, seq=8192)

@@ -24,8 +24,8 @@ def width_spec(hidden: int, layers: int, seq_len: int) -> ModelSpec:
     heads = hidden // head_dim
     kv = max(1, heads // 4)
     inter = 16 * round(3.5 * hidden / 16)  # a multiple of 16, as FP8 GEMMs need
-    return ModelSpec(f"llama-h{hidden}", "llama", _llama(hidden, inter, layers, heads, kv),
-                     "LlamaDecoderLayer", seq_len)
+    return ModelSpec(f"llama-h{hidden}", "llama", block_class_name="LlamaDecoderLayer",
+                     default_seq_len=seq_len, **_llama(hidden, inter, layers, heads, kv))
 
 
 def flops_per_token(spec: ModelSpec, params: int, seq_len: int) -> float:
