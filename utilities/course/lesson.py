@@ -28,10 +28,11 @@ from torch import nn
 
 from utilities import distributed as D
 from utilities.course.catalog import LESSONS
-from utilities.course.launch import checking_flags, freeze_what_lives_until_exit
+from utilities.course.gc_at_exit import freeze_what_lives_until_exit
+from utilities.course.launch import checking_flags
 from utilities.data import ReverseTask, batches, make_loader
 from utilities.errors import OneLineParser, UsageError, bad_value, positive_float, positive_int
-from utilities.measure.batch_search import is_oom
+from utilities.measure.memory import is_oom
 from utilities.measure.release import VariantScope, live_parameters
 from utilities.measure.results import Results, peak_range, table
 from utilities.measure.step_time import check_prediction_arguments

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-from utilities.course.launch import skip_final_collections
+from utilities.course.gc_at_exit import skip_final_collections
 
 
 def run(argv: list[str]) -> NoReturn:

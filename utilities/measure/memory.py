@@ -286,3 +286,10 @@ class TrackerHooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for CUDA's (and other backends') out-of-memory errors."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
