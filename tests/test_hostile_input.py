@@ -111,3 +111,118 @@ def test_a_deep_results_file_is_one_line(tmp_path, monkeypatch, capsys):
     assert readme_tables.main(["01"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: lesson 01: results file") and err.strip().count("\n") == 0
+
+
+# -- item 12: one line instead of a traceback -------------------------------------------------------
+
+def test_record_into_a_folder_that_cannot_exist_is_one_line():
+    proc = cli_here("record", "01", "--out", "/proc/x")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: --out '/proc/x' is not allowed")
+    assert proc.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("number", ["01", "10"])
+def test_a_seed_no_generator_takes_is_one_line(number):
+    from conftest import lesson_module
+
+    from utilities.course.launch import parse_flags_here
+
+    code, _, err = parse_flags_here(lesson_module(number).parse_args, ["--quick", "--seed", str(2**70)])
+    assert code == 2 and err.strip().count("\n") == 0
+    assert f"{2**70} is not allowed; allowed: integers in [0, 4294967295]" in err
+
+
+def test_a_batch_no_memory_holds_is_refused_before_it_is_allocated():
+    import torch
+
+    from utilities.measure.memory import available_bytes, check_batch_fits
+
+    cpu = torch.device("cpu")
+    assert available_bytes(cpu) > 0
+    check_batch_fits(384, 8, 64, cpu, ranks_sharing=2)
+    with pytest.raises(UsageError) as e:
+        check_batch_fits(384, 4, 10**9, cpu, ranks_sharing=2)
+    assert str(e.value).startswith("--batch-size 4 x --seq-len 1000000000 is not allowed")
+    assert "allowed: batch x seq <=" in str(e.value)
+
+
+@pytest.mark.parametrize("variables, says", [
+    ({"MASTER_PORT": "notaport"}, "environment variable MASTER_PORT 'notaport' is not allowed"),
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "environment variable WORLD_SIZE 'abc' is not allowed"),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "environment variable RANK '3' is not allowed"),
+])
+def test_a_lesson_started_by_hand_with_bad_rendezvous_variables_is_one_line(variables, says):
+    """A lesson script run directly (no torchrun) with a rendezvous variable torch cannot use;
+    each process that has it says so (there is no rank 0 to speak for it)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT",
+                        "MASTER_ADDR", "TORCHELASTIC_RUN_ID")}
+    script = REPO / "lessons" / "01_auto_wrap" / "auto_wrap.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--quick", "--steps", "2"],
+                          env={**env, **variables, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr[-3000:]
+
+
+def test_lost_a_rank_reads_the_whole_exception_chain():
+    from utilities.distributed import lost_a_rank
+
+    try:
+        try:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+        except RuntimeError:
+            raise RuntimeError("barrier failed") from None  # as the tear-down's barrier does
+    except RuntimeError as e:
+        assert lost_a_rank(e)
+    assert not lost_a_rank(RuntimeError("CUDA out of memory")) and not lost_a_rank(None)
+
+
+def test_a_rank_killed_mid_run_is_one_line_naming_it(tmp_path):
+    """kill -9 of one rank in a collective: the launcher says which rank died and how, in one
+    line; the surviving rank's failed collective (and its tear-down's) print no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        "import torch, torch.distributed as dist\n"
+        "from utilities import distributed as D\n"
+        "D.setup('cpu')\n"
+        f"pathlib.Path({str(tmp_path)!r}, os.environ['RANK']).write_text(str(os.getpid()))\n"
+        "t = torch.zeros(1)\n"
+        "try:\n"
+        "    while True:\n"
+        "        dist.all_reduce(t)\n"
+        "        time.sleep(0.01)\n"
+        "finally:\n"
+        "    D.teardown()\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "utilities.course.torchrun", "--standalone",
+                                 "--nproc-per-node=2", str(script)], env=env, cwd=REPO,
+                                start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / r).is_file() and (tmp_path / r).read_text() for r in "01"):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+        time.sleep(0.5)  # both inside the all-reduce loop
+        victim = int((tmp_path / "1").read_text())
+        os.kill(victim, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 1
+    assert err.strip() == f"error: rank 1 (pid {victim}) was killed by SIGKILL; torchrun stopped the " \
+                          "other ranks", err[-3000:]
+    assert "Traceback" not in out + err

@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 def _record(args: argparse.Namespace) -> int:
     from utilities.course.recording import record
 
+    check_output_dir(Path(args.out))
     if args.lesson == "all":
         infos = [i for i in LESSONS.values() if i.ready]
     else:
