@@ -226,3 +226,10 @@ def test_a_rank_killed_mid_run_is_one_line_naming_it(tmp_path):
     assert err.strip() == f"error: rank 1 (pid {victim}) was killed by SIGKILL; torchrun stopped the " \
                           "other ranks", err[-3000:]
     assert "Traceback" not in out + err
+
+
+def test_a_twenty_digit_nproc_is_one_line_before_torchrun_starts():
+    proc = cli_here("run", "01", "--quick", "--nproc", "9" * 20)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == f"error: --nproc {'9' * 20} is not allowed; allowed: integers in " \
+                                  "[1, 128] (ranks on this machine)"
