@@ -262,7 +262,8 @@ SIZE_FIELDS = {
     "num_attention_heads": ("num_attention_heads", "num_heads", "n_head", "n_heads",
                             "encoder_attention_heads"),
     "vocab_size": ("vocab_size",),
-    "intermediate_size": ("intermediate_size", "d_ff", "n_inner", "ffn_dim", "encoder_ffn_dim"),
+    "intermediate_size": ("intermediate_size", "d_ff", "n_inner", "ffn_dim", "encoder_ffn_dim",
+                          "hidden_dim"),
 }
 # Layer counts are bounded: the planner builds and traces every block (about 0.1-0.2 s each on a
 # laptop core), and the deepest published model (Llama 3.1 405B) has 126.
