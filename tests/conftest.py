@@ -79,7 +79,7 @@ def pytest_collection_finish(session):
 
 def pytest_unconfigure(config):
     """The suite is over: this process's exit need not walk every object torch made (~2 s)."""
-    from utilities.course.launch import skip_final_collections
+    from utilities.course.gc_at_exit import skip_final_collections
 
     skip_final_collections()
 

@@ -540,8 +540,8 @@ def _course_imports(name: str) -> set[str]:
 
 
 def test_the_harness_and_torchrun_do_not_import_each_other():
-    """``lesson.py`` (the harness a rank runs) and ``torchrun.py`` (the launcher's torchrun) both
-    lean on ``launch.py``, never on each other; ``launch.py`` never imports the harness."""
+    """``lesson.py`` (the harness a rank runs) and ``torchrun.py`` (the launcher's torchrun) never
+    import each other; ``launch.py`` never imports the harness."""
     assert "torchrun" not in _course_imports("lesson.py")
     assert "lesson" not in _course_imports("torchrun.py")
     assert "lesson" not in _course_imports("launch.py")

@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import REPO, cli, flag_error, notebook_results
 
-from utilities.measure.batch_search import Trial, find_max_batch, is_oom
+from utilities.measure.batch_search import Trial, find_max_batch
+from utilities.measure.memory import is_oom
 
 MIB = 2**20
 

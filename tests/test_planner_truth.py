@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from conftest import cli_here
 from torch import nn
 
@@ -263,3 +264,90 @@ def test_a_sweep_prints_predicted_tokens_per_gpu_per_strategy():
     assert proc.returncode == 0, proc.stderr
     assert "PREDICTED" in proc.stdout and proc.stdout.count("full_shard") == 2
     assert max(len(line) for line in proc.stdout.splitlines() if not line.startswith("method")) <= 100
+
+
+# -- a config file is checked before it is planned -----------------------------------------------
+
+def _refusal(tmp_path, values: dict, *flags: str) -> str:
+    """The one line ``plan --model`` answers a config with (exit 2, nothing on stdout)."""
+    proc = cli_here("plan", "--model", write_config(tmp_path, values) + "/config.json", "--gpus", "2",
+                    "--no-time", *flags)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
+    assert proc.stderr.startswith("error:") and proc.stderr.strip().count("\n") == 0, proc.stderr
+    return proc.stderr
+
+
+@pytest.mark.parametrize("family, names", [
+    ("llama", "hidden_size, num_hidden_layers, num_attention_heads, vocab_size, intermediate_size"),
+    ("gpt2", "n_embd, n_layer, n_head, vocab_size, n_inner"),
+    ("t5", "d_model, num_layers, num_heads, vocab_size, d_ff"),
+])
+def test_a_config_without_its_sizes_is_refused_naming_its_familys_fields(tmp_path, family, names):
+    """A config naming only its family used to be planned with transformers' defaults (exit 0):
+    a typo in every key gave a confident plan of a model nobody wrote."""
+    err = _refusal(tmp_path, {"model_type": family, "hidden_sise": 64})
+    assert f"none of the sizes a {family} model needs ({names})" in err
+
+
+def test_a_config_missing_some_sizes_says_which_were_defaulted(tmp_path):
+    values = {k: v for k, v in FAMILIES["qwen2"].items() if k != "intermediate_size"}
+    p = P.plan(write_config(tmp_path, values), 2, 10**12, "full_shard", "fp32", "none", 1, 16, "cpu")
+    defaulted = [w for w in p.warnings if "intermediate_size" in w]
+    assert len(defaulted) == 1 and "does not give intermediate_size" in defaulted[0]
+    assert f"intermediate_size={transformers.Qwen2Config().intermediate_size}" in defaulted[0]
+    assert "warning: " + defaulted[0] in P.format_plan(p)
+    complete = P.plan(write_config(tmp_path / "all", FAMILIES["qwen2"]), 2, 10**12, "full_shard",
+                      "fp32", "none", 1, 16, "cpu")
+    assert complete.warnings == []
+
+
+def test_an_unknown_model_type_names_a_few_close_ones(tmp_path):
+    """It printed the 822 types transformers knows on one line of 12,001 characters."""
+    err = _refusal(tmp_path, {"model_type": "lama", "hidden_size": 64})
+    assert "'lama' is not one transformers" in err and "the closest: llama" in err
+    assert len(err) < 300 and err.count(",") <= 3
+    assert "the closest" not in _refusal(tmp_path / "x", {"model_type": "zzzzqqqq"})
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("hidden_size", 0, "integers >= 1"),  # was a ZeroDivisionError about negative powers
+    ("num_hidden_layers", -2, "integers in [1, 256]"),  # was "no repeated transformer block"
+    ("num_attention_heads", "4", "integers >= 1"),
+    ("vocab_size", 1.5, "integers >= 1"),
+    ("num_hidden_layers", 200_000, "integers in [1, 256]"),  # was minutes of building
+])
+def test_a_size_no_model_has_names_the_field_and_what_is_allowed(tmp_path, field, value, allowed):
+    err = _refusal(tmp_path, dict(FAMILIES["qwen2"], **{field: value}))
+    assert f"{field} {value!r} is not allowed; allowed: {allowed}" in err
+
+
+def test_a_gpt2_layer_count_is_checked_under_gpt2s_name(tmp_path):
+    err = _refusal(tmp_path, dict(FAMILIES["gpt2"], n_layer=-1))
+    assert "n_layer -1 is not allowed" in err
+
+
+def test_a_sequence_past_the_context_is_warned_and_one_no_gpu_holds_is_refused(tmp_path):
+    folder = write_config(tmp_path, FAMILIES["qwen2"])  # max_position_embeddings 256
+    p = P.plan(folder, 2, 10**12, "full_shard", "fp32", "none", 1, 512, "cpu")
+    assert any("--seq 512 is past the model's context (max_position_embeddings 256)" in w
+               for w in p.warnings)
+    assert not P.plan(folder, 2, 10**12, "full_shard", "fp32", "none", 1, 256, "cpu").warnings
+    err = _refusal(tmp_path, FAMILIES["qwen2"], "--seq", "1000000000")
+    assert "--seq 1000000000 is not allowed" in err and "more than any GPU holds" in err
+    assert "allowed: batch x seq <=" in err
+
+
+@pytest.mark.parametrize("flag", ["--gpus", "--batch", "--seq"])
+def test_a_twenty_digit_size_is_one_line(flag):
+    proc = cli_here("plan", "--model", "llama-tiny", "--no-time", flag, "9" * 20)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert flag in proc.stderr and "9" * 20 in proc.stderr
+
+
+def test_a_throughput_is_never_printed_as_0_beside_an_mfu():
+    from utilities.text import rate_text
+
+    assert rate_text(0.004) == "0.004" and rate_text(12.345) == "12.3" and rate_text(123456) == "123,456"
+    time = {"step_s": 250.0, "compute_s": 250.0, "comm_s": 0.0, "exposed_comm_s": 0.0,
+            "tokens_per_s_per_gpu": 0.4, "mfu": 0.59, "assumptions": []}
+    assert "tokens/s per GPU 0.4, MFU 59.0%" in P.format_time(time)

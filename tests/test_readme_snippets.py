@@ -131,7 +131,7 @@ def test_a_failing_block_fails_the_check(tmp_path):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--json"]:
         print("READMES-JSON " + json.dumps(_run_here([Path(p).resolve() for p in sys.argv[2:]])))
-        from utilities.course.launch import skip_final_collections
+        from utilities.course.gc_at_exit import skip_final_collections
 
         skip_final_collections()
     else:

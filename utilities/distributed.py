@@ -91,6 +91,7 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    check_launch_environment()
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
@@ -116,6 +117,7 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0)
             # eager connection on it), so a shared GPU goes without.
             kwargs["device_id"] = torch_device
         dist.init_process_group(backend=be, rank=rank, world_size=world_size, **kwargs)
+        quiet_when_a_rank_is_lost()
     return DistInfo(rank, local_rank, world_size, torch_device, be, per_gpu)
 
 
@@ -228,6 +230,51 @@ def quiet_on_interrupt() -> None:
         signal.signal(signal.SIGINT, lambda number, frame: os._exit(128 + number))
 
 
+# Set by the course's launcher (``utilities.course.torchrun``) for the ranks it starts: it names a
+# rank that dies in one line, so the others say nothing of the collective that failed with it.
+LAUNCHER_NAMES_A_LOST_RANK = "FSDP_COURSE_LAUNCHER_NAMES_A_LOST_RANK"
+# How a collective fails when another rank's process is gone (gloo's TCP pairs, NCCL)
+LOST_RANK_TEXTS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                   "Socket closed", "remote process exited", "NCCL communicator was aborted")
+
+
+def lost_a_rank(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an exception it was raised from or during, is a collective failing
+    because another rank's process is gone."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError) and any(text in str(exc) for text in LOST_RANK_TEXTS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def quiet_when_a_rank_is_lost() -> None:
+    """In a rank torchrun started: when another rank dies (``kill -9``, the OOM killer), the
+    collective this one is in fails, and its traceback (with the one of the tear-down's barrier)
+    used to fill the terminal. Such an error ends this rank at once with exit 1, in one line, or
+    silently under the course's launcher, which names the rank that died. Any other error keeps
+    its traceback (torch's ``[rankN]:`` hook, installed by ``init_process_group``, stays)."""
+    import sys
+
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    torch_hook = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if not lost_a_rank(exc):
+            return torch_hook(exc_type, exc, tb)
+        if not os.environ.get(LAUNCHER_NAMES_A_LOST_RANK):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc_type.__name__
+            print(f"error: rank {rank()}: another rank is gone, a collective failed ({first[:200]})",
+                  file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
 def die_with_the_launcher() -> None:
     """In a rank torchrun started (Linux): be killed when the launcher dies. torchrun starts each
     rank in its own session, so a ``kill -9`` of the launcher (or of its process group) used to
@@ -300,7 +347,7 @@ def exit_on_error(exc: BaseException) -> None:
     going)."""
     import sys
 
-    if is_main():
+    if is_main() or isinstance(exc, LaunchEnvironmentError):
         print(f"error: {exc}", file=sys.stderr, flush=True)
     if world_size() > 1:
         sys.stderr.flush()
@@ -311,11 +358,52 @@ def exit_on_error(exc: BaseException) -> None:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return dist.get_rank() if dist.is_initialized() else _environment_int("RANK", 0)
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    return dist.get_world_size() if dist.is_initialized() else _environment_int("WORLD_SIZE", 1)
+
+
+def _environment_int(name: str, default: int) -> int:
+    """An integer environment variable, ``default`` when it is unset or not an integer (how an
+    error is reported must not fail on the variable being refused)."""
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+# The variables torchrun sets for each rank, and the values each may take.
+LAUNCH_VARIABLES = {"RANK": (0, 2**31 - 1), "LOCAL_RANK": (0, 2**31 - 1),
+                    "WORLD_SIZE": (1, 2**31 - 1), "LOCAL_WORLD_SIZE": (1, 2**31 - 1),
+                    "MASTER_PORT": (1, 65535)}
+
+
+class LaunchEnvironmentError(UsageError):
+    """A rendezvous variable no process group can use. Every process that has it says so: one
+    started by hand has no rank 0 to speak for it."""
+
+
+def check_launch_environment() -> None:
+    """Refuse, in one line, a rendezvous variable torch would choke on (``MASTER_PORT=notaport``,
+    ``WORLD_SIZE=abc``, a rank outside the world), naming it and what it may be."""
+    for name, (low, high) in LAUNCH_VARIABLES.items():
+        text = os.environ.get(name)
+        if text is None:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise LaunchEnvironmentError(str(bad_value(f"environment variable {name}", text,
+                                                       f"integers in [{low}, {high}]")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if rank_ >= world:
+            raise LaunchEnvironmentError(str(bad_value("environment variable RANK", str(rank_),
+                                                       f"integers below WORLD_SIZE ({world})")))
 
 
 def is_main() -> bool:

@@ -101,3 +101,6 @@ def bounded(kind: type = int, low: float | None = None, high: float | None = Non
 
 positive_int = bounded(int, 1)
 positive_float = bounded(float, 0, low_open=True)
+# a seed every generator the course seeds takes (numpy's and Python's included), with room for the
+# offsets lessons add to it
+seed_value = bounded(int, 0, 2**32 - 1)

@@ -12,7 +12,6 @@ checks ``--model`` names without loading them.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -44,6 +43,8 @@ class ModelSpec:
     # the parameter count from the architecture's shapes (the named models: listing them builds
     # nothing); None: counted on the meta device when asked
     known_parameters: int | None = None
+    # what a plan of it must say (a config file's size fields that transformers defaulted)
+    warnings: tuple[str, ...] = ()
 
     @property
     def is_seq2seq(self) -> bool:
@@ -234,13 +235,18 @@ def spec_from_config_file(path: str, mtime_ns: int = 0) -> ModelSpec:
     def refuse(why: str) -> UsageError:
         return UsageError(f"model config {path!r} cannot be built: {why}")
 
+    from utilities.json_input import read_json
+
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise refuse(f"not a readable JSON file ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raw = read_json(path)
+    except UsageError as e:
+        raise refuse(f"not a readable JSON file ({e})") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise refuse("it has no \"model_type\" (a transformers config.json names its family there)")
+    try:
+        defaulted = check_config_sizes(raw)
+    except UsageError as e:
+        raise refuse(str(e)) from None
     try:
         config = _config_from_dict(raw["model_type"], raw)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; each becomes one line
@@ -262,9 +268,99 @@ def spec_from_config_file(path: str, mtime_ns: int = 0) -> ModelSpec:
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = min(int(max_pos), 2048) if isinstance(max_pos, int) and max_pos > 0 else 512
     frozen = config.to_dict()
+    warnings = ()
+    if defaulted:
+        values = ", ".join(f"{name}={getattr(config, name, None)}" for name in defaulted)
+        warnings = (f"{os.path.basename(path)} does not give {', '.join(defaulted)}: planned with "
+                    f"transformers' {raw['model_type']} defaults ({values})",)
     return ModelSpec(name=path, family=raw["model_type"],
                      make_config=functools.partial(_config_from_dict, raw["model_type"], frozen),
-                     block_class_name=block.__name__, default_seq_len=seq, task=task)
+                     block_class_name=block.__name__, default_seq_len=seq, task=task,
+                     warnings=warnings)
+
+
+# The sizes a plan depends on, by transformers' standard name, and the names families give them
+# in a config.json (a family's ``attribute_map`` adds its own).
+SIZE_FIELDS = {
+    "hidden_size": ("hidden_size", "d_model", "n_embd", "dim"),
+    "num_hidden_layers": ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers"),
+    "num_attention_heads": ("num_attention_heads", "num_heads", "n_head", "n_heads",
+                            "encoder_attention_heads"),
+    "vocab_size": ("vocab_size",),
+    "intermediate_size": ("intermediate_size", "d_ff", "n_inner", "ffn_dim", "encoder_ffn_dim",
+                          "hidden_dim"),
+}
+# Layer counts are bounded: the planner builds and traces every block (about 0.1-0.2 s each on a
+# laptop core), and the deepest published model (Llama 3.1 405B) has 126.
+MAX_LAYERS = 256
+LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers",
+                "decoder_layers", "num_decoder_layers")
+# Experts of a mixture-of-experts layer are modules too (DeepSeek-V3: 256 per layer).
+MAX_EXPERTS = 1024
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+# how many close matches an unknown model_type is answered with
+CLOSE_MATCHES = 3
+
+
+def check_config_sizes(raw: dict) -> tuple[str, ...]:
+    """Check a config.json's ``model_type`` and size fields before transformers sees them: an
+    unknown family is named with its closest known ones; a size that is not a positive integer
+    (a layer or expert count beyond ``MAX_LAYERS`` / ``MAX_EXPERTS``) is refused naming the field
+    and what is allowed; a file that gives none of the sizes its family has is refused (it would
+    be planned with transformers' defaults, a model nobody wrote). Returns the family's size
+    fields the file leaves out (planned with the defaults, which a plan says)."""
+    import difflib
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+    model_type = raw["model_type"]
+    if model_type not in CONFIG_MAPPING_NAMES:
+        close = difflib.get_close_matches(model_type[:100], list(CONFIG_MAPPING_NAMES), n=CLOSE_MATCHES)
+        shown = model_type if len(model_type) <= 60 else model_type[:60] + "..."
+        raise UsageError(f"model_type {shown!r} is not one transformers {transformers.__version__} "
+                         "knows" + (f"; the closest: {', '.join(close)}" if close else ""))
+    config_class = CONFIG_MAPPING[model_type]
+    default = config_class()
+    aliases = getattr(config_class, "attribute_map", {}) or {}
+    scopes = [(raw, vars(default))]
+    sub = getattr(default, "text_config", None)
+    if sub is not None and hasattr(sub, "__dict__"):  # a multimodal config: the sizes are its LM's
+        text = raw.get("text_config")
+        scopes.append((text if isinstance(text, dict) else {}, vars(sub)))
+    for given, defaults in scopes:
+        for name, value in given.items():
+            _check_size_value(name, value, defaults)
+    missing, present = [], []
+    for standard, names in SIZE_FIELDS.items():
+        names = (*names, aliases[standard]) if standard in aliases else names
+        for given, defaults in scopes:
+            own = [n for n in names if n in defaults]
+            if not own:
+                continue
+            (present if any(n in given for n in names) else missing).append(own[0])
+            break
+    if missing and not present:
+        raise UsageError(f"it gives none of the sizes a {model_type} model needs ({', '.join(missing)}); "
+                         "transformers' defaults would be planned, not your model")
+    return tuple(missing)
+
+
+def _check_size_value(name: str, value: object, defaults: dict) -> None:
+    """Refuse one size field whose value no model has (the family's own default of None passes)."""
+    sizes = {n for names in SIZE_FIELDS.values() for n in names}
+    if name not in sizes | set(LAYER_FIELDS) | set(EXPERT_FIELDS):
+        return
+    if value is None and defaults.get(name, 0) is None:
+        return
+    low = 0 if name in EXPERT_FIELDS else 1
+    high = MAX_LAYERS if name in LAYER_FIELDS else MAX_EXPERTS if name in EXPERT_FIELDS else None
+    allowed = f"integers in [{low}, {high}]" if high else f"integers >= {low}"
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+        shown = value if not isinstance(value, str) or len(value) <= 40 else value[:40] + "..."
+        raise bad_value(name, shown, allowed + (" (the planner builds and traces every layer; the "
+                                                 "deepest published model has 126)"
+                                                 if name in LAYER_FIELDS else ""))
 
 
 def _config_from_dict(model_type: str, values: dict):

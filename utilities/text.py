@@ -4,6 +4,7 @@ reads it, and argparse help that keeps hyphenated names whole. The one home of t
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import textwrap
 
@@ -31,9 +32,28 @@ def wrap_lines(text: str, columns: int | None = None, indent: str | None = None)
     return "\n".join(out)
 
 
+_BARE_AMPERSAND = re.compile(r"&(?!#?\w+;)")
+
+
+def markdown_escape(text: str) -> str:
+    """``text`` made inert in a markdown file: no HTML can start in it (``<`` and a bare ``&``
+    become entities, so no tag, and no comment such as a README's ``<!-- /results -->`` marker),
+    and it stays on one line. Escaping twice gives the same text."""
+    return _BARE_AMPERSAND.sub("&amp;", text).replace("<", "&lt;").replace("\r", " ").replace("\n", " ")
+
+
+def rate_text(per_second: float) -> str:
+    """A rate as text: a whole number with thousands separators from 100 up, three significant
+    digits below (``0.0123``), so a rate that is not zero never reads as 0."""
+    if per_second >= 100 or per_second == 0:
+        return f"{per_second:,.0f}"
+    return f"{per_second:.3g}"
+
+
 def markdown(rows: list[list[str]]) -> str:
-    """A markdown table: ``rows[0]`` its header, the rest its rows (a ``|`` in a cell escaped)."""
-    cells = [[cell.replace("|", "\\|") for cell in row] for row in rows]
+    """A markdown table: ``rows[0]`` its header, the rest its rows (each cell ``markdown_escape``d,
+    a ``|`` in it escaped)."""
+    cells = [[markdown_escape(cell).replace("|", "\\|") for cell in row] for row in rows]
     lines = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells[1:]])
 

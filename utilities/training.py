@@ -22,7 +22,7 @@ from torch import nn
 
 from utilities.distributed import is_main, reduce_scalar
 from utilities.measure import MemoryProbe
-from utilities.measure.batch_search import is_oom
+from utilities.measure.memory import is_oom
 
 # Dense bf16 tensor-core peak, FLOP/s, by the exact name torch.cuda.get_device_name reports (vendor
 # datasheets). Exact names, not substrings: an H100 PCIe (756e12) or NVL (835e12) is not an SXM.

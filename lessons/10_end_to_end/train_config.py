@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from utilities import distributed as D
-from utilities.errors import OneLineParser, UsageError, bounded, positive_float, positive_int
+from utilities.errors import (
+    OneLineParser,
+    UsageError,
+    bounded,
+    positive_float,
+    positive_int,
+    seed_value,
+)
+from utilities.measure.memory import check_batch_fits
 from utilities.models import get_model_spec
 from utilities.precision import default_policy
 from utilities.text import HelpFormatter
@@ -45,7 +53,7 @@ class Config:
     quick: bool = opt(False, "the small CPU configuration the tests use (few steps, short sequences)")
     out: str | None = opt(None, "output directory: results.json, checkpoints/, trace (default "
                                 "runs/10_end_to_end)")
-    seed: int = opt(0, "seed for weights and data (same on every rank)")
+    seed: int = opt(0, "seed for weights and data (same on every rank)", type=seed_value)
     # parallelism
     api: str = opt("fsdp2", "fsdp2 (fully_shard) or fsdp1 (FullyShardedDataParallel)",
                    choices=("fsdp2", "fsdp1"))
@@ -146,12 +154,18 @@ def setup_run(cfg: Config) -> D.DistInfo:
     process, or gloo on CPU), then finalize ``cfg`` in place for this rank's device. A bad value
     ends every rank with one line and exit code 2."""
     D.quiet_torch_internal_warnings()
-    info = D.setup(cfg.device, cfg.backend)
+    try:
+        info = D.setup(cfg.device, cfg.backend)
+    except UsageError as e:
+        D.exit_on_error(e)
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank torchrun started: what lives now (torch,
         gc.collect()  # transformers, the process group) lives until exit, so the collector's full
         gc.freeze()  # passes, and the ~1 s of them at exit, can skip it
     try:
         finalize(cfg, on_gpu=info.device.type == "cuda")
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+        check_batch_fits(get_model_spec(cfg.model).config().vocab_size, cfg.batch_size, cfg.seq_len,
+                         info.device, info.ranks_per_gpu if info.device.type == "cuda" else local_ranks)
     except UsageError as e:  # every rank finds the same error: one line, exit 2, no tear-down
         D.print0(f"error: {e}", file=sys.stderr)
         sys.stderr.flush()

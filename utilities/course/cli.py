@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 def _record(args: argparse.Namespace) -> int:
     from utilities.course.recording import record
 
+    check_output_dir(Path(args.out))
     if args.lesson == "all":
         infos = [i for i in LESSONS.values() if i.ready]
     else:
@@ -173,8 +174,7 @@ def _run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.model is not None:
         get_model_spec(args.model)
-    if args.nproc is not None and args.nproc < 1:
-        raise bad_value("--nproc", args.nproc, "integers >= 1")
+    check_nproc(args.nproc)
     if args.lesson == "all":
         return _run_all(args, device, args.nproc, flags)
     info = get_lesson(args.lesson)
@@ -209,13 +209,22 @@ class LaunchPlan:
         return shared_gpu_sentence(self.nproc, self.ranks_per_gpu, self.backend, self.gpus)
 
 
+# ranks one machine may start: each is a process holding torch (a few hundred MiB of host memory)
+MAX_NPROC = 128
+
+
+def check_nproc(nproc: int | None) -> None:
+    """Refuse a ``--nproc`` no machine starts (one line), before torchrun tries to."""
+    if nproc is not None and not 1 <= nproc <= MAX_NPROC:
+        raise bad_value("--nproc", nproc, f"integers in [1, {MAX_NPROC}] (ranks on this machine)")
+
+
 def decide_launch(info: LessonInfo | None, device: str, nproc: int | None = None,
                   gpus: int | None = None, backend: str = "auto") -> LaunchPlan:
     """Ranks, ranks per GPU and backend for a lesson on ``device`` (``cpu`` or ``cuda``).
 
     No GPU is touched: the count comes from ``torch.cuda.device_count()`` (or ``gpus``)."""
-    if nproc is not None and nproc < 1:
-        raise bad_value("--nproc", nproc, "integers >= 1")
+    check_nproc(nproc)
     if device != "cuda":
         n = nproc or 2
         return LaunchPlan(device, n, 0, 1, resolve_backend(device, backend))

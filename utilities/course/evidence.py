@@ -550,12 +550,13 @@ def render_readmes(folder: Path, lessons_dir: Path = REPO_ROOT / "lessons") -> l
     lesson's CPU table is (``readme_tables.render``: the same columns, a caption naming the run);
     the lessons whose README changed. A lesson without a run in the folder keeps its table."""
     from utilities.course.readme_tables import render
+    from utilities.measure.results import load
 
     def replace(m: re.Match, readme: Path) -> str:
         results_path = lesson_run(folder, m.group(2))
         if results_path is None:
             return m.group(0)
-        table = render(m.group(2), json.loads(results_path.read_text()),
+        table = render(m.group(2), load(results_path),
                        os.path.relpath(results_path.resolve(), readme.parent.resolve()))
         return m.group(1) + table + m.group(4)
 

@@ -1,4 +1,4 @@
-"""How ``fsdp-course run`` starts a lesson script, and the process tricks that keep it quick.
+"""How ``fsdp-course run`` starts a lesson script.
 
 A lesson script knows nothing of this module: it parses its flags (``parse_args``) and runs. The
 launcher checks those flags before any rank starts by importing the script as a module and calling
@@ -16,7 +16,6 @@ torchrun are one process importing torch once (about 2.5 s on a laptop core), no
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.util
 import io
 import json
@@ -26,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
+
+from utilities.course.gc_at_exit import skip_final_collections
 
 # set by the CLI for a launcher that, its flags accepted, becomes torchrun: the torchrun arguments
 # and the lines to print first (JSON)
@@ -96,26 +97,6 @@ def main(argv: list[str]) -> NoReturn:
     from utilities.course.torchrun import run
 
     run([*plan["torchrun"], script, *args])
-
-
-def skip_final_collections() -> None:
-    """For a process that will end soon: freeze what lives now. At exit Python's final garbage
-    collections walk every object torch and transformers made: 1.5-2.5 s per process on a 2-core
-    machine (measured), paid by every launcher, rank and notebook kernel. Frozen objects are
-    skipped, and a process that is ending needs none of them collected."""
-    gc.freeze()
-
-
-def freeze_what_lives_until_exit() -> None:
-    """In a rank that torchrun started, move every object alive now (torch, transformers, the
-    process group: ~350K objects) out of the garbage collector's sight. Each variant's release
-    collects and scans what the collector sees (``utilities.measure.release.VariantScope``): ~0.45
-    s per variant and rank over all of them, a few ms over what the variant made; and the rank's
-    exit skips them too (see ``skip_final_collections``). Collected first, so no garbage is kept.
-    A notebook kernel or a test process (no ``TORCHELASTIC_RUN_ID``) is left as it is."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        gc.collect()
-        gc.freeze()
 
 
 if __name__ == "__main__":  # through the module lesson.py imports, not this __main__ copy of it

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -28,10 +29,18 @@ from torch import nn
 
 from utilities import distributed as D
 from utilities.course.catalog import LESSONS
-from utilities.course.launch import checking_flags, freeze_what_lives_until_exit
+from utilities.course.gc_at_exit import freeze_what_lives_until_exit
+from utilities.course.launch import checking_flags
 from utilities.data import ReverseTask, batches, make_loader
-from utilities.errors import OneLineParser, UsageError, bad_value, positive_float, positive_int
-from utilities.measure.batch_search import is_oom
+from utilities.errors import (
+    OneLineParser,
+    UsageError,
+    bad_value,
+    positive_float,
+    positive_int,
+    seed_value,
+)
+from utilities.measure.memory import check_batch_fits, is_oom
 from utilities.measure.release import VariantScope, live_parameters
 from utilities.measure.results import Results, peak_range, table
 from utilities.measure.step_time import check_prediction_arguments
@@ -97,7 +106,7 @@ def lesson_parser(description: str | None) -> LessonParser:
     g.add_argument("--seq-len", type=positive_int, default=None,
                    help="sequence length in tokens (default: the model's)")
     g.add_argument("--lr", type=positive_float, default=None, help="AdamW learning rate")
-    g.add_argument("--seed", type=int, default=0, help="seed for weights and data (same on all ranks)")
+    g.add_argument("--seed", type=seed_value, default=0, help="seed for weights and data (same on all ranks)")
     g.add_argument("--log-all-ranks", action="store_true", help="print from every rank, not only 0")
     return p
 
@@ -139,6 +148,11 @@ class Lesson:
         self.batch_size = a.batch_size or run.batch(on_gpu, a.quick)
         self.seq_len = a.seq_len or self.spec.default_seq_len
         self.lr = a.lr or run.lr
+        vocab = getattr(self.spec.config(), "vocab_size", None)
+        if isinstance(vocab, int):
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world_size))
+            check_batch_fits(vocab, self.batch_size, self.seq_len, self.device,
+                             self.dist.ranks_per_gpu if on_gpu else local_ranks)
         self.out = Path(a.out or Path("runs") / LESSONS[self.number].folder)
         settings = dict(steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
                         lr=self.lr, seed=a.seed, quick=a.quick, backend=self.dist.backend,

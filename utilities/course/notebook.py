@@ -88,7 +88,7 @@ def notebook(number: str) -> LessonNotebook:
     ranks, tiny model) unless a GPU is visible."""
     import torch
 
-    from utilities.course.launch import skip_final_collections
+    from utilities.course.gc_at_exit import skip_final_collections
 
     global _EXIT_HOOKED
     if "ipykernel" in sys.modules and not _EXIT_HOOKED:

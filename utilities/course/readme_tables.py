@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from utilities.errors import UsageError
 from utilities.measure.results import idle_category_notes, markdown_table
+from utilities.measure.results import load as load_results
 from utilities.measure.step_time import predicted_rows
-from utilities.text import markdown
+from utilities.text import markdown, markdown_escape
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
@@ -175,6 +176,7 @@ def render(lesson: str, runs: dict[str, Any] | list[tuple[str, dict[str, Any]]],
     and what a run skipped."""
     if isinstance(runs, dict):
         runs = [(source, runs)]
+    runs = [(src, inert(r)) for src, r in runs]
     first = runs[0][1]
     lines = "\n\n".join(caption(r, src, first if len(runs) > 1 else None) for src, r in runs).split("\n")
     if name is not None:
@@ -198,8 +200,21 @@ def render(lesson: str, runs: dict[str, Any] | list[tuple[str, dict[str, Any]]],
     return "\n".join(lines) + "\n"
 
 
+def inert(value: Any) -> Any:
+    """A results file's content with every string in it (keys too) ``markdown_escape``d: what a
+    run recorded is shown as text, never read as HTML or as a README marker."""
+    if isinstance(value, str):
+        return markdown_escape(value)
+    if isinstance(value, dict):
+        return {inert(k): inert(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [inert(v) for v in value]
+    return value
+
+
 def render_predicted(block: dict[str, Any], source: str) -> str:
     """The markdown of a lesson's ``predicted`` block: what it is, then the table the lesson prints."""
+    block = inert(block)
     return (f"_PREDICTED by the course's step-time model, not measured: rendered from [`{source}`]"
             f"({source}), {block['model']} at batch {block['batch']} x {block['seq']} per GPU, "
             f"{block['precision']}, on {block['cluster']}._\n\n{markdown(predicted_rows(block))}\n")
@@ -241,7 +256,7 @@ def check(lesson: str, write: bool = False) -> list[str]:
         return m.group(1) + fresh + m.group(5)
 
     def load(source: str) -> dict[str, Any]:
-        return json.loads((folder / source).read_text())
+        return load_results(folder / source)
 
     def option(m: re.Match, key: str) -> str | None:
         given = re.search(rf" {key}=(\S+)", m.group(1))
@@ -266,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     failed = False
     for lesson in args.lessons or marked_lessons():
-        problems = check(lesson, write=args.write)
+        try:
+            problems = check(lesson, write=args.write)
+        except UsageError as e:
+            print(f"error: lesson {lesson}: {e}", file=sys.stderr)
+            return 2
         if problems and not args.write:
             failed = True
             print("\n".join(problems))

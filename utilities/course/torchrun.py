@@ -6,18 +6,21 @@ the ``torchrun ...`` line a user types; this is how ``fsdp-course run`` starts i
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import NoReturn
 
-from utilities.course.launch import skip_final_collections
+from utilities.course.gc_at_exit import skip_final_collections
 
 
 def run(argv: list[str]) -> NoReturn:
     """torchrun on ``argv``, then exit: 0; or 2 when the first rank to fail exited 2 (the course's
     one-line error, which rank 0 has printed: ``utilities.distributed.exit_on_error``, a failed
-    save, a damaged checkpoint) and the others exited 2 too or were stopped by torchrun; or 1 after
-    printing which ranks failed and how. Interrupted (Ctrl-C, ``kill``): torchrun stops every rank,
-    then one line says so, and the exit code is 128 + the signal (130 for Ctrl-C)."""
+    save, a damaged checkpoint) and the others exited 2 too or were stopped by torchrun; 1 after one
+    line naming a rank killed by a signal (``kill -9``, the OOM killer; the others, whose
+    collectives failed with it, end silently: ``utilities.distributed.quiet_when_a_rank_is_lost``);
+    or 1 after printing which ranks failed and how. Interrupted (Ctrl-C, ``kill``): torchrun stops
+    every rank, then one line says so, and the exit code is 128 + the signal (130 for Ctrl-C)."""
     import logging
     import signal
 
@@ -25,7 +28,10 @@ def run(argv: list[str]) -> NoReturn:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
+    from utilities.distributed import LAUNCHER_NAMES_A_LOST_RANK
+
     skip_final_collections()
+    os.environ[LAUNCHER_NAMES_A_LOST_RANK] = "1"  # the ranks inherit it
     # torchrun logs each failed rank, and the signal it sends the rest, as it sees them: held back
     # until the outcome is known, and printed unless it is the one line already printed
     held = _HeldBack("failed (exitcode:", "closing signal", "death signal")
@@ -43,6 +49,16 @@ def run(argv: list[str]) -> NoReturn:
               file=sys.stderr, flush=True)
         raise SystemExit(128 + int(number)) from None
     except ChildFailedError as e:
+        killed = {rank: f for rank, f in e.failures.items()
+                  if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}  # SIGTERM: torchrun's own
+        if killed:
+            usage_exit = True  # the one line below says what the held-back records would
+            rank = min(killed, key=lambda r: (killed[r].timestamp, r))
+            number = -killed[rank].exitcode
+            name = signal.Signals(number).name if number in signal.valid_signals() else number
+            print(f"error: rank {rank} (pid {killed[rank].pid}) was killed by {name}; torchrun "
+                  "stopped the other ranks", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         failures = list(e.failures.values())
         first = min(failures, key=lambda f: f.timestamp)
         stopped = {2, -signal.SIGTERM, -signal.SIGKILL}

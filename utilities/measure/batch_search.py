@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from utilities.measure.memory import is_oom
+
 
 @dataclass
 class Trial:
@@ -90,13 +92,6 @@ class SearchResult:
         """The smallest batch tried that was not clean (the one just above the recommendation)."""
         bad = [t for t in self.trials if not t.clean]
         return min(bad, key=lambda t: t.batch) if bad else None
-
-
-def is_oom(exc: BaseException) -> bool:
-    """True for CUDA's (and other backends') out-of-memory errors."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 def free_memory() -> None:

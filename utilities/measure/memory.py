@@ -16,12 +16,14 @@ peak.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from utilities.errors import UsageError
 from utilities.torch_internals import fsdp_mem_tracker, global_peak_only
 
 CATEGORIES = ("total", "parameters", "gradients", "optimizer", "activations")
@@ -286,3 +288,50 @@ class TrackerHooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for CUDA's (and other backends') out-of-memory errors."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory this machine can still give ``device``: the GPU's free memory, or on CPU what the
+    kernel reports available (``MemAvailable``); None where neither can be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_batch_fits(vocab_size: int, batch: int, seq: int, device: torch.device,
+                     ranks_sharing: int = 1) -> None:
+    """Refuse, in one line and before anything is allocated, a ``--batch-size`` x ``--seq-len``
+    whose logits alone (batch x seq x vocabulary, 4 bytes each on CPU, at least 2 on a GPU) and
+    token ids (input and labels, 8 bytes each) exceed this rank's share of the memory available
+    now (``available_bytes`` over the ``ranks_sharing`` it)."""
+    available = available_bytes(device)
+    if available is None:
+        return
+    share = available // max(1, ranks_sharing)
+    per_token = vocab_size * (4 if device.type == "cpu" else 2) + 16
+    need = batch * seq * per_token
+    if need <= share:
+        return
+    where = "GPU" if device.type == "cuda" else "host"
+    raise UsageError(
+        f"--batch-size {batch} x --seq-len {seq} is not allowed: {batch * seq:,} tokens per rank "
+        f"need at least {fmt_bytes(need)} for their logits and ids alone, and this rank's share of "
+        f"the {where} memory available now is {fmt_bytes(share)}; allowed: batch x seq <= "
+        f"{share // per_token:,} tokens per rank")

@@ -37,7 +37,7 @@ import torch
 from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.measure import categorize, fmt_bytes
 from utilities.models import get_model_spec
-from utilities.text import wrap_lines
+from utilities.text import rate_text, wrap_lines
 from utilities.torch_internals import global_peak_only
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
@@ -47,6 +47,7 @@ PRECISIONS = ("fp32", "bf16")
 # outputs, recompute the rest); "every-2nd-block" is block-level (lesson 02's "selective")
 AC_MODES = ("none", "selective", "every-2nd-block", "full")
 HEADROOM = 0.10  # of the GPU's memory, kept for what the trackers cannot see
+MAX_GPUS = 65536
 CATEGORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 # temporaries: everything else alive at the peak (the tracker's "Temp": autograd's short-lived
 # tensors such as the logits and the loss's softmax over the vocabulary; the all-gather and
@@ -138,6 +139,9 @@ class Plan:
     model_states: dict[str, int] = field(default_factory=dict)
     # the step-time model's prediction (utilities.measure.step_time), when asked for
     time: dict[str, Any] | None = None
+    # what the plan's reader must know first: sizes a config file left to transformers' defaults,
+    # a sequence past the model's context
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def theory(self) -> dict[str, dict[str, int]]:
@@ -264,6 +268,8 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     _check(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq)
     shard_size = _shard_size(strategy, gpus, shard_size)
     seq = seq or spec.default_seq_len
+    check_tokens(spec, batch, seq, precision, gpu_memory_bytes)
+    warnings = [*spec.warnings, *context_warnings(spec, seq)]
     device, notes = _fake_device(device_type)
     if strategy == "no_shard":
         # FSDP2 has no NO_SHARD: nothing is sharded on a 1-rank mesh, as under DDP.
@@ -284,7 +290,7 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
             peak_bytes=floor, detail={},
             budget_bytes=budget, fits=False, overflowing=_overflowing(floor, budget),
             method="lower bound: fp32 parameter shards + AdamW state alone exceed the budget "
-                   "(activations not simulated)", notes=notes)
+                   "(activations not simulated)", notes=notes, warnings=warnings)
     snap, states = _simulate(spec, world, strategy, precision, ac, batch, seq, device, shard_size)
     cats = categorize(snap)
     detail = cats.pop("detail")
@@ -308,7 +314,7 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
         peak_bytes={k: int(v) for k, v in cats.items()}, detail=detail, budget_bytes=budget,
         fits=fits, overflowing=None if fits else _overflowing(cats, budget),
         method="FSDPMemTracker on FakeTensorMode + fake process group", notes=notes,
-        model_states=states)
+        model_states=states, warnings=warnings)
 
 
 def _simulate(spec, world, strategy, precision, ac, batch, seq, device,
@@ -328,6 +334,49 @@ def _simulate(spec, world, strategy, precision, ac, batch, seq, device,
         with fake_mode:
             data = _fake_batch(spec, batch, seq, device)
             return _train_step_tracked(model, data, device)
+
+
+# The largest memory of one GPU the planner knows (an H200's); no step needing more can run.
+LARGEST_GPU = max(GPU_MEMORY_MIB, key=GPU_MEMORY_MIB.get)
+LARGEST_GPU_BYTES = GPU_MEMORY_MIB[LARGEST_GPU] * 2**20
+
+
+class TooManyTokens(UsageError):
+    """A batch x seq per rank whose logits alone no GPU could hold (``need_bytes``)."""
+
+    def __init__(self, message: str, need_bytes: int):
+        super().__init__(message)
+        self.need_bytes = need_bytes
+
+
+def check_tokens(spec, batch: int, seq: int, precision: str, gpu_memory_bytes: int) -> None:
+    """Refuse, before tracing, a batch x seq per rank that no GPU could hold in a step: the
+    logits alone (batch x seq x vocabulary, 2 bytes each in bf16, 4 in fp32) and the token ids
+    (8 bytes each) exceed the larger of the largest GPU the planner knows and ``--gpu-memory``."""
+    vocab = getattr(spec.config(), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        return
+    per_logit = 2 if precision == "bf16" else 4
+    per_token = vocab * per_logit + 8
+    cap = max(LARGEST_GPU_BYTES, gpu_memory_bytes)
+    if batch * seq * per_token <= cap:
+        return
+    raise TooManyTokens(
+        f"--batch {batch} x --seq {seq} is not allowed: {batch * seq:,} tokens per rank need "
+        f"{fmt_bytes(batch * seq * per_token)} for their logits and ids alone ({vocab:,} x "
+        f"{per_logit} + 8 bytes per token), more than any GPU holds (the largest the planner knows: "
+        f"{LARGEST_GPU}, {fmt_bytes(LARGEST_GPU_BYTES)}); allowed: batch x seq <= "
+        f"{cap // per_token:,} tokens per rank", batch * seq * per_token)
+
+
+def context_warnings(spec, seq: int) -> list[str]:
+    """A warning when ``seq`` is past the model's context (``max_position_embeddings``)."""
+    limit = getattr(spec.config(), "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit < seq:
+        return []
+    return [f"--seq {seq:,} is past the model's context (max_position_embeddings {limit:,}): planned "
+            "as asked, but a model with learned positions (GPT-2, BERT) cannot run it and one with "
+            "rotary positions was not trained for it"]
 
 
 def _shard_size(strategy: str, gpus: int, shard_size: int | None) -> int | None:
@@ -394,8 +443,9 @@ def _check(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq) -> None:
 
 def check_step(gpus, strategy, precision, ac, batch, seq) -> None:
     """One training step's configuration, as the planner and the time model both take it."""
-    if not isinstance(gpus, int) or gpus < 1:
-        raise bad_value("--gpus", gpus, "integers >= 1")
+    if not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
+        raise bad_value("--gpus", gpus, f"integers in [1, {MAX_GPUS}] (the fake process group "
+                        "takes ~30 s at the top; the largest published training runs used 16,384)")
     if strategy not in STRATEGIES:
         raise bad_value("--strategy", strategy, STRATEGIES)
     if precision not in PRECISIONS:
@@ -422,8 +472,14 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
     known to fit and the smallest known not to (secant steps inside a bracket).
     """
     def run(b: int) -> Plan:
-        return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
-                    shard_size)
+        try:
+            return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
+                        shard_size)
+        except TooManyTokens as e:  # batch 1 is refused; a larger batch does not fit
+            if b == 1:
+                raise
+            return Plan(**dict(first.as_dict(), batch=b, fits=False,
+                               peak_bytes=dict(first.peak_bytes, total=e.need_bytes)))
 
     first = run(1)
     if not first.fits or limit == 1:
@@ -565,8 +621,9 @@ def format_sweep(plans: list[Plan]) -> str:
         for strategy in strategies:
             row = {p.gpus: p for p in plans if p.strategy == strategy}
             lines.append((f"{strategy:<14}" + "".join(
-                f"{row[n].time['tokens_per_s_per_gpu']:>8,.0f}{' ' if row[n].fits else '*'}"
+                f"{rate_text(row[n].time['tokens_per_s_per_gpu']):>8}{' ' if row[n].fits else '*'}"
                 for n in counts)).rstrip())
+    lines += [f"warning: {w}" for w in dict.fromkeys(w for p in plans for w in p.warnings)]
     methods = sorted({p.method for p in plans})
     lines += [f"method: {m}" for m in methods]
     return "\n".join(lines)
@@ -752,6 +809,7 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
         verdict = (f"does NOT fit: {p.peak_bytes['total'] / p.budget_bytes:.0%} of the budget; "
                    f"{p.overflowing} is the biggest category")
     lines.append(verdict)
+    lines += [f"warning: {w}" for w in p.warnings]
     lines += [f"note: {n}" for n in p.notes]
     lines.append(f"method: {p.method}")
     return "\n".join(lines)
@@ -810,7 +868,7 @@ def format_time(time: dict[str, Any]) -> str:
              f"{time['step_s']:.3f} s",
              f"  compute {time['compute_s']:.3f} s, communication {time['comm_s']:.3f} s, of which "
              f"exposed {time['exposed_comm_s']:.3f} s",
-             f"  tokens/s per GPU {time['tokens_per_s_per_gpu']:,.0f}, MFU {time['mfu']:.1%}"]
+             f"  tokens/s per GPU {rate_text(time['tokens_per_s_per_gpu'])}, MFU {time['mfu']:.1%}"]
     lines += [f"  assumes: {a}" for a in time["assumptions"]]
     return "\n".join(lines)
 

@@ -184,10 +184,22 @@ def write_json(path: Path, data: Any) -> Path:
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
+    """A results.json (``path`` or ``path/results.json``), read within ``utilities.json_input``'s
+    bounds; one ``UsageError`` line for a file that is not one."""
+    from utilities.errors import UsageError
+    from utilities.json_input import read_json
+
     p = Path(path)
     if p.is_dir():
         p = p / "results.json"
-    return json.loads(p.read_text())
+    try:
+        data = read_json(p)
+    except UsageError as e:
+        raise UsageError(f"results file {str(p)!r} cannot be read: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"results file {str(p)!r} cannot be read: it holds a JSON "
+                         f"{type(data).__name__}, not an object")
+    return data
 
 
 def variant(results: dict[str, Any], name: str) -> dict[str, Any]:

@@ -57,6 +57,7 @@ import numpy as np
 
 from utilities.errors import UsageError, bad_value
 from utilities.measure.planner import STRATEGIES, check_step
+from utilities.text import rate_text
 
 __all__ = ["CALIBRATED", "Cluster", "Efficiencies", "Event", "GPU", "GPUS", "StepTime",
            "add_prediction_arguments", "check_prediction_arguments", "collective_time",
@@ -892,7 +893,7 @@ def format_step_time(t: StepTime, units: int = 0) -> str:
             ("  exposed (not overlapped)", t.exposed_comm_s))
     for name, v in rows:
         lines.append(f"{name:<28}{v:>12.4f}{v / t.step_s:>10.1%}")
-    lines.append(f"tokens/s per GPU {t.tokens_per_s_per_gpu:>14,.0f}   MFU {t.mfu:.1%}")
+    lines.append(f"tokens/s per GPU {rate_text(t.tokens_per_s_per_gpu):>14}   MFU {t.mfu:.1%}")
     if units:
         lines.append(f"{'unit':<20}{'forward':>10}{'backward':>10}{'all-gather':>12}"
                      f"{'grad comm':>11}")

@@ -1,0 +1,235 @@
+"""Files and values a user (or an attacker) hands the course are answered in one line, within
+bounds: a results file cannot write HTML or a marker into a README; a JSON file too deep or too
+large, a 20-digit number, a seed or a size no machine holds, a bad torchrun variable, a rank killed
+mid-run: one line each, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+from conftest import REPO, cli_here
+
+from utilities.errors import UsageError
+from utilities.json_input import MAX_JSON_BYTES, json_depth, read_json
+from utilities.text import markdown, markdown_escape
+
+INJECTION = "ok <!-- /results --> <img src=x onerror=alert(1)> &copy"
+
+
+# -- item 11: README marker injection ---------------------------------------------------------------
+
+def test_markdown_cells_and_text_are_inert_and_escaping_twice_changes_nothing():
+    assert markdown_escape(INJECTION) == "ok &lt;!-- /results --> &lt;img src=x onerror=alert(1)> &amp;copy"
+    assert markdown_escape(markdown_escape(INJECTION)) == markdown_escape(INJECTION)
+    assert markdown_escape("6.386->4.436 &lt; &#92;") == "6.386->4.436 &lt; &#92;"
+    table = markdown([["name", "value"], ["a|b\n# heading", "<script>x</script>"]])
+    rows = table.splitlines()
+    assert len(rows) == 3 and rows[2] == "| a\\|b # heading | &lt;script>x&lt;/script> |"
+
+
+def test_a_results_file_cannot_break_its_readme(tmp_path, monkeypatch):
+    """A results file holding the end marker and raw HTML in its takeaway, a variant's name and a
+    key: ``--write`` keeps every marker where it was, the README holds no tag from the file, and a
+    second ``--write`` (and the check) finds nothing to change."""
+    from utilities.course import readme_tables
+
+    folder = tmp_path / "lessons" / "01_auto_wrap"
+    folder.mkdir(parents=True)
+    source = REPO / "lessons" / "01_auto_wrap"
+    shutil.copy(source / "README.md", folder / "README.md")
+    results = json.loads((source / "results_cpu.json").read_text())
+    results["takeaway"] = INJECTION
+    results["variants"][0]["name"] = INJECTION
+    results["variants"][0][INJECTION] = 1
+    results["device_name"] = "cpu\n\n<!-- results:01 results_cpu.json -->"
+    (folder / "results_cpu.json").write_text(json.dumps(results))
+    monkeypatch.setattr(readme_tables, "REPO", tmp_path)
+    before = (folder / "README.md").read_text()
+    assert readme_tables.check("01", write=True)  # the new content is written
+    after = (folder / "README.md").read_text()
+    for marker in ("<!-- /results -->", "<!-- results:", "<!--"):  # a lone "-->" ends nothing
+        assert after.count(marker) == before.count(marker), marker
+    assert "<img" not in after and "&lt;img src=x" in after
+    outside = before.split("<!-- /results -->", 1)[1]
+    assert after.split("<!-- /results -->", 1)[1] == outside
+    assert readme_tables.check("01") == []
+    readme_tables.check("01", write=True)
+    assert (folder / "README.md").read_text() == after
+
+
+# -- item 11: deep, huge and sparse JSON --------------------------------------------------------------
+
+def test_a_json_file_too_deep_too_large_or_not_regular_is_one_line(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UsageError, match="nested deeper than 64 levels"):
+        read_json(deep)
+    shallow_but_past = tmp_path / "past.json"
+    shallow_but_past.write_text("[" * 65 + "]" * 65)  # parses, then is refused
+    with pytest.raises(UsageError, match="nested deeper than 64 levels"):
+        read_json(shallow_but_past)
+    assert json_depth(json.loads("[" * 64 + "]" * 64)) == 64
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(64 * 2**30)  # sparse: 64 GiB that costs no disk, and must cost no memory
+    start = time.perf_counter()
+    with pytest.raises(UsageError, match=f"more than the {MAX_JSON_BYTES:,} a JSON file"):
+        read_json(big)
+    assert time.perf_counter() - start < 1
+    with pytest.raises(UsageError, match="not a regular file"):
+        read_json(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["deep", "sparse"])
+def test_plan_refuses_a_deep_or_huge_config_in_one_line(tmp_path, content):
+    path = tmp_path / "config.json"
+    if content == "deep":
+        path.write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    else:
+        with open(path, "wb") as f:
+            f.truncate(64 * 2**30)
+    proc = cli_here("plan", "--model", str(path), "--no-time")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error:") and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert ("nested deeper" if content == "deep" else "more than the") in proc.stderr
+
+
+def test_a_deep_results_file_is_one_line(tmp_path, monkeypatch, capsys):
+    from utilities.course import readme_tables
+    from utilities.measure.results import load
+
+    folder = tmp_path / "lessons" / "01_auto_wrap"
+    folder.mkdir(parents=True)
+    shutil.copy(REPO / "lessons" / "01_auto_wrap" / "README.md", folder / "README.md")
+    (folder / "results_cpu.json").write_text('{"variants": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(UsageError, match="results file .* cannot be read: it is nested deeper"):
+        load(folder / "results_cpu.json")
+    monkeypatch.setattr(readme_tables, "REPO", tmp_path)
+    assert readme_tables.main(["01"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: lesson 01: results file") and err.strip().count("\n") == 0
+
+
+# -- item 12: one line instead of a traceback -------------------------------------------------------
+
+def test_record_into_a_folder_that_cannot_exist_is_one_line():
+    proc = cli_here("record", "01", "--out", "/proc/x")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: --out '/proc/x' is not allowed")
+    assert proc.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("number", ["01", "10"])
+def test_a_seed_no_generator_takes_is_one_line(number):
+    from conftest import lesson_module
+
+    from utilities.course.launch import parse_flags_here
+
+    code, _, err = parse_flags_here(lesson_module(number).parse_args, ["--quick", "--seed", str(2**70)])
+    assert code == 2 and err.strip().count("\n") == 0
+    assert f"{2**70} is not allowed; allowed: integers in [0, 4294967295]" in err
+
+
+def test_a_batch_no_memory_holds_is_refused_before_it_is_allocated():
+    import torch
+
+    from utilities.measure.memory import available_bytes, check_batch_fits
+
+    cpu = torch.device("cpu")
+    assert available_bytes(cpu) > 0
+    check_batch_fits(384, 8, 64, cpu, ranks_sharing=2)
+    with pytest.raises(UsageError) as e:
+        check_batch_fits(384, 4, 10**9, cpu, ranks_sharing=2)
+    assert str(e.value).startswith("--batch-size 4 x --seq-len 1000000000 is not allowed")
+    assert "allowed: batch x seq <=" in str(e.value)
+
+
+@pytest.mark.parametrize("variables, says", [
+    ({"MASTER_PORT": "notaport"}, "environment variable MASTER_PORT 'notaport' is not allowed"),
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "environment variable WORLD_SIZE 'abc' is not allowed"),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "environment variable RANK '3' is not allowed"),
+])
+def test_a_lesson_started_by_hand_with_bad_rendezvous_variables_is_one_line(variables, says):
+    """A lesson script run directly (no torchrun) with a rendezvous variable torch cannot use;
+    each process that has it says so (there is no rank 0 to speak for it)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT",
+                        "MASTER_ADDR", "TORCHELASTIC_RUN_ID")}
+    script = REPO / "lessons" / "01_auto_wrap" / "auto_wrap.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--quick", "--steps", "2"],
+                          env={**env, **variables, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr[-3000:]
+
+
+def test_lost_a_rank_reads_the_whole_exception_chain():
+    from utilities.distributed import lost_a_rank
+
+    try:
+        try:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+        except RuntimeError:
+            raise RuntimeError("barrier failed") from None  # as the tear-down's barrier does
+    except RuntimeError as e:
+        assert lost_a_rank(e)
+    assert not lost_a_rank(RuntimeError("CUDA out of memory")) and not lost_a_rank(None)
+
+
+def test_a_rank_killed_mid_run_is_one_line_naming_it(tmp_path):
+    """kill -9 of one rank in a collective: the launcher says which rank died and how, in one
+    line; the surviving rank's failed collective (and its tear-down's) print no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        "import torch, torch.distributed as dist\n"
+        "from utilities import distributed as D\n"
+        "D.setup('cpu')\n"
+        f"pathlib.Path({str(tmp_path)!r}, os.environ['RANK']).write_text(str(os.getpid()))\n"
+        "t = torch.zeros(1)\n"
+        "try:\n"
+        "    while True:\n"
+        "        dist.all_reduce(t)\n"
+        "        time.sleep(0.01)\n"
+        "finally:\n"
+        "    D.teardown()\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "utilities.course.torchrun", "--standalone",
+                                 "--nproc-per-node=2", str(script)], env=env, cwd=REPO,
+                                start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / r).is_file() and (tmp_path / r).read_text() for r in "01"):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+        time.sleep(0.5)  # both inside the all-reduce loop
+        victim = int((tmp_path / "1").read_text())
+        os.kill(victim, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 1
+    assert err.strip() == f"error: rank 1 (pid {victim}) was killed by SIGKILL; torchrun stopped the " \
+                          "other ranks", err[-3000:]
+    assert "Traceback" not in out + err
+
+
+def test_a_twenty_digit_nproc_is_one_line_before_torchrun_starts():
+    proc = cli_here("run", "01", "--quick", "--nproc", "9" * 20)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == f"error: --nproc {'9' * 20} is not allowed; allowed: integers in " \
+                                  "[1, 128] (ranks on this machine)"
