@@ -14,8 +14,6 @@ KNOWN_CIRCLES = (
     # the planner and its step-time model (issue "time truth")
     frozenset({"utilities.measure.planner", "utilities.measure.step_time",
                "utilities.measure.calibrate"}),
-    # the checkpoint primitives, being moved to one module below both in a parallel branch
-    frozenset({"utilities.dcp", "utilities.state_dict"}),
 )
 
 
