@@ -301,7 +301,10 @@ def available_bytes(device: torch.device) -> int | None:
     """Memory this machine can still give ``device``: the GPU's free memory, or on CPU what the
     kernel reports available (``MemAvailable``); None where neither can be read."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):  # no CUDA runtime here (a CPU build, a mocked GPU)
+            return None
     try:
         with open("/proc/meminfo") as f:
             for line in f:

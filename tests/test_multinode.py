@@ -1,0 +1,83 @@
+"""Two "nodes" on one machine: two torchrun agents meeting through torchrun's own c10d rendezvous on
+127.0.0.1, as the README's multi-node section tells people to start them on a cluster.
+
+HSDP on 2 nodes x 2 ranks shards within a node and replicates across: each rank holds what
+full sharding over its node's 2 ranks would give it, and the losses are full sharding's. And the
+README's own multi-node command, run as written (the head node and the GPU count filled in), trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port, variant
+
+pytestmark = pytest.mark.slow
+
+
+def readme_multinode_command() -> str:
+    """The first torchrun line of the README's "Multi-node" section, continuation lines joined."""
+    section = (REPO / "README.md").read_text().split("## Multi-node", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    command = re.sub(r"\\\n\s*", "", block)
+    return next(line.strip() for line in command.splitlines() if line.strip().startswith("torchrun"))
+
+
+def two_agents(argv: list[str], out: Path, timeout: float = 300) -> dict:
+    """Start the same torchrun command twice (node 0 and node 1 of 2), wait for both, and return the
+    results.json rank 0 wrote."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    agents = [subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for _ in range(2)]
+    outputs = []
+    try:
+        for agent in agents:
+            outputs.append(agent.communicate(timeout=timeout)[0])
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    assert all(a.returncode == 0 for a in agents), "\n".join(o[-3000:] for o in outputs)
+    return json.loads((out / "results.json").read_text())
+
+
+def torchrun_argv(command: str, port: int) -> list[str]:
+    """The README's command with $HEAD_NODE on this machine and torchrun as this Python's module."""
+    words = command.replace("$HEAD_NODE:29500", f"127.0.0.1:{port}").split()
+    assert words[0] == "torchrun"
+    return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+
+
+def test_the_readmes_multinode_command_runs_as_two_agents_on_one_machine(tmp_path):
+    command = readme_multinode_command()
+    assert "--rdzv-backend c10d" in command and "--nnodes 2" in command and "$HEAD_NODE" in command
+    argv = torchrun_argv(command.replace("--nproc-per-node 8", "--nproc-per-node 1"), free_port())
+    r = two_agents([*argv, "--device", "cpu", "--quick", "--out", str(tmp_path)], tmp_path)
+    assert r["world_size"] == 2 and r["device"] == "cpu"
+    for v in r["variants"]:
+        assert v["losses"][-1] < v["losses"][0], v["name"]
+
+
+def test_hsdp_on_two_nodes_shards_within_a_node_and_trains_as_full_shard(tmp_path):
+    argv = torchrun_argv(f"torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "
+                         f"$HEAD_NODE:29500 --rdzv-id hsdp lessons/06_sharding_strategies/"
+                         "sharding_strategies.py", free_port())
+    r = two_agents([*argv, "--device", "cpu", "--quick", "--variants", "fsdp2-reshard-true,fsdp2-hsdp",
+                    "--replicate", "2", "--out", str(tmp_path)], tmp_path)
+    assert r["world_size"] == 4
+    full, hsdp = variant(r, "fsdp2-reshard-true"), variant(r, "fsdp2-hsdp")
+    whole = r["model"]["parameters"] * 4  # fp32 bytes of the whole model
+    assert hsdp["mesh"] == [2, 2]
+    # resident bytes are one rank's: full sharding over 4 ranks holds a quarter, HSDP a half (its
+    # node's 2 ranks shard, the 2 nodes replicate)
+    assert full["resident_bytes"]["parameters"] == pytest.approx(whole / 4, rel=0.05)
+    assert hsdp["resident_bytes"]["parameters"] == pytest.approx(whole / 2, rel=0.05)
+    assert hsdp["losses"] == pytest.approx(full["losses"], abs=5e-3)
