@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from utilities import doctor
-from utilities.doctor import COLUMNS, Finding, diagnose, report
+from utilities.doctor import COLUMNS, Finding, diagnose, findings_text
 from utilities.models import get_model_spec, init_weights
 from utilities.precision import fsdp1_policy, fsdp2_policy
 from utilities.wrapping import shard_model
@@ -194,7 +194,7 @@ def test_no_finding_on_a_lessons_own_wrapping(lesson, api):
 def test_the_readme_way_is_clean_and_says_so():
     model = shard_model(build("llama-tiny"), api="fsdp2", block_class=block("llama-tiny"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    assert report(diagnose(model, optimizer)) == "no problems found"
+    assert findings_text(diagnose(model, optimizer)) == "no problems found"
 
 
 # -- each mistake, caught --------------------------------------------------------------------------
@@ -394,3 +394,13 @@ def test_cli_help_names_every_flag():
     for flag in ("--model", "--api", "--policy"):
         assert flag in proc.stdout
     assert "    for finding in diagnose(model, optimizer):" in proc.stdout
+
+
+def test_registration_is_not_guessed_on_an_unchecked_torch(monkeypatch):
+    from utilities import torch_internals
+
+    model = shard_model(build(), api="fsdp2", block_class=block())
+    assert torch_internals.fsdp2_forward_method_registered(model, "generate") is False
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    assert torch_internals.fsdp2_forward_method_registered(model, "generate") is None
+    assert diagnose(model, methods=["generate"]) == []  # cannot tell: nothing said

@@ -83,7 +83,7 @@ class Finding:
         return wrap_lines(self.line, COLUMNS, indent="    ")
 
 
-def report(findings: list[Finding]) -> str:
+def findings_text(findings: list[Finding]) -> str:
     """The findings, one (folded) line each, or ``no problems found``."""
     return "\n".join(map(str, findings)) if findings else "no problems found"
 

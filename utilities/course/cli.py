@@ -198,7 +198,7 @@ def _doctor(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from utilities.distributed import teardown
-    from utilities.doctor import diagnose, report
+    from utilities.doctor import diagnose, findings_text
     from utilities.models import META_INIT_THRESHOLD, init_weights
     from utilities.text import wrap_lines
 
@@ -222,7 +222,7 @@ def _doctor(args: argparse.Namespace) -> int:
             teardown()
     print(wrap_lines(f"doctor: {spec.name}, {args.api}, policy {args.policy}, 1 process "
                      f"(gloo), {spec.num_parameters:,} parameters", 80))
-    print(report(findings))
+    print(findings_text(findings))
     return 1 if findings else 0
 
 
