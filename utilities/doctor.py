@@ -33,6 +33,7 @@ What it looks for:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -268,7 +269,8 @@ def _meta_and_bad_values(model: nn.Module) -> list[Finding]:
         local = _local(p)
         if local.is_meta or not local.is_floating_point() or local.numel() == 0:
             continue
-        if not bool(torch.isfinite(local).all()) or bool((local.abs() > HUGE_VALUE).any()):
+        low, high = (float(v) for v in torch.aminmax(local.detach()))  # NaN if any is NaN
+        if not (math.isfinite(low) and math.isfinite(high)) or max(-low, high) > HUGE_VALUE:
             bad_params.append(name)
     for name, b in _named_unique(model.named_buffers()):
         local = _local(b)
