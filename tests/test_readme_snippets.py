@@ -107,14 +107,40 @@ def test_readme_python_blocks_run(readme: Path, outcomes):
 def test_the_main_readme_snippet_runs_as_written(tmp_path):
     """README.md's "Using the utilities in your own code" block, exactly as a reader pastes it into
     a fresh python on a CPU (no process group, no torchrun, an empty folder): it trains 3 steps."""
-    blocks = snippets(ROOT / "README.md")
-    assert len(blocks) == 1 and "init_process_group" in blocks[0]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                             "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", blocks[0]], cwd=tmp_path, text=True,
-                          capture_output=True, timeout=300, env=dict(env, OMP_NUM_THREADS="1"))
+    proc = _run_main_readme(_main_readme_block(), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loss after 3 steps:" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_the_main_readme_doctor_lines_run_on_its_model(tmp_path):
+    """README.md's "When something goes wrong" lines, on the model and optimizer of the block
+    above (before its ``destroy_process_group``): the course's own wrapping, so nothing printed."""
+    doctor = [b for b in snippets(ROOT / "README.md") if "diagnose(" in b]
+    assert len(doctor) == 1 and len(doctor[0].strip().splitlines()) == 3
+    main = _main_readme_block()
+    end = "dist.destroy_process_group()"
+    assert main.rstrip().endswith(end)
+    script = main.rstrip()[:-len(end)] + doctor[0] + "print('doctor done')\n" + end + "\n"
+    proc = _run_main_readme(script, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-2].startswith("loss after 3 steps:") and lines[-1] == "doctor done", proc.stdout
+
+
+def _main_readme_block() -> str:
+    """README.md's "Using the utilities in your own code" block."""
+    blocks = [b for b in snippets(ROOT / "README.md") if "init_process_group" in b]
+    assert len(blocks) == 1
+    return blocks[0]
+
+
+def _run_main_readme(code: str, folder: Path) -> subprocess.CompletedProcess:
+    """``code`` in a fresh python on a CPU, as a reader pastes it: no process group, no torchrun
+    variables, an empty folder."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                             "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, "-c", code], cwd=folder, text=True,
+                          capture_output=True, timeout=300, env=dict(env, OMP_NUM_THREADS="1"))
 
 
 def test_a_failing_block_fails_the_check(tmp_path):

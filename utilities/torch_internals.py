@@ -263,3 +263,52 @@ def require_dcp_reader_hooks(reader: Any) -> None:
         raise _unsupported("loading a DCP checkpoint safely", "FileSystemReader._slice_file")
     if not hasattr(reader, "fs"):
         raise _unsupported("loading a DCP checkpoint safely", "FileSystemReader.fs")
+
+
+# -- the doctor's reads ------------------------------------------------------------------------------
+
+FSDP2_FORWARD_METHOD_CHECKED = ((2, 6), (2, 14))
+
+
+def fsdp2_forward_method_registered(module: nn.Module, name: str) -> bool | None:
+    """Whether ``register_fsdp_forward_method(module, name)`` was called: FSDP2 keeps no record of
+    it, it replaces the method on the instance by a bound ``wrapped_method`` (``functools.wraps``
+    of the original) that runs the pre- and post-forward hooks around it. None where this torch
+    is outside the versions that wrapper was checked on (``FSDP2_FORWARD_METHOD_CHECKED``)."""
+    from torch.torch_version import TorchVersion
+
+    low, high = FSDP2_FORWARD_METHOD_CHECKED
+    version = TorchVersion(torch.__version__)
+    if version < low or version >= (high[0], high[1] + 1):
+        return None
+    method = module.__dict__.get(name)
+    function = getattr(method, "__func__", None)
+    code = getattr(function, "__code__", None)
+    return bool(code is not None and code.co_name == "wrapped_method"
+                and hasattr(function, "__wrapped__") and "fsdp" in code.co_filename)
+
+
+def fsdp2_mp_policy(module: nn.Module) -> Any | None:
+    """The ``MixedPrecisionPolicy`` a ``fully_shard``-ed module was given (no public getter);
+    None where this torch keeps it elsewhere."""
+    try:
+        return module._get_fsdp_state()._mp_policy
+    except AttributeError:
+        return None
+
+
+def fsdp1_uses_orig_params(unit: nn.Module) -> bool:
+    """Whether an FSDP1 unit was built with ``use_orig_params=True``."""
+    return bool(getattr(unit, "_use_orig_params", False))
+
+
+def fsdp1_orig_params(unit: nn.Module) -> list[torch.Tensor] | None:
+    """The original parameters an FSDP1 unit flattened, where FSDP1 keeps them
+    (``use_orig_params=True``); None otherwise."""
+    params = getattr(fsdp1_flat_param(unit), "_params", None)
+    return list(params) if params is not None else None
+
+
+def fsdp1_mixed_precision(unit: nn.Module) -> Any | None:
+    """The ``MixedPrecision`` an FSDP1 unit runs with (FSDP1 stores an all-None one for none)."""
+    return getattr(unit, "mixed_precision", None)

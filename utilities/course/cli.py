@@ -34,6 +34,7 @@ from utilities.devices import (
 )
 from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.models import MODELS, get_model_spec
+from utilities.text import HelpFormatter
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,6 +83,30 @@ def _parser() -> argparse.ArgumentParser:
                          "(--plan: what is done and next; --pack / --unpack: one archive back)",
         description=evidence.__doc__.split("\n\n")[0]))
 
+    doc = sub.add_parser(
+        "doctor", help="build a course model, shard it the course's way and list what is wrong "
+                       "with it (utilities.doctor: run it on your own model after sharding)",
+        description="Build --model as the lessons do (random weights, one process: a one-rank "
+                    "gloo group in this process), shard it with --api and --policy through "
+                    "utilities.wrapping.shard_model, build its AdamW and run "
+                    "utilities.doctor.diagnose on it: one line per problem (what is wrong, why "
+                    "it matters, the fix), or 'no problems found' (exit 0; 1 with findings). "
+                    "In your own script, after sharding and building the optimizer:\n\n"
+                    "    from utilities.doctor import diagnose\n"
+                    "    for finding in diagnose(model, optimizer):\n"
+                    "        print(finding)",
+        formatter_class=HelpFormatter)
+    doc.add_argument("--model", default="t5-tiny",
+                     help="a course model (see `fsdp-course list --models`) or a Hugging Face "
+                          "config.json or a folder holding one (built with random weights; the "
+                          "whole model is materialised in this process, in fp32); default t5-tiny")
+    doc.add_argument("--api", default="fsdp2",
+                     help="fsdp2 (fully_shard) or fsdp1 (FullyShardedDataParallel); default fsdp2")
+    doc.add_argument("--policy", default="block",
+                     help="the units: block (one per transformer block, the course's way), whole "
+                          "(one for the whole model: lesson 01's mistake) or size (FSDP1's "
+                          "size-based policy); default block")
+
     rec = sub.add_parser(
         "record", help="record a real run of a lesson as an asciinema .cast (the course's demos)",
         usage="fsdp-course record NN|all [--out DIR] [--full] [-- lesson flags]")
@@ -121,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "record":
             return _record(args)
+        if args.command == "doctor":
+            return _doctor(args)
         if args.command == "evidence":
             from utilities.course.evidence import main as evidence_main
 
@@ -155,6 +182,49 @@ def _record(args: argparse.Namespace) -> int:
     if Path(args.out).resolve() == VIDEOS.resolve():  # the course's own demos: refresh the index
         print(f"updated {write()}")
     return rc
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """``fsdp-course doctor``: the course's model, sharded the course's way, diagnosed."""
+    from utilities.wrapping import APIS, POLICIES, shard_model
+
+    spec = get_model_spec(args.model)
+    if args.api not in APIS:
+        raise bad_value("--api", args.api, APIS)
+    if args.policy not in POLICIES:
+        raise bad_value("--policy", args.policy, POLICIES)
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from utilities.distributed import teardown
+    from utilities.doctor import diagnose, findings_text
+    from utilities.models import META_INIT_THRESHOLD, init_weights
+    from utilities.text import wrap_lines
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        on_meta = spec.num_parameters > META_INIT_THRESHOLD  # as the lessons build a large model
+        warnings.filterwarnings("ignore", message=".*switching to use `NO_SHARD`")  # one rank
+        model = shard_model(spec.build("meta" if on_meta else "cpu"), api=args.api,
+                            block_class=spec.block_class(), policy=args.policy)
+        if any(p.is_meta for p in model.parameters()):  # FSDP2 on meta: each rank fills its shards
+            model.to_empty(device="cpu")
+            init_weights(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, spec.config().vocab_size, (2, min(64, spec.default_seq_len)))
+        findings = diagnose(model, optimizer, batch={"input_ids": ids})
+    finally:
+        if own_group:
+            teardown()
+    print(wrap_lines(f"doctor: {spec.name}, {args.api}, policy {args.policy}, 1 process "
+                     f"(gloo), {spec.num_parameters:,} parameters", 80))
+    print(findings_text(findings))
+    return 1 if findings else 0
 
 
 def _list(models: bool) -> int:

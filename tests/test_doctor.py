@@ -1,0 +1,406 @@
+"""The doctor (``utilities.doctor.diagnose`` and ``fsdp-course doctor``): silent on every lesson's
+own wrapping, FSDP1 and FSDP2, built with the lessons' own functions; and each mistake it knows
+made on purpose and caught, on a one-rank gloo group in this process."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import cli_here, lesson_module
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from utilities import doctor
+from utilities.doctor import COLUMNS, Finding, diagnose, findings_text
+from utilities.models import get_model_spec, init_weights
+from utilities.precision import fsdp1_policy, fsdp2_policy
+from utilities.wrapping import shard_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    """One gloo rank on an in-process store, as the root README's snippet makes it."""
+    from utilities.distributed import teardown
+
+    if dist.is_initialized():  # another test's group: use it
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    warnings.filterwarnings("ignore", message=".*NO_SHARD.*")  # FSDP1 at world size 1
+    yield
+    teardown()
+
+
+@functools.cache
+def _template(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return get_model_spec(name).build()
+
+
+def build(name: str = "t5-tiny") -> nn.Module:
+    """A fresh course model: a copy of one built once per test module (its init is the slow part;
+    a deep copy keeps its tied weights tied)."""
+    return copy.deepcopy(_template(name))
+
+
+def block(name: str = "t5-tiny") -> type[nn.Module]:
+    return get_model_spec(name).block_class()
+
+
+def checks(findings: list[Finding]) -> list[str]:
+    return [f.check for f in findings]
+
+
+def ids(name: str = "t5-tiny") -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, get_model_spec(name).config().vocab_size, (2, 16))}
+
+
+# -- every lesson's own wrapping: nothing to report ------------------------------------------------
+
+def _l01(api):
+    lesson = lesson_module("01")
+    wrap = lesson.variants(block(), 100_000, CPU)[f"{api}-per-block"]
+    return wrap(build()), "t5-tiny"
+
+
+def _l02(api):
+    lesson = lesson_module("02")
+    if api == "fsdp2":
+        return lesson.fsdp2_checkpointed(build(), block(), 2), "t5-tiny"
+    return lesson.fsdp1_checkpointed(build(), block(), 1, CPU), "t5-tiny"
+
+
+def _l03_08(api):  # lessons 03 and 08 shard through shard_model
+    return shard_model(build(), api=api, block_class=block(), policy="block", device=CPU), "t5-tiny"
+
+
+def _l04(api):
+    lesson = lesson_module("04")
+    if api == "fsdp2":
+        model = build()
+        lesson.prefetch_ahead(lesson.shard_blocks(model, block()), 2)
+        return model, "t5-tiny"
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    return lesson.wrap_fsdp1(build(), block(), CPU, BackwardPrefetch.BACKWARD_PRE, True), "t5-tiny"
+
+
+def _l06(api):
+    lesson = lesson_module("06")
+    mesh = lesson.hsdp_mesh("cpu", 1, 1)
+    name = {"fsdp2": "fsdp2-hsdp", "fsdp1": "fsdp1-shard-grad-op"}[api]
+    return lesson.wrap(name, build(), block(), CPU, mesh, None), "t5-tiny"
+
+
+def _l06_reshard(api):
+    lesson = lesson_module("06")
+    name = {"fsdp2": "fsdp2-reshard-false", "fsdp1": "fsdp1-hybrid-shard"}[api]
+    return lesson.wrap(name, build(), block(), CPU, lesson.hsdp_mesh("cpu", 1, 1), None), "t5-tiny"
+
+
+def _l07(api):
+    lesson = lesson_module("07")
+    if api == "fsdp2":
+        return lesson.shard_fsdp2(build(), block(), fsdp2_policy("bf16")), "t5-tiny"
+    return lesson.shard_fsdp1(build(), block(), fsdp1_policy("fp16"), CPU), "t5-tiny"
+
+
+def _l09(api):
+    lesson = lesson_module("09")
+    model = build()
+    lesson.freeze(model, lesson.ENCODER)
+    if api == "fsdp2":
+        return lesson.wrap_fsdp2(model, block()), "t5-tiny"
+    return lesson.wrap_fsdp1(model, block(), CPU, use_orig_params=True), "t5-tiny"
+
+
+def _l10(api):
+    lesson = lesson_module("10")
+    from train_config import Config
+
+    cfg = Config(model="llama-tiny", api=api, precision="bf16", activation_checkpointing=True,
+                 ac_every=2, prefetch=2)
+    return lesson.parallelize(build("llama-tiny"), cfg, CPU), "llama-tiny"
+
+
+def _l10_meta(api):
+    """Lesson 10's way with a model too large for one host: built on meta, sharded, then
+    ``to_empty`` and the model's init (FSDP2); FSDP1's ``param_init_fn`` (lesson 01's)."""
+    model = get_model_spec("llama-tiny").build("meta")
+    if api == "fsdp2":
+        from train_config import Config
+
+        lesson_module("10")
+        return lesson_module("10").parallelize(model, Config(model="llama-tiny", precision="fp32"),
+                                                CPU), "llama-tiny"
+    return lesson_module("01").wrap_fsdp1(model, lesson_module("01").block_policy(block("llama-tiny")),
+                                          CPU), "llama-tiny"
+
+
+def _l11(api):
+    lesson = lesson_module("11")
+    if api == "fsdp2":
+        return lesson.wrap_fsdp2(build(), block()), "t5-tiny"
+    return lesson.wrap_fsdp1(build(), block(), CPU, limit_all_gathers=False), "t5-tiny"
+
+
+def _l12(api):
+    lesson = lesson_module("12")
+    return lesson.apply_2d(build("llama-tiny"), lesson.mesh_2d("cpu", 1, 1)), "llama-tiny"
+
+
+def _l13(api):
+    lesson = lesson_module("13")
+    model = build("llama-tiny")
+    lesson.shard(model, block("llama-tiny"), MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    return model, "llama-tiny"
+
+
+def _l14(api):
+    lesson = lesson_module("14")
+    return lesson.shard(build("llama-tiny"), block("llama-tiny"), "full_shard", "bf16", "full"), "llama-tiny"
+
+
+LESSON_WRAPPINGS = {
+    "01": (_l01, ("fsdp2", "fsdp1")), "02": (_l02, ("fsdp2", "fsdp1")),
+    "03-08": (_l03_08, ("fsdp2", "fsdp1")), "04": (_l04, ("fsdp2", "fsdp1")),
+    "06": (_l06, ("fsdp2", "fsdp1")), "06-reshard": (_l06_reshard, ("fsdp2", "fsdp1")),
+    "07": (_l07, ("fsdp2", "fsdp1")), "09": (_l09, ("fsdp2", "fsdp1")),
+    "10": (_l10, ("fsdp2", "fsdp1")), "10-meta": (_l10_meta, ("fsdp2", "fsdp1")),
+    "11": (_l11, ("fsdp2", "fsdp1")), "12": (_l12, ("fsdp2",)), "13": (_l13, ("fsdp2",)),
+    "14": (_l14, ("fsdp2",)),
+}
+CASES = [(lesson, api) for lesson, (_, apis) in LESSON_WRAPPINGS.items() for api in apis]
+
+
+@pytest.mark.parametrize(("lesson", "api"), CASES, ids=[f"{lesson}-{api}" for lesson, api in CASES])
+def test_no_finding_on_a_lessons_own_wrapping(lesson, api):
+    model, name = LESSON_WRAPPINGS[lesson][0](api)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # lesson 09 trains only these
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    assert diagnose(model, optimizer, ids(name)) == []
+
+
+def test_the_readme_way_is_clean_and_says_so():
+    model = shard_model(build("llama-tiny"), api="fsdp2", block_class=block("llama-tiny"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert findings_text(diagnose(model, optimizer)) == "no problems found"
+
+
+# -- each mistake, caught --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
+def test_optimizer_built_before_sharding(api):
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = shard_model(model, api=api, block_class=block(), device=CPU)
+    found = diagnose(model, optimizer)
+    assert checks(found) == ["optimizer-before-sharding"]
+    assert ("DTensors" if api == "fsdp2" else "flat parameters") in found[0].problem
+
+
+@pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
+def test_model_cast_to_bf16_instead_of_a_policy(api):
+    model = shard_model(build().to(torch.bfloat16), api=api, block_class=block(), device=CPU)
+    found = diagnose(model, torch.optim.AdamW(model.parameters()))
+    assert checks(found) == ["low-precision-weights"]
+    assert "bfloat16" in found[0].problem and "master weights" in found[0].why
+
+
+def test_tied_weights_split_fsdp2():
+    model = build()  # t5: shared embedding tied to lm_head
+    fully_shard(model.lm_head)  # the head its own unit: it takes the tied weight away
+    shard_model(model, api="fsdp2", block_class=block())
+    assert checks(diagnose(model)) == ["tie-broken"]
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_tied_weights_split_fsdp1(use_orig_params):
+    policy = ModuleWrapPolicy({block(), nn.Embedding})  # the embeddings units of their own
+    model = FSDP(build(), auto_wrap_policy=policy, device_id=CPU, use_orig_params=use_orig_params)
+    expected = "tied-weights-split" if use_orig_params else "tie-broken"
+    assert expected in checks(diagnose(model))
+
+
+def test_meta_init_leftovers():
+    model = get_model_spec("llama-tiny").build("meta")
+    shard_model(model, api="fsdp2", block_class=block("llama-tiny"))
+    assert checks(diagnose(model)) == ["meta-tensors"]
+    model.to_empty(device="cpu")  # and no init: parameters and buffers hold whatever memory held
+    with torch.no_grad():  # what fresh pages from the OS hold; reused ones hold anything
+        for module in model.modules():
+            for name in ("inv_freq", "original_inv_freq"):
+                if hasattr(module, name):
+                    getattr(module, name).zero_()
+    assert "uninitialised-rotary" in checks(diagnose(model))
+    init_weights(model)  # the fix
+    assert diagnose(model) == []
+
+
+def test_non_finite_parameters_and_buffers():
+    model = shard_model(build("llama-tiny"), api="fsdp2", block_class=block("llama-tiny"))
+    with torch.no_grad():
+        model.model.norm.weight.to_local()[0] = float("nan")
+    assert checks(diagnose(model)) == ["bad-parameter-values"]
+    with torch.no_grad():
+        model.model.norm.weight.to_local()[0] = 1.0
+        model.model.rotary_emb.original_inv_freq[3] = float("nan")
+    assert checks(diagnose(model)) == ["bad-buffer-values"]
+
+
+def test_fsdp1_frozen_and_trainable_in_one_unit():
+    refused = build()
+    refused.shared.weight.requires_grad_(False)  # the root unit: mostly the frozen embedding
+    with pytest.raises(ValueError, match="uniform"):  # without use_orig_params FSDP1 refuses it
+        FSDP(refused, auto_wrap_policy=ModuleWrapPolicy({block()}), device_id=CPU)
+    model = build()
+    model.shared.weight.requires_grad_(False)
+    wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block()}), device_id=CPU,
+                   use_orig_params=True)
+    found = diagnose(wrapped)
+    assert checks(found) == ["fsdp1-frozen-gradients"] and "(root)" in found[0].problem
+
+
+def test_fsdp1_mixed_unit_without_use_orig_params_where_torch_lets_it_through(monkeypatch):
+    model = build()
+    model.shared.weight.requires_grad_(False)
+    wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block()}), device_id=CPU,
+                   use_orig_params=True)
+    monkeypatch.setattr(doctor, "fsdp1_uses_orig_params", lambda unit: False)
+    assert checks(diagnose(wrapped)) == ["fsdp1-mixed-unit"]
+
+
+def test_generate_not_registered():
+    model = shard_model(build(), api="fsdp2", block_class=block())
+    assert diagnose(model) == []  # training: generate is not checked unless named
+    assert checks(diagnose(model, methods=["generate"])) == ["unregistered-method"]
+    model.eval()  # set up to generate: checked
+    found = diagnose(model)
+    assert checks(found) == ["unregistered-method"] and "model.generate" in found[0].problem
+    with pytest.raises(RuntimeError):  # what the user meets: mixed torch.Tensor and DTensor
+        model.generate(input_ids=ids()["input_ids"], max_new_tokens=2)
+    register_fsdp_forward_method(model, "generate")  # the fix
+    assert diagnose(model) == []
+    assert model.generate(input_ids=ids()["input_ids"], max_new_tokens=2).shape[0] == 2
+
+
+@pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
+def test_whole_model_in_the_root_unit(api):
+    model = shard_model(build(), api=api, block_class=block(), policy="whole", device=CPU)
+    found = diagnose(model)
+    assert checks(found) == ["root-holds-most"]
+    assert "100%" in found[0].problem and "4 T5Block blocks" in found[0].problem
+
+
+def test_parameters_outside_every_unit():
+    model = build("llama-tiny")
+    for layer in model.model.layers:
+        fully_shard(layer)  # and no fully_shard(model): embeddings, norm and head are left out
+    found = checks(diagnose(model))
+    assert found == ["unmanaged-parameters"]
+
+
+def test_a_unit_far_larger_than_the_others():
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)), nn.Linear(256, 16),
+                          nn.Linear(16, 16))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    found = diagnose(model)
+    assert checks(found) == ["uneven-units"] and "'4'" not in found[0].problem
+    assert "the largest, 4," in found[0].problem
+
+
+def test_no_mixed_precision_on_a_gpu_with_bf16(monkeypatch):
+    monkeypatch.setattr(doctor, "_bf16_gpu", lambda model: "NVIDIA H100 80GB HBM3")
+    plain = shard_model(build(), api="fsdp2", block_class=block())
+    assert checks(diagnose(plain)) == ["no-mixed-precision"]
+    with_policy = shard_model(build(), api="fsdp2", block_class=block(), mp_policy=fsdp2_policy("bf16"))
+    assert diagnose(with_policy) == []
+    fsdp1 = shard_model(build(), api="fsdp1", block_class=block(), device=CPU)
+    assert checks(diagnose(fsdp1)) == ["no-mixed-precision"]
+    fsdp1_bf16 = shard_model(build(), api="fsdp1", block_class=block(), device=CPU,
+                             mixed_precision=fsdp1_policy("bf16"))
+    assert diagnose(fsdp1_bf16) == []
+
+
+def test_the_batch():
+    model = shard_model(build("llama-tiny"), api="fsdp2", block_class=block("llama-tiny"))
+    assert checks(diagnose(model, batch={"input_ids": torch.full((2, 4), 999)})) == ["token-ids"]
+    assert checks(diagnose(model, batch=[torch.zeros(2, 4, device="meta")])) == ["batch-device"]
+
+
+def test_an_unsharded_model_is_said_to_be_one():
+    assert checks(diagnose(build())) == ["not-sharded"]
+
+
+def test_every_finding_prints_in_80_columns():
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model = shard_model(model.to(torch.bfloat16), api="fsdp2", block_class=block(), policy="whole")
+    model.eval()
+    findings = diagnose(model, optimizer, {"input_ids": torch.full((1, 2), 10**6)})
+    assert len(findings) >= 4
+    for finding in findings:
+        text = str(finding)
+        assert all(len(line) <= COLUMNS for line in text.splitlines()), text
+        assert finding.line.count("\n") == 0 and "Fix: " in finding.line
+
+
+# -- fsdp-course doctor ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
+def test_cli_on_a_course_model(api):
+    proc = cli_here("doctor", "--model", "t5-tiny", "--api", api)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "no problems found"
+
+
+def test_cli_on_a_config_file(tmp_path):
+    config = get_model_spec("llama-tiny").config().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = cli_here("doctor", "--model", str(tmp_path))
+    assert proc.returncode == 0 and "no problems found" in proc.stdout, proc.stderr
+
+
+def test_cli_finding_lines():
+    proc = cli_here("doctor", "--model", "llama-tiny", "--policy", "whole")
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[1].startswith("root-holds-most: ")
+    assert all(len(line) <= COLUMNS for line in proc.stdout.splitlines())
+
+
+@pytest.mark.parametrize("args", [("--model", "gpt-17"), ("--api", "fsdp3"), ("--policy", "layers"),
+                                  ("--api", "fsdp2", "--policy", "size"), ("--bogus",)])
+def test_cli_bad_input_is_one_line(args):
+    proc = cli_here("doctor", *args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: ")
+
+
+def test_cli_help_names_every_flag():
+    proc = cli_here("doctor", "--help")
+    assert proc.returncode == 0
+    for flag in ("--model", "--api", "--policy"):
+        assert flag in proc.stdout
+    assert "    for finding in diagnose(model, optimizer):" in proc.stdout
+
+
+def test_registration_is_not_guessed_on_an_unchecked_torch(monkeypatch):
+    from utilities import torch_internals
+
+    model = shard_model(build(), api="fsdp2", block_class=block())
+    assert torch_internals.fsdp2_forward_method_registered(model, "generate") is False
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    assert torch_internals.fsdp2_forward_method_registered(model, "generate") is None
+    assert diagnose(model, methods=["generate"]) == []  # cannot tell: nothing said
