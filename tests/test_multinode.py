@@ -67,8 +67,8 @@ def test_the_readmes_multinode_command_runs_as_two_agents_on_one_machine(tmp_pat
 
 
 def test_hsdp_on_two_nodes_shards_within_a_node_and_trains_as_full_shard(tmp_path):
-    argv = torchrun_argv(f"torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "
-                         f"$HEAD_NODE:29500 --rdzv-id hsdp lessons/06_sharding_strategies/"
+    argv = torchrun_argv("torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "
+                         "$HEAD_NODE:29500 --rdzv-id hsdp lessons/06_sharding_strategies/"
                          "sharding_strategies.py", free_port())
     r = two_agents([*argv, "--device", "cpu", "--quick", "--variants", "fsdp2-reshard-true,fsdp2-hsdp",
                     "--replicate", "2", "--out", str(tmp_path)], tmp_path)
