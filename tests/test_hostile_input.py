@@ -97,6 +97,28 @@ def test_plan_refuses_a_deep_or_huge_config_in_one_line(tmp_path, content):
     assert ("nested deeper" if content == "deep" else "more than the") in proc.stderr
 
 
+@pytest.mark.parametrize("content", ["deep", "sparse"])
+def test_plan_refuses_a_deep_or_huge_calibration_file_in_one_line(tmp_path, content):
+    path = tmp_path / "calibration.json"
+    if content == "deep":
+        path.write_text('{"efficiencies": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    else:
+        with open(path, "wb") as f:
+            f.truncate(64 * 2**30)
+    proc = cli_here("plan", "--model", "llama-tiny", "--calibration", str(path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: --calibration") and proc.stderr.strip().count("\n") == 0
+    assert ("nested deeper" if content == "deep" else "more than the") in proc.stderr
+
+
+def test_an_evidence_manifest_too_deep_is_one_line(tmp_path):
+    from utilities.course.evidence import Manifest
+
+    (tmp_path / "manifest.json").write_text('{"schema": 2, "steps": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(UsageError, match="not an evidence manifest"):
+        Manifest.read(tmp_path / "manifest.json")
+
+
 def test_a_deep_results_file_is_one_line(tmp_path, monkeypatch, capsys):
     from utilities.course import readme_tables
     from utilities.measure.results import load

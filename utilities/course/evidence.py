@@ -45,6 +45,7 @@ from pathlib import Path
 
 from utilities.course.catalog import LESSONS, REPO_ROOT
 from utilities.errors import UsageError, bad_value
+from utilities.json_input import read_json
 
 CHUNK_MINUTES = 8.0
 SCHEMA = 2
@@ -110,12 +111,12 @@ class Manifest:
         if not path.is_file():
             return None
         try:
-            data = json.loads(path.read_text())
+            data = read_json(path)
             if data.get("schema") != SCHEMA:
                 return None
             return cls(folder=str(data["folder"]), chunks=list(data.get("chunks", [])),
                        steps={name: Record(**record) for name, record in data.get("steps", {}).items()})
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        except (UsageError, ValueError, TypeError, KeyError, AttributeError):
             raise UsageError(f"{str(path)!r} is not allowed: not an evidence manifest; allowed: the "
                              "manifest.json `fsdp-course evidence` writes") from None
 

@@ -102,12 +102,17 @@ def calibrate(gpu_name: str | None, out: str | Path, device: torch.device | None
 
 def load_efficiencies(path: str | Path):
     """The step-time model's efficiencies with a calibration file's measured ones in place."""
+    from utilities.json_input import read_json
     from utilities.measure.step_time import CALIBRATED, with_efficiencies
 
     try:
-        data = json.loads(Path(path).read_text())
+        data = read_json(path)
+    except UsageError as e:
+        raise UsageError(f"--calibration {str(path)!r} is not allowed: {e}; allowed: a file "
+                         "`fsdp-course plan --calibrate` wrote") from None
+    try:
         values = {k: float(data["efficiencies"][k]) for k in ("matmul", "attention", "memory")}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"--calibration {str(path)!r} is not allowed: not a calibration file "
                          f"({type(e).__name__}); allowed: a file `fsdp-course plan --calibrate` "
                          "wrote") from None
