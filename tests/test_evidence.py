@@ -270,3 +270,25 @@ def test_the_paste_line_is_documented_where_a_gpu_user_looks():
     proc = subprocess.run([sys.executable, "-m", "utilities", "evidence", "--help"], cwd=REPO,
                           capture_output=True, text=True)
     assert proc.returncode == 0 and "--unpack" in proc.stdout and "--minutes" in proc.stdout
+
+
+def test_a_steps_version_is_the_code_it_imports_and_nothing_else(tmp_path, monkeypatch):
+    """A step's version follows its files' imports at any depth (function-level ones too), from the
+    script's own folder and the repository root; a module it never imports cannot make it stale."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "used.py").write_text("X = 1\n")
+    (tmp_path / "pkg" / "unused.py").write_text("Y = 1\n")
+    (tmp_path / "lesson").mkdir()
+    (tmp_path / "lesson" / "helper.py").write_text("def f():\n    from pkg import used\n")
+    (tmp_path / "lesson" / "script.py").write_text("import helper\n")
+    (tmp_path / "cli.py").write_text("import pkg\n\ndef other():\n    from pkg import unused\n")
+    monkeypatch.setattr(E, "SHALLOW", frozenset({"cli.py"}))
+    step = E.Step("s", 1.0, ("x",), "s", inputs=("lesson/*.py", "cli.py"))
+    files = {p.relative_to(tmp_path).as_posix() for p in E.code_files(step.inputs, tmp_path)}
+    assert files == {"cli.py", "lesson/script.py", "lesson/helper.py", "pkg/__init__.py", "pkg/used.py"}
+    before = E.version_of(step, tmp_path)
+    (tmp_path / "pkg" / "unused.py").write_text("Y = 2\n")
+    assert E.version_of(step, tmp_path) == before
+    (tmp_path / "pkg" / "used.py").write_text("X = 2\n")
+    assert E.version_of(step, tmp_path) != before

@@ -3,9 +3,9 @@
 A GPU is often lent for minutes (a borrowed cloud GPU, a cluster job with a wall-clock limit).
 ``--minutes M`` (default 8) runs the most valuable steps that fit in M minutes and have no result yet
 for this version of their code in the evidence folder (``--into``); the next slot takes the following
-ones, until the folder is complete. A step's version is a hash of the files it runs (the library, the
-harness, and its own lesson, test or benchmark files), so a later slot neither redoes what is still
-valid nor trusts what a code change made stale. Each step runs as its own process group from the
+ones, until the folder is complete. A step's version is a hash of the files it runs (the harness, its
+own lesson, test or benchmark files, and every repository module those import), so a later slot
+neither redoes what is still valid nor trusts what a code change made stale. Each step runs as its own process group from the
 repository root; its output lands in ``STEP.log``, the files it is kept for (a lesson's
 results.json, a benchmark's JSON, a JUnit file) under ``STEP/``, and its status, wall time and
 version in ``manifest.json``. A step that needs a package this machine lacks is left for a machine
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
+import functools
 import hashlib
 import importlib.util
 import io
@@ -56,12 +57,13 @@ KEPT_FILE_LIMIT_BYTES = 4 * 2**20
 GPU_BLOCK = re.compile(r"(<!-- gpu-results:(\d\d)[^\n]*-->\n)(.*?)(<!-- /gpu-results -->)", re.S)
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
-# What every step runs: the library and the harness that launches a lesson.
-LIBRARY = ("utilities/*.py", "utilities/measure/*.py", "utilities/course/catalog.py",
-           "utilities/course/launch.py", "utilities/course/lesson.py", "utilities/course/torchrun.py",
-           "utilities/course/cli.py")
+# What every lesson run goes through: the command, the launcher and the harness (each followed to
+# every repository module it imports), and the planner the launcher asks before ranks share a GPU.
+HARNESS = ("utilities/__main__.py", "utilities/course/cli.py", "utilities/course/launch.py",
+           "utilities/course/torchrun.py", "utilities/course/lesson.py", "utilities/measure/planner.py")
+# Followed only through their module-level imports: the command's lazy imports serve other commands.
+SHALLOW = frozenset({"utilities/course/cli.py"})
 GPU_TESTS = ("tests/conftest.py", "tests/gpu_cases.py", "tests/test_shared_gpu_cpu.py")
-BENCHMARKS = ("benchmarks/*.py",)
 
 # Done: a result for this version. "skipped": every test the step ran skipped itself (the reason is in
 # its log); "too-long": killed after it had a whole chunk to itself.
@@ -72,15 +74,16 @@ DONE = ("ok", "failed", "skipped", "too-long")
 class Step:
     """One thing to measure: its name (``--only``), the minutes it is estimated to take on one H100,
     the command (argv from the repository root; ``{out}`` is the step's folder in the evidence,
-    ``{scratch}`` an empty folder deleted afterwards), what it shows, the files whose content is its
-    version (globs from the repository root), the files under ``{scratch}`` worth keeping, and the
-    Python modules it cannot run without."""
+    ``{scratch}`` an empty folder deleted afterwards), what it shows, the files it runs (globs from
+    the repository root; its version is the content of these and of every repository module they
+    import, ``code_files``), the files under ``{scratch}`` worth keeping, and the Python modules it
+    cannot run without."""
 
     name: str
     minutes: float
     command: tuple[str, ...]
     what: str
-    inputs: tuple[str, ...] = LIBRARY
+    inputs: tuple[str, ...] = HARNESS
     keep: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
 
@@ -154,14 +157,17 @@ def gpu_steps(python: str = sys.executable) -> list[Step]:
     FSDP2 ratio, the FP8 layer, the calibration, then every lesson at its GPU size for the READMEs."""
     course = (python, "-m", "utilities")
 
-    def pytest_step(name, minutes, node, what, extra=(), needs=()):
+    def lesson_files(*numbers):
+        return HARNESS + tuple(f"lessons/{LESSONS[n].folder}/*.py" for n in numbers if n in LESSONS)
+
+    def pytest_step(name, minutes, node, what, lessons=(), extra=(), needs=()):
         file = node.split("::")[0]
         return Step(name, minutes, (python, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "-p",
                                     "no:cacheprovider", node, *extra, "--junitxml", "{out}/junit.xml"),
-                    what, LIBRARY + GPU_TESTS + (file, "lessons/*/*.py"), needs=needs)
+                    what, lesson_files(*lessons) + GPU_TESTS + (file,), needs=needs)
 
-    def lesson_files(number):
-        return LIBRARY + (f"lessons/{LESSONS[number].folder}/*.py",)
+    def bench_files(*lessons):
+        return lesson_files(*lessons) + ("benchmarks/run_all.py", "benchmarks/report.py")
 
     ready = [n for n, info in LESSONS.items() if info.ready]
     quick_minutes = {"02": 0.8, "05": 0.8, "10": 0.8, "13": 1.5}
@@ -171,27 +177,29 @@ def gpu_steps(python: str = sys.executable) -> list[Step]:
              for n in ready]
     smoke = "tests/gpu/test_gpu_smoke.py"
     steps += [pytest_step(f"claim-{cid}", 1.0, f"{smoke}::test_gpu_claim[{cid}]",
-                          f"GPU claim {cid} (its CPU twin is in the suite)") for cid in claim_ids()]
+                          f"GPU claim {cid} (its CPU twin is in the suite)", lessons=(cid[:2],))
+              for cid in claim_ids()]
     steps.append(pytest_step("gpu-readiness", 0.4, smoke, "Memory_Maximizer and bf16_ready on a real GPU",
                              extra=("-k", "not test_gpu_claim")))
     shared = "tests/gpu/test_shared_gpu.py"
-    steps += [pytest_step(name, 1.0, f"{shared}::{node}", f"ranks sharing the GPU: {node.split('[')[0][5:]}")
-              for name, node in SHARED_GPU_TESTS.items()]
+    steps += [pytest_step(name, 1.0, f"{shared}::{node}", f"ranks sharing the GPU: {node.split('[')[0][5:]}",
+                          lessons=(name[7:9],)) for name, node in SHARED_GPU_TESTS.items()]
     bench = (python, "benchmarks/run_all.py", "--device", "cuda", "--no-report", "--results-dir", "{out}",
              "--work-dir", "{scratch}", "--only")
     steps.append(Step("bench-end-to-end", 4.0, (*bench, "end_to_end"),
-                      "the plain-loop reference and FSDP2's ratio to it, MFU", LIBRARY + BENCHMARKS
-                      + ("lessons/10_end_to_end/*.py",)))
+                      "the plain-loop reference and FSDP2's ratio to it, MFU",
+                      bench_files("10") + ("benchmarks/end_to_end.py", "benchmarks/reference.py")))
     steps.append(Step("bench-layer", 1.5, (*bench, "layer"), "one layer: eager, compiled, FP8",
-                      LIBRARY + BENCHMARKS))
+                      bench_files("13") + ("benchmarks/layer.py",)))
     steps.append(pytest_step("fp8", 1.5, "tests/gpu/test_fp8_smoke.py", "FP8 + compile (lesson 13)",
-                             needs=("torchao",)))
+                             lessons=("13",), needs=("torchao",)))
     steps.append(Step("calibrate", 0.5, (*course, "plan", "--calibrate", "--calibration",
                                          "{out}/calibration.json"),
-                      "the time model's efficiencies measured on this GPU"))
+                      "the time model's efficiencies measured on this GPU",
+                      HARNESS + ("utilities/measure/calibrate.py",)))
     steps.append(Step("bench-memory-maximizer", 2.0, (*bench, "memory_maximizer"),
-                      "batch search with and without cudaMalloc retries", LIBRARY + BENCHMARKS
-                      + ("lessons/05_memory_maximizer/*.py",)))
+                      "batch search with and without cudaMalloc retries",
+                      bench_files("05") + ("benchmarks/memory_maximizer.py",)))
     long_runs = {"02": "its batch search is long", "05": "its batch search is long",
                  "10": "a full training run is long"}
     full_minutes = {"01": 0.8, "02": 1.0, "03": 0.6, "04": 1.0, "05": 1.0, "06": 0.8, "07": 1.0,
@@ -217,11 +225,65 @@ def select(steps: list[Step], only: list[str] | None) -> list[Step]:
 
 
 # -- versions, estimates and the chunk --------------------------------------------------------------
+def _imported(path: Path, shallow: bool) -> list[tuple[str, int]]:
+    """The modules a file imports (name, relative level): every import statement, or with
+    ``shallow`` only those outside functions."""
+    stat = path.stat()
+    return _imported_by_content(path, stat.st_mtime_ns, stat.st_size, shallow)
+
+
+@functools.cache
+def _imported_by_content(path: Path, mtime_ns: int, size: int, shallow: bool) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes, found = list(tree.body), []
+    while nodes:
+        node = nodes.pop()
+        if shallow and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.Import):
+            found += [(alias.name, 0) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            found.append((base, node.level))
+            found += [(f"{base}.{alias.name}" if base else alias.name, node.level) for alias in node.names]
+        nodes.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _module_files(name: str, level: int, here: Path, root: Path) -> list[Path]:
+    """The repository files that importing ``name`` from a file in ``here`` runs: the module (from
+    the file's own folder first, as a script's imports are found) and its packages' __init__.py."""
+    parts = [p for p in name.split(".") if p]
+    bases = [here.parents[level - 2] if level > 1 else here] if level else [here, root]
+    for base in bases:
+        for candidate in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):
+            if parts and candidate.is_file():
+                packages = [base.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts))]
+                return [candidate, *(p for p in packages if p.is_file())]
+    return []
+
+
+def code_files(patterns: Iterable[str], root: Path = REPO_ROOT) -> list[Path]:
+    """The files matching ``patterns`` and every repository module they import, at any depth (a
+    file in ``SHALLOW`` through its module-level imports only)."""
+    todo = sorted({p for pattern in patterns for p in root.glob(pattern)
+                   if p.suffix == ".py" and p.is_file()})
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        shallow = path.relative_to(root).as_posix() in SHALLOW
+        for name, level in _imported(path, shallow):
+            todo += [f for f in _module_files(name, level, path.parent, root) if f not in seen]
+    return sorted(seen)
+
+
 def version_of(step: Step, root: Path = REPO_ROOT) -> str:
-    """A hash of the content of the files the step runs (sorted paths and their bytes)."""
+    """A hash of the content of the files the step runs (``code_files``: sorted paths and bytes)."""
     digest = hashlib.sha256()
-    paths = sorted({p for pattern in step.inputs for p in root.glob(pattern) if p.is_file()})
-    for path in paths:
+    for path in code_files(step.inputs, root):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
