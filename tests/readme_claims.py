@@ -44,6 +44,11 @@ CLAIMS: dict[str, Callable[[Row], dict[str, Any]]] = {
                   "replicated_weight_bytes_per_rank"),
     "13": _picked("compiled_blocks", "parameters"),
     "14": lambda v: {"planned": v["predicted_peak_bytes"]},
+    # each failure's pair, and the byte and collective counts its shapes fix
+    "15": _picked("symptom_shown", "fix_works", "mistake_weight_copies", "fix_weight_copies",
+                  "unsharded_gradient_bytes", "mistake_peak_gradient_bytes", "fix_peak_gradient_bytes",
+                  "mistake_reduce_scatters", "fix_reduce_scatters", "mistake_all_gathers",
+                  "fix_all_gathers", "trainable_gradient_bytes_per_rank", "frozen_gradient_bytes_per_rank"),
 }
 PEAK_PARTS = ("total_without_all_gather", "parameters", "optimizer", "activations")
 # The parts of the peak a lesson's quick run reproduces of its committed run (default: all of

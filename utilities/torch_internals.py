@@ -78,6 +78,17 @@ def fsdp2_state(module: nn.Module) -> Any:
         raise _unsupported("reading FSDP2's state", "FSDPModule._get_fsdp_state") from None
 
 
+def fsdp_forward_method_registrar() -> Any:
+    """``register_fsdp_forward_method`` (``torch.distributed.fsdp``, torch 2.6 to 2.14); a torch
+    without it is refused in one line."""
+    try:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+    except ImportError:
+        raise _unsupported("a method other than forward under FSDP2",
+                           "torch.distributed.fsdp.register_fsdp_forward_method") from None
+    return register_fsdp_forward_method
+
+
 # -- FSDP1 -----------------------------------------------------------------------------------------
 
 def fsdp1_flat_param(unit: nn.Module) -> torch.Tensor | None:

@@ -120,6 +120,10 @@ LESSONS: dict[str, LessonInfo] = {
                    "memory_planner.py", one_gpu_nproc=2,
                    run=Run(gpu_model="llama-1b", gpu_batch_size=2, steps=4, quick_steps=3,
                            batch_size=4)),
+        LessonInfo("15", "15_when_fsdp_goes_wrong", "when FSDP goes wrong", "when_fsdp_goes_wrong.py",
+                   "allocated vs reserved memory and NCCL timeouts show only on GPUs", one_gpu_nproc=2,
+                   run=Run(gpu_model="llama-tiny", gpu_batch_size=4, cpu_model="llama-tiny",
+                           steps=1, quick_steps=1, batch_size=4)),
     )
 }
 

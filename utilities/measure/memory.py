@@ -91,6 +91,13 @@ class MemoryProbe:
             self._tracker.__enter__()
         return self
 
+    def next_iteration(self) -> None:
+        """Between two forward/backward passes inside one probe (micro-batches): the trackers
+        refuse a module's second forward until its per-module statistics are cleared; the peak
+        over both passes is kept."""
+        if self._tracker is not None:
+            self._tracker.reset_mod_stats()
+
     def __exit__(self, *exc) -> None:
         if self._tracker is not None:
             try:

@@ -1,0 +1,87 @@
+"""Lesson 15: each FSDP failure's mistake still shows its measured symptom, and its fix removes it
+(a torch release that fixes or changes a failure fails here, and the README must follow)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_documented_keys, assert_help_lists, flag_error, notebook_results, variant
+
+PAIRS = ("optimizer-before-shard", "bf16-weights", "grad-accumulation", "tied-weights",
+         "meta-init-buffers", "frozen-fsdp1", "reshard-after-forward", "skipped-collective",
+         "hand-clipping", "optimizer-state", "non-forward-method", "memory-vs-rss")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return notebook_results("15", tmp_path_factory)  # the notebook runs `fsdp-course run 15 --quick`
+
+
+def test_results_have_the_documented_keys(results):
+    assert_documented_keys(results, "15")
+    assert [v["name"] for v in results["variants"]] == list(PAIRS)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_the_mistake_shows_its_symptom_and_the_fix_removes_it(results, name):
+    v = variant(results, name)
+    assert v["symptom_shown"] is True, v
+    assert v["fix_works"] is True, v
+
+
+def test_an_optimizer_built_before_sharding_never_moves_the_model(results):
+    v = variant(results, "optimizer-before-shard")
+    losses = v["mistake_losses"]  # 4 batches in turn: the same batch, the same weights, the same loss
+    assert len(losses) > 4 and losses[4:] == losses[: len(losses) - 4]
+    assert v["fix_losses"][-1] < v["fix_losses"][0] - 0.3
+
+
+def test_bf16_weights_lose_updates_that_fp32_weights_keep(results):
+    v = variant(results, "bf16-weights")
+    assert (v["mistake_param_dtype"], v["fix_param_dtype"]) == ("bfloat16", "float32")
+    assert v["mistake_unchanged_fraction"] > 0.3 and v["fix_unchanged_fraction"] < 0.05
+    assert v["mistake_final_loss"] > 1.25 * v["fix_final_loss"]
+
+
+def test_no_sync_holds_unsharded_gradients_and_syncing_costs_reduce_scatters(results):
+    v = variant(results, "grad-accumulation")
+    assert v["mistake_peak_gradient_bytes"] == v["unsharded_gradient_bytes"]
+    assert v["fix_peak_gradient_bytes"] * 2 == v["unsharded_gradient_bytes"]  # sharded over 2 ranks
+    assert v["fix_reduce_scatters"] == v["micro_batches"] * v["mistake_reduce_scatters"]
+    assert v["same_update_max_abs_diff"] < 1e-5
+
+
+def test_the_hang_ends_at_the_timeout_and_detail_names_both_collectives(results):
+    v = variant(results, "skipped-collective")
+    assert v["mistake_seconds"] >= 0.8 * v["timeout_s"] and v["mistake_error_rank0"]
+    assert "_ALLGATHER_BASE" in v["detail_names"] and "ALLREDUCE" in v["detail_names"]
+    assert v["detail_seconds"] < v["timeout_s"] / 2
+    assert v["fix_error_rank0"] is None
+
+
+def test_hand_clipping_sees_a_shard_and_each_rank_another(results):
+    v = variant(results, "hand-clipping")
+    a, b = v["mistake_norms_per_rank"]
+    assert a != b and max(a, b) < v["reference_norm"]
+    assert v["fsdp1_plain_max_rel_error"] > 0.05 and v["fsdp1_method_max_rel_error"] < 1e-4
+
+
+def test_the_fixed_resume_is_exact(results):
+    v = variant(results, "optimizer-state")
+    assert v["fix_max_abs_loss_diff"] == 0.0
+    assert v["mistake_error"] is not None or v["mistake_max_abs_loss_diff"] > 1e-4
+
+
+def test_readme_table_is_reproduced_by_the_quick_run(results):
+    from conftest import assert_readme_table_is_reproduced
+
+    assert_readme_table_is_reproduced("15", results)
+
+
+def test_bad_flags_are_one_line():
+    assert "--hang-timeout" in flag_error("15", "--hang-timeout", "0")
+    assert "--variants" in flag_error("15", "--variants", "no-such-failure")
+
+
+def test_lesson_help_explains_every_flag():
+    assert_help_lists("15", ("--variants", "--bf16-steps", "--bf16-lr", "--micro-batches",
+                             "--hang-timeout", "--fail-steps"))
