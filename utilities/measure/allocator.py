@@ -138,9 +138,10 @@ class CachingAllocator:
 def reserved_peak(before: list[tuple[str, int, int]], step: list[tuple[str, int, int]],
                   steps: int = 2) -> dict[str, int]:
     """Replay a step through ``CachingAllocator``: ``before`` (``("alloc", key, bytes)`` /
-    ``("free", key, 0)``) is what the rank holds when the step starts, ``step`` the step, replayed ``steps`` times; what a step leaves allocated (its gradients) is freed before
-    the next, as ``zero_grad(set_to_none=True)`` does, and stays cached. The allocated and
-    reserved peaks, the first step's reserved peak, and the segments taken."""
+    ``("free", key, 0)``) is what the rank holds when the step starts, ``step`` the step,
+    replayed ``steps`` times; what a step leaves allocated (its gradients) is freed before the
+    next, as ``zero_grad(set_to_none=True)`` does, and stays cached. The allocated and reserved
+    peaks, the first step's reserved peak, and the segments taken."""
     a = CachingAllocator()
     held: dict[int, int] = {}
     for kind, key, nbytes in before:

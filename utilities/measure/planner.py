@@ -194,9 +194,8 @@ def _prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devi
         apply_op_selective_checkpointing,
         block_units,
     )
-    from utilities.precision import fsdp2_policy
-
     from utilities.measure.plan_options import apply_to_model, shard_kwargs
+    from utilities.precision import fsdp2_policy
 
     options = options or PlanOptions()
     model = spec.build(device="meta")
@@ -243,7 +242,7 @@ def _train_step_tracked(model, batch, device: torch.device, options: PlanOptions
     from utilities.distributed import T5_POSITION_BIAS_VIEW
     from utilities.measure.allocator import EventRecorder
     from utilities.measure.memory import TrackerHooks, census
-    from utilities.measure.plan_options import accumulate, trainable_parameters, traced_micro_batches
+    from utilities.measure.plan_options import accumulate, traced_micro_batches, trainable_parameters
     from utilities.torch_internals import fsdp_mem_tracker
 
     options = options or PlanOptions()
@@ -410,8 +409,8 @@ def _offload(cats: dict[str, int], detail: dict[str, int], states: dict[str, int
                  "the optimizer steps on the host")
     host = {"per_rank_bytes": per_rank, "ranks_per_node": ranks, "per_node_bytes": per_node,
             "host_memory_bytes": o.host_memory_bytes,
-            "host_memory_source": (HOST_MEMORY_SOURCE if o.host_memory_bytes == PlanOptions().host_memory_bytes
-                                   else "--host-memory"),
+            "host_memory_source": (HOST_MEMORY_SOURCE if o.host_memory_bytes
+                                   == PlanOptions().host_memory_bytes else "--host-memory"),
             "fits": per_node <= o.host_memory_bytes}
     return host, set(OFFLOADED)
 
