@@ -596,8 +596,9 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
     """
     def run(b: int) -> Plan:
         try:
+            extra = {} if options is None else {"options": options}
             return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
-                        shard_size, options=options)
+                        shard_size, **extra)
         except TooManyTokens as e:  # batch 1 is refused; a larger batch does not fit
             if b == 1:
                 raise
