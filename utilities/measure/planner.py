@@ -36,6 +36,13 @@ import torch
 
 from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.measure import categorize, fmt_bytes
+from utilities.measure.plan_options import (
+    BF16_ACCURACY_NOTE,
+    HOST_MEMORY_SOURCE,
+    PlanOptions,
+    as_options,
+    check_options,
+)
 from utilities.models import get_model_spec
 from utilities.text import rate_text, wrap_lines
 from utilities.torch_internals import global_peak_only
@@ -96,19 +103,20 @@ def resolve_gpu_memory(text: str) -> tuple[int, str]:
     return nbytes, f"{text.strip()} as given" + (f" ({unit} bytes per G)" if unit else "")
 
 
-def parse_memory(text: str) -> int:
+def parse_memory(text: str, flag: str = "--gpu-memory") -> int:
     """Bytes from "80GB" (10**9), "80GiB" (2**30), "24e9B"; one-line error otherwise. A bare
     number is refused: "80" would plan for 80 bytes, never what anyone means."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS or not unit:
-        raise bad_value("--gpu-memory", text, "a GPU name or a size with its unit, such as 80GB, "
+        raise bad_value(flag, text, ("a GPU name or " if flag == "--gpu-memory" else "")
+                        + "a size with its unit, such as 80GB, "
                         "80GiB, 24e9B (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     value = float(m.group(1)) * _UNITS[unit]
     if not math.isfinite(value):  # 1e999
-        raise bad_value("--gpu-memory", text, "finite sizes")
+        raise bad_value(flag, text, "finite sizes")
     if value < 1:
-        raise bad_value("--gpu-memory", text, "sizes > 0")
+        raise bad_value(flag, text, "sizes > 0")
     return int(value)
 
 
@@ -142,6 +150,12 @@ class Plan:
     # what the plan's reader must know first: sizes a config file left to transformers' defaults,
     # a sequence past the model's context
     warnings: list[str] = field(default_factory=list)
+    # the options beyond strategy/precision/AC/batch (utilities.measure.plan_options.PlanOptions)
+    options: dict[str, Any] = field(default_factory=dict)
+    # --offload: the host memory per node the offloaded state takes, and whether it fits
+    host: dict[str, Any] | None = None
+    # the caching allocator's peak beside the tracker's (utilities.measure.allocator)
+    reserved: dict[str, int] | None = None
 
     @property
     def theory(self) -> dict[str, dict[str, int]]:
@@ -169,8 +183,10 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
-def _prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, device: torch.device):
-    """Build on meta, checkpoint, shard per block, then materialize as fake tensors on ``device``."""
+def _prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, device: torch.device,
+             options: PlanOptions | None = None):
+    """Build on meta, apply the options (bf16 storage, freezing, adapters), checkpoint, shard per
+    block, then materialize as fake tensors on ``device``."""
     from torch.distributed.fsdp import fully_shard
 
     from utilities.activation_checkpointing import (
@@ -178,16 +194,18 @@ def _prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devi
         apply_op_selective_checkpointing,
         block_units,
     )
+    from utilities.measure.plan_options import apply_to_model, shard_kwargs
     from utilities.precision import fsdp2_policy
 
+    options = options or PlanOptions()
     model = spec.build(device="meta")
     block = spec.block_class()
+    apply_to_model(model, [m for m in model.modules() if isinstance(m, block)], options)
     if ac == "selective":
         apply_op_selective_checkpointing(model, block)
     elif ac != "none":
         apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
-    opts = dict(mesh=mesh, reshard_after_forward=strategy != "shard_grad_op",
-                mp_policy=fsdp2_policy(precision))
+    opts = dict(mesh=mesh, mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))
     for unit in block_units(model, block):
         fully_shard(unit, **opts)
     fully_shard(model, **opts)
@@ -210,7 +228,8 @@ def adamw_foreach(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _train_step_tracked(model, batch, device: torch.device) -> tuple[dict[str, int], dict[str, int]]:
+def _train_step_tracked(model, batch, device: torch.device, options: PlanOptions | None = None
+                        ) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
     """One training step under ``FSDPMemTracker`` with the optimizer state already in place (the
     steady state ``train()`` measures on its second step), and what the rank holds after it.
 
@@ -221,29 +240,51 @@ def _train_step_tracked(model, batch, device: torch.device) -> tuple[dict[str, i
     FakeTensorMode, which the tracker books as optimizer state (3 full-size fp32 tensors of the
     largest weight)."""
     from utilities.distributed import T5_POSITION_BIAS_VIEW
+    from utilities.measure.allocator import EventRecorder
     from utilities.measure.memory import TrackerHooks, census
+    from utilities.measure.plan_options import accumulate, traced_micro_batches, trainable_parameters
     from utilities.torch_internals import fsdp_mem_tracker
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=adamw_foreach(device))
-    for p in model.parameters():
+    options = options or PlanOptions()
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=adamw_foreach(device))
+    for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     tracker = global_peak_only(fsdp_mem_tracker()(model, optimizer))
+    recorder = EventRecorder(tracker, device.type)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None")
         warnings.filterwarnings("ignore", message=T5_POSITION_BIAS_VIEW)
         with TrackerHooks(), tracker:  # the hooks go, so the fake model can be collected
+            start = len(recorder.events)
             optimizer.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
+            accumulate(model, batch, options, traced_micro_batches(options), tracker.reset_mod_stats)
             optimizer.step()
     held = census(model, optimizer)
     states = {k: int(held[k]) for k in ("parameters", "gradients", "optimizer")}
+    extra = {"recorder": recorder, "start": start, "largest_unit_shard": _largest_unit_shard(model)}
     snaps = tracker.get_tracker_snapshot("peak")
     for dev, snap in snaps.items():
         if torch.device(dev).type == device.type:
-            return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}, states
-    return {}, states
+            return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}, states, extra
+    return {}, states, extra
+
+
+def _largest_unit_shard(model) -> int:
+    """Bytes of the largest FSDP unit's parameter shard on this rank (its own parameters)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from utilities.measure.memory import _tensor_bytes
+
+    seen: set[int] = set()
+    largest = 0
+    for m in reversed([m for m in model.modules() if isinstance(m, FSDPModule)]):
+        own = [p for p in m.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        largest = max(largest, sum(_tensor_bytes(p) for p in own))
+    return largest
 
 
 def _fake_device(device_type: str) -> tuple[torch.device, list[str]]:
@@ -258,18 +299,24 @@ def _fake_device(device_type: str) -> tuple[torch.device, list[str]]:
 
 def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_shard",
          precision: str = "bf16", ac: str = "none", batch: int = 1, seq: int | None = None,
-         device_type: str = "cuda", shard_size: int | None = None) -> Plan:
+         device_type: str = "cuda", shard_size: int | None = None,
+         options: PlanOptions | dict[str, Any] | None = None) -> Plan:
     """Predict the per-rank peak of one training step by running it on fake tensors.
 
     ``hybrid_shard`` (HSDP) runs FSDP2 on a 2-D ``(gpus / shard_size, shard_size)`` mesh: shards
     within a group of ``shard_size`` ranks (default: one node of 8, or all GPUs if fewer),
-    replicas across the groups."""
+    replicas across the groups. ``options``: ``PlanOptions`` or a dict of its fields (offload,
+    gradient accumulation, reshard_after_forward, frozen/LoRA parameters, bf16 parameters)."""
     spec = get_model_spec(model)
     _check(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq)
     shard_size = _shard_size(strategy, gpus, shard_size)
+    o = as_options(options)
+    check_options(o, strategy, precision, shard_size or gpus)
     seq = seq or spec.default_seq_len
     check_tokens(spec, batch, seq, precision, gpu_memory_bytes)
     warnings = [*spec.warnings, *context_warnings(spec, seq)]
+    if o.param_dtype == "bf16":
+        warnings.append(BF16_ACCURACY_NOTE)
     device, notes = _fake_device(device_type)
     if strategy == "no_shard":
         # FSDP2 has no NO_SHARD: nothing is sharded on a 1-rank mesh, as under DDP.
@@ -280,7 +327,7 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     else:
         world = gpus
     budget = int(gpu_memory_bytes * (1 - HEADROOM))
-    floor = _resident_floor(spec.num_parameters, shard_size or world)
+    floor = _resident_floor(spec.num_parameters, shard_size or world, o)
     if floor["total"] > budget:
         # No need to run anything: what every rank holds at all times already overflows.
         return Plan(
@@ -289,9 +336,11 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
             batch=batch, seq=seq, device_type=device.type, shard_size=shard_size,
             peak_bytes=floor, detail={},
             budget_bytes=budget, fits=False, overflowing=_overflowing(floor, budget),
-            method="lower bound: fp32 parameter shards + AdamW state alone exceed the budget "
-                   "(activations not simulated)", notes=notes, warnings=warnings)
-    snap, states = _simulate(spec, world, strategy, precision, ac, batch, seq, device, shard_size)
+            method="lower bound: parameter shards + AdamW state alone exceed the budget "
+                   "(activations not simulated)", notes=notes, warnings=warnings,
+            options=o.as_dict())
+    snap, states, extra = _simulate(spec, world, strategy, precision, ac, batch, seq, device,
+                                    shard_size, o)
     cats = categorize(snap)
     detail = cats.pop("detail")
     if strategy == "no_shard":
@@ -304,22 +353,89 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
         cats["parameters"] -= gathered
         cats["total"] -= gathered
         detail["unsharded_parameters_removed"] = gathered
+    host = None
+    offloaded = set()
+    if o.offload:
+        host, offloaded = _offload(cats, detail, states, extra["largest_unit_shard"], gpus, o, notes)
     known = sum(cats[c] for c in ("parameters", "gradients", "optimizer", "activations"))
     cats["temporaries"] = max(0, cats["total"] - known)
-    fits = cats["total"] <= budget
+    reserved = _reserved(extra, offloaded, cats["total"], device, notes)
+    fits = cats["total"] <= budget and (host is None or host["fits"])
+    if o.grad_accum > 1:
+        notes.append(f"--grad-accum {o.grad_accum} --accum-sync {o.accum_sync}: two micro-batches "
+                     "traced; the second's forward holds what every later one holds ("
+                     + ("the sharded gradients, reduce-scattered each micro-batch)" if
+                        o.accum_sync == "every" else "the unsharded gradients, kept until the "
+                        "last micro-batch: FSDP2 set_requires_gradient_sync(False), FSDP1 "
+                        "no_sync())"))
     return Plan(
         model=spec.name, parameters_total=spec.num_parameters, gpus=gpus,
         gpu_memory_bytes=gpu_memory_bytes, strategy=strategy, precision=precision, ac=ac,
         batch=batch, seq=seq, device_type=device.type, shard_size=shard_size,
         peak_bytes={k: int(v) for k, v in cats.items()}, detail=detail, budget_bytes=budget,
-        fits=fits, overflowing=None if fits else _overflowing(cats, budget),
+        fits=fits, overflowing=None if cats["total"] <= budget else _overflowing(cats, budget),
         method="FSDPMemTracker on FakeTensorMode + fake process group", notes=notes,
-        model_states=states, warnings=warnings)
+        model_states=states, warnings=warnings, options=o.as_dict(), host=host,
+        reserved=reserved)
+
+
+# the tracker's categories an offloaded rank keeps on the host
+OFFLOADED = {"Sharded Param": "sharded_parameters", "Sharded Grad": "sharded_gradients",
+             "Optstate": "optimizer", "OptState": "optimizer"}
+
+
+def _offload(cats: dict[str, int], detail: dict[str, int], states: dict[str, int],
+             largest_unit_shard: int, gpus: int, o: PlanOptions, notes: list[str]
+             ) -> tuple[dict[str, Any], set[str]]:
+    """Move the parameter shards, gradient shards and AdamW state off the GPU's peak (they live on
+    the host), add the staging copies of two units' shards (the one gathered and the one
+    prefetched), and count the host memory per node."""
+    moved = {"parameters": detail.get("sharded_parameters", 0),
+             "gradients": detail.get("sharded_gradients", 0), "optimizer": cats["optimizer"]}
+    for c, n in moved.items():
+        cats[c] -= n
+        cats["total"] -= n
+    staging = 2 * largest_unit_shard
+    cats["parameters"] += staging
+    cats["total"] += staging
+    detail["offload_staging"] = staging
+    detail["offloaded_at_peak"] = sum(moved.values())
+    ranks = min(gpus, o.gpus_per_node)
+    per_rank = sum(states.values())
+    per_node = per_rank * ranks
+    notes.append("--offload: parameter shards, gradient shards and AdamW state live on the host "
+                 "(FSDP2 CPUOffloadPolicy, FSDP1 CPUOffload(offload_params=True)), planned by "
+                 "taking them off the traced peak and adding two units' shards copied to the GPU; "
+                 "the optimizer steps on the host")
+    host = {"per_rank_bytes": per_rank, "ranks_per_node": ranks, "per_node_bytes": per_node,
+            "host_memory_bytes": o.host_memory_bytes,
+            "host_memory_source": (HOST_MEMORY_SOURCE if o.host_memory_bytes
+                                   == PlanOptions().host_memory_bytes else "--host-memory"),
+            "fits": per_node <= o.host_memory_bytes}
+    return host, set(OFFLOADED)
+
+
+def _reserved(extra: dict[str, Any], offloaded: set[str], allocated: int, device: torch.device,
+              notes: list[str]) -> dict[str, int] | None:
+    """The caching allocator's reserved peak for the traced step (``allocator.reserved_peak``)."""
+    from utilities.measure.allocator import reserved_peak
+
+    rec, start = extra["recorder"], extra["start"]
+    before, step = rec.events[:start], rec.events[start:]
+    if offloaded:
+        before, step = rec.without(before, offloaded), rec.without(step, offloaded)
+    if not step:
+        return None
+    r = reserved_peak(before, step)
+    r["tracker_allocated"] = int(allocated)
+    return r
 
 
 def _simulate(spec, world, strategy, precision, ac, batch, seq, device,
-              shard_size: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
-    """The tracker's peak snapshot of one fake step, and the model states held after it."""
+              shard_size: int | None = None, options: PlanOptions | None = None
+              ) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
+    """The tracker's peak snapshot of one fake step, the model states held after it, and the
+    step's recorded allocations."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -330,10 +446,10 @@ def _simulate(spec, world, strategy, precision, ac, batch, seq, device,
         else:
             mesh = init_device_mesh(device.type, (world,))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = _prepare(spec, strategy, precision, ac, mesh, fake_mode, device)
+        model = _prepare(spec, strategy, precision, ac, mesh, fake_mode, device, options)
         with fake_mode:
             data = _fake_batch(spec, batch, seq, device)
-            return _train_step_tracked(model, data, device)
+            return _train_step_tracked(model, data, device, options)
 
 
 # The largest memory of one GPU the planner knows (an H200's); no step needing more can run.
@@ -392,12 +508,18 @@ def _shard_size(strategy: str, gpus: int, shard_size: int | None) -> int | None:
     return shard_size
 
 
-def _resident_floor(num_parameters: int, world: int) -> dict[str, int]:
-    """Bytes every rank holds for the whole step, whatever the batch: its fp32 parameter shard
-    (4 bytes per parameter / world) and AdamW's two fp32 moments (8 bytes / world). The peak is at
-    least this much (gradients and activations come on top, at some point of the step)."""
+def _resident_floor(num_parameters: int, world: int, o: PlanOptions | None = None) -> dict[str, int]:
+    """Bytes every rank holds for the whole step, whatever the batch: its parameter shard (4
+    bytes per parameter / world, 2 in bf16) and AdamW's two moments (8 bytes / world, 4 in bf16;
+    only the trainable ones'; none on the GPU with --offload). The peak is at least this much
+    (gradients and activations come on top, at some point of the step)."""
+    o = o or PlanOptions()
     shard = -(-num_parameters // world)
-    cats = {"parameters": 4 * shard, "gradients": 0, "optimizer": 8 * shard, "activations": 0,
+    item = 2 if o.param_dtype == "bf16" else 4
+    trained = 0 if o.lora_rank is not None else (o.trainable or 1)
+    on_gpu = 0 if o.offload else 1
+    cats = {"parameters": item * shard * on_gpu, "gradients": 0,
+            "optimizer": int(2 * item * shard * trained) * on_gpu, "activations": 0,
             "temporaries": 0}
     cats["total"] = sum(cats.values())
     return cats
@@ -461,7 +583,8 @@ def check_step(gpus, strategy, precision, ac, batch, seq) -> None:
 def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_shard",
                   precision: str = "bf16", ac: str = "none", seq: int | None = None,
                   device_type: str = "cuda", limit: int = 4096,
-                  shard_size: int | None = None) -> tuple[int, Plan | None]:
+                  shard_size: int | None = None,
+                  options: PlanOptions | dict[str, Any] | None = None) -> tuple[int, Plan | None]:
     """The largest per-rank batch that fits (0 when even batch 1 does not), and its plan.
 
     Memory grows about linearly with the batch (parameters and optimizer state are fixed,
@@ -473,8 +596,9 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
     """
     def run(b: int) -> Plan:
         try:
+            extra = {} if options is None else {"options": options}
             return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
-                        shard_size)
+                        shard_size, **extra)
         except TooManyTokens as e:  # batch 1 is refused; a larger batch does not fit
             if b == 1:
                 raise
@@ -553,7 +677,9 @@ def reshard(base: Plan, gpus: int, shard_bytes: dict[int, int]) -> Plan:
     detail["sharded_gradients"] = new_grads
     budget = base.budget_bytes
     states = {"parameters": new, "gradients": new, "optimizer": 2 * new}
-    return Plan(**dict(base.as_dict(), gpus=gpus, peak_bytes=cats, detail=detail,
+    reserved = base.reserved and dict(base.reserved, reserved=base.reserved["reserved"]
+                                      + cats["total"] - base.peak_bytes["total"])
+    return Plan(**dict(base.as_dict(), gpus=gpus, peak_bytes=cats, detail=detail, reserved=reserved,
                        fits=cats["total"] <= budget,
                        overflowing=None if cats["total"] <= budget else _overflowing(cats, budget),
                        method=f"re-sharded by arithmetic from the plan traced at {base.gpus} GPUs",
@@ -562,7 +688,7 @@ def reshard(base: Plan, gpus: int, shard_bytes: dict[int, int]) -> Plan:
 
 def sweep(model, gpu_counts=SWEEP_GPUS, strategies=SWEEP_STRATEGIES, gpu_memory_bytes: int = 80 * 2**30,
           precision: str = "bf16", ac: str = "none", batch: int = 1, seq: int | None = None,
-          device_type: str = "cuda") -> list[Plan]:
+          device_type: str = "cuda", options: PlanOptions | dict[str, Any] | None = None) -> list[Plan]:
     """Plans over GPU counts x strategies, tracing as few steps as is exact: no_shard once (no
     rank holds less with more GPUs); full_shard and shard_grad_op at the smallest and the largest
     count, the counts between by ``reshard`` from the smallest, kept only when ``reshard`` of the
@@ -570,17 +696,24 @@ def sweep(model, gpu_counts=SWEEP_GPUS, strategies=SWEEP_STRATEGIES, gpu_memory_
     says which it is."""
     counts = sorted(set(gpu_counts))
     spec = get_model_spec(model)
+    o = as_options(options)
     plans: list[Plan] = []
     for strategy in strategies:
+        if strategy == "no_shard" and (o.offload or o.reshard_after_forward is not None):
+            continue  # neither exists without sharding
+        if strategy == "shard_grad_op" and o.reshard_after_forward is not None:
+            continue  # shard_grad_op is reshard_after_forward=False
         if strategy == "no_shard":
-            base = plan(spec, counts[0], gpu_memory_bytes, strategy, precision, ac, batch, seq, device_type)
+            base = plan(spec, counts[0], gpu_memory_bytes, strategy, precision, ac, batch, seq,
+                        device_type, options=o)
             plans += [Plan(**dict(base.as_dict(), gpus=n,
                                   method=base.method + " (no_shard: the same on every GPU count)"))
                       for n in counts]
             continue
-        if strategy not in ("full_shard", "shard_grad_op"):
-            plans += [plan(spec, n, gpu_memory_bytes, strategy, precision, ac, batch, seq, device_type)
-                      for n in counts]
+        if strategy not in ("full_shard", "shard_grad_op") or not o.default:
+            # re-sharding by arithmetic knows the default step's states only: trace each count
+            plans += [plan(spec, n, gpu_memory_bytes, strategy, precision, ac, batch, seq,
+                           device_type, options=o) for n in counts]
             continue
         first = plan(spec, counts[0], gpu_memory_bytes, strategy, precision, ac, batch, seq, device_type)
         if len(counts) == 1:
@@ -689,8 +822,53 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="plan every strategy of " + ", ".join(SWEEP_STRATEGIES) + " on "
                         + ", ".join(map(str, SWEEP_GPUS)) + " GPUs (ignores --gpus and --strategy): "
                         "a table of the peak per GPU and whether it fits")
+    parser.add_argument("--offload", action="store_true",
+                        help="parameters, gradients and optimizer state on the host (FSDP2 "
+                        "CPUOffloadPolicy, FSDP1 CPUOffload): the GPU holds what is gathered and "
+                        "the activations; the time adds PCIe copies and AdamW on the host CPU")
+    parser.add_argument("--host-memory", default=None,
+                        help="--offload: host memory per node, a size with its unit (default "
+                        + HOST_MEMORY_SOURCE + ")")
+    parser.add_argument("--grad-accum", default="1", metavar="N",
+                        help="micro-batches per optimizer step (--batch each); default 1")
+    parser.add_argument("--accum-sync", default="every",
+                        help="with --grad-accum: every (reduce-scatter each micro-batch; sharded "
+                        "gradients held) or last (set_requires_gradient_sync(False) / no_sync(): "
+                        "unsharded gradients held to the last); default every")
+    parser.add_argument("--reshard-after-forward", default=None,
+                        help="true, false, or N: reshard to groups of N ranks after forward "
+                        "(default: the strategy's own: full_shard true, shard_grad_op false)")
+    parser.add_argument("--trainable", default=None, metavar="FRACTION",
+                        help="train only FRACTION of the parameters (the earliest blocks frozen "
+                        "first): gradients and optimizer state for those only")
+    parser.add_argument("--lora-rank", default=None, metavar="R",
+                        help="LoRA: every parameter frozen, rank-R adapters on the blocks' "
+                        "nn.Linear layers trained")
+    parser.add_argument("--param-dtype", default="fp32",
+                        help="fp32 (default: fp32 master parameters) or bf16 (the model stored in "
+                        "bf16, no fp32 masters: half the state, lost small updates)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
+
+
+def options_from_args(args: argparse.Namespace) -> PlanOptions:
+    """The ``PlanOptions`` the flags name (each checked; one line for a bad one)."""
+    from utilities.measure.plan_options import parse_fraction, parse_reshard
+
+    host = getattr(args, "host_memory", None)
+    o = PlanOptions(
+        offload=bool(getattr(args, "offload", False)),
+        grad_accum=_int_arg("--grad-accum", getattr(args, "grad_accum", "1")),
+        accum_sync=str(getattr(args, "accum_sync", "every")),
+        reshard_after_forward=parse_reshard(getattr(args, "reshard_after_forward", None)),
+        trainable=parse_fraction("--trainable", getattr(args, "trainable", None)),
+        lora_rank=_int_arg("--lora-rank", getattr(args, "lora_rank", None)),
+        param_dtype=str(getattr(args, "param_dtype", "fp32")),
+        host_memory_bytes=(parse_memory(host, "--host-memory") if host is not None
+                           else PlanOptions().host_memory_bytes),
+        gpus_per_node=_int_arg("--gpus-per-node", getattr(args, "gpus_per_node", "8")))
+    check_options(o)
+    return o
 
 
 def _int_arg(flag: str, text: str | None) -> int | None:
@@ -751,7 +929,9 @@ def predict_time(p: Plan, options: dict[str, Any]):
     from utilities.measure.step_time import estimate_step_time
 
     return estimate_step_time(get_model_spec(p.model), p.gpus, p.strategy, p.precision, p.ac, p.batch,
-                              p.seq, shard_size=p.shard_size, **options)
+                              p.seq, shard_size=p.shard_size,
+                              plan_options=PlanOptions(**p.options) if p.options else None,
+                              **options)
 
 
 def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
@@ -766,6 +946,9 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
     _check(kw["gpus"], kw["gpu_memory_bytes"], kw["strategy"], kw["precision"], kw["ac"], batch,
            kw["seq"])
     _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"])
+    kw["options"] = options_from_args(args)
+    check_options(kw["options"], kw["strategy"], kw["precision"],
+                  _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"]) or kw["gpus"])
     if args.max_batch:
         best, p = largest_batch(**kw)
     else:
@@ -794,6 +977,7 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
                  f"{fmt_bytes(theory['fsdp2']['total']):>15}{fmt_bytes(theory['zero']['total']):>12}")
     lines.append(temporaries_line(p))
     lines.append(model_states_line(p))
+    lines += options_lines(p)
     if p.gpu_memory_source:
         lines.append(f"GPU memory: {p.gpu_memory_bytes / 2**30:.2f} GiB per GPU "
                      f"({p.gpu_memory_source})")
@@ -813,6 +997,31 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
     lines += [f"note: {n}" for n in p.notes]
     lines.append(f"method: {p.method}")
     return "\n".join(lines)
+
+
+def options_lines(p: Plan) -> list[str]:
+    """The options beside the defaults, the reserved peak, and the host memory with --offload."""
+    lines = []
+    o = PlanOptions(**p.options) if p.options else PlanOptions()
+    set_ = [f"{k.replace('_', '-')} {v}" for k, v in p.options.items()
+            if k not in ("host_memory_bytes", "gpus_per_node") and v != getattr(PlanOptions(), k)]
+    if set_:
+        lines.append("options: " + ", ".join(set_))
+    if p.reserved:
+        r = p.reserved
+        lines.append(f"reserved (caching allocator, modelled): {fmt_bytes(r['reserved'])} at the "
+                     f"peak beside {fmt_bytes(p.peak_bytes['total'])} allocated "
+                     f"(+{r['reserved'] / max(p.peak_bytes['total'], 1) - 1:.1%}: 512 B rounding, "
+                     "2/20 MiB segments, blocks cached from the previous step); nvidia-smi adds "
+                     "the CUDA context and NCCL")
+    if p.host:
+        h = p.host
+        lines.append(f"host (--offload): {fmt_bytes(h['per_rank_bytes'])} per rank x "
+                     f"{h['ranks_per_node']} = {fmt_bytes(h['per_node_bytes'])} per node of "
+                     f"{fmt_bytes(h['host_memory_bytes'])} ({h['host_memory_source']}): "
+                     + ("fits" if h["fits"] else "does NOT fit"))
+    del o
+    return lines
 
 
 def model_states_line(p: Plan) -> str:
@@ -879,8 +1088,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     batch, seq = _int_arg("--batch", args.batch), _int_arg("--seq", args.seq)
     get_model_spec(args.model)
     _check(8, gpu_memory_bytes, "full_shard", args.precision, args.ac, batch, seq)
+    o = options_from_args(args)
+    check_options(o, "full_shard", args.precision)
     plans = sweep(args.model, gpu_memory_bytes=gpu_memory_bytes, precision=args.precision, ac=args.ac,
-                  batch=batch, seq=seq)
+                  batch=batch, seq=seq, options=o)
     if options is not None:
         for p in plans:  # one trace serves every count and strategy (the time model caches it)
             p.time = predict_time(p, options).as_dict()

@@ -201,6 +201,7 @@ class UnitInfo:
     name: str
     shapes: list[tuple[int, ...]]
     is_root: bool
+    trainable: list[bool] | None = None  # per shape: requires_grad (None: all train)
 
     @property
     def numel(self) -> int:
@@ -401,21 +402,22 @@ def _segments(rows) -> list[Segment]:
 
 
 @functools.lru_cache(maxsize=16)
-def _trace_cached(spec, precision: str, ac: str, batch: int, seq: int, world: int) -> StepProfile:
-    return _trace(spec, precision, ac, batch, seq, world)
+def _trace_cached(spec, precision: str, ac: str, batch: int, seq: int, world: int,
+                  options=None) -> StepProfile:
+    return _trace(spec, precision, ac, batch, seq, world, options)
 
 
 def trace_step(model, precision: str = "bf16", ac: str = "none", batch: int = 1,
-               seq: int | None = None, world: int = 8) -> StepProfile:
+               seq: int | None = None, world: int = 8, options=None) -> StepProfile:
     """Trace one fake training step (forward and backward) of ``model`` on a ``world``-rank fake
     process group, full_shard; cached, since per-rank compute is the same for any world size."""
     from utilities.models import get_model_spec
 
     spec = get_model_spec(model) if isinstance(model, str) else model
-    return _trace_cached(spec, precision, ac, batch, seq or spec.default_seq_len, world)
+    return _trace_cached(spec, precision, ac, batch, seq or spec.default_seq_len, world, options)
 
 
-def _trace(spec, precision, ac, batch, seq, world) -> StepProfile:
+def _trace(spec, precision, ac, batch, seq, world, options=None) -> StepProfile:
     import warnings
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -432,7 +434,7 @@ def _trace(spec, precision, ac, batch, seq, world) -> StepProfile:
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
         mesh = init_device_mesh(device.type, (world,))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = _prepare(spec, "full_shard", precision, ac, mesh, fake_mode, device)
+        model = _prepare(spec, "full_shard", precision, ac, mesh, fake_mode, device, options)
         root_name = type(model).__name__
         units: dict[str, UnitInfo] = {}
         tracker_names: dict[str, str] = {}
@@ -442,7 +444,8 @@ def _trace(spec, precision, ac, batch, seq, world) -> StepProfile:
             own = [p for p in m.parameters() if id(p) not in nested]
             nested.update(id(p) for p in own)
             label = _unit_label(fqn)
-            units[label] = UnitInfo(label, [tuple(p.shape) for p in own], is_root=not fqn)
+            units[label] = UnitInfo(label, [tuple(p.shape) for p in own], is_root=not fqn,
+                                    trainable=[p.requires_grad for p in own])
             tracker_names[root_name + ("." + fqn if fqn else "")] = label
         with fake_mode:
             data = _fake_batch(spec, batch, seq, device)
@@ -675,6 +678,103 @@ def _schedule(plan_segs, units, ag_fwd, ag_bwd, grad_colls, fwd_depth, bwd_mode,
     return lanes
 
 
+# -- the planner's options: offload copies, accumulation, reshard all-gathers, frozen parameters ----
+
+# Host-device bandwidth per GPU, one direction: the PCIe link of the part (datasheet, theoretical).
+PCIE_BYTES_PER_S = {"h100": 64e9, "h100-96gb": 64e9, "h200": 64e9, "a100-80gb": 32e9,
+                    "a100-40gb": 32e9, "l4": 32e9}
+PCIE_SOURCE = "PCIe Gen5 x16 (H100, H200) / Gen4 x16 (A100, L4): 64 / 32 GB/s each way per GPU"
+# AdamW on the host: torch.optim.AdamW over the rank's offloaded fp32 shard, memory-bound at this
+# share of a node's DRAM bandwidth per GPU (a 2-socket node: ~300 GB/s for 8 GPUs; eager CPU
+# kernels reach about a third of it).
+HOST_ADAMW_BYTES_PER_S = 12e9
+
+
+def trainable_shard_numel(u: UnitInfo, n: int) -> int:
+    """Elements per rank of the unit's trainable parameters (all of them when none is frozen)."""
+    if u.trainable is None or all(u.trainable):
+        return u.shard_numel(n)
+    return UnitInfo(u.name, [s for s, t in zip(u.shapes, u.trainable) if t], u.is_root).shard_numel(n)
+
+
+def ag_item_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def optimizer_time(trained_shard: int, po, g: GPU, eff: Efficiencies) -> float:
+    """AdamW over the trainable shard: on the GPU at HBM speed (32 bytes per parameter in fp32
+    storage, 16 in bf16), or with --offload on the host (``HOST_ADAMW_BYTES_PER_S``)."""
+    per = 16 if po.param_dtype == "bf16" else 32
+    if po.offload:
+        return per * trained_shard / HOST_ADAMW_BYTES_PER_S
+    return per * trained_shard / (g.hbm_bytes_per_s * eff.memory)
+
+
+def reshard_all_gathers(ag_bwd, ag_fwd, units, group, po, item, coll):
+    """Backward all-gathers under reshard_after_forward: none (False), over the whole group (True,
+    as planned), or over groups of N ranks (an int: the resharded copy is gathered in N-ways)."""
+    r = po.reshard_after_forward
+    if r is False:
+        return {}
+    if r is True or r is None:
+        if r is True and not ag_bwd:  # shard_grad_op told to reshard
+            return {u.name: coll("all_gather", u.name, u.shard_numel(group) * group * item, group)
+                    for u in units if not u.is_root and u.name in ag_fwd}
+        return ag_bwd
+    return {u.name: coll("all_gather", u.name, u.shard_numel(group) * group * item, r)
+            for u in units if not u.is_root and u.name in ag_fwd and r > 1}
+
+
+def offload_copies(ag_fwd, ag_bwd, grads, units, group, po, g: GPU) -> None:
+    """--offload: each all-gather first copies the unit's parameter shard host -> device, each
+    gradient shard goes device -> host after its reduce-scatter; both over PCIe, on the
+    communication lane (``PCIE_BYTES_PER_S``)."""
+    pcie = PCIE_BYTES_PER_S.get(g.name, 32e9)
+    item = 2 if po.param_dtype == "bf16" else 4
+    for u in units:
+        h2d = u.shard_numel(group) * item / pcie
+        for ag in (ag_fwd.get(u.name), ag_bwd.get(u.name)):
+            if ag is not None:
+                ag.seconds += h2d
+        colls = grads.get(u.name)
+        if colls:
+            colls[-1].seconds += trainable_shard_numel(u, group) * item / pcie
+
+
+def accumulated_lanes(micro: _Lanes, last: _Lanes, n: int) -> _Lanes:
+    """N micro-batches: N - 1 steps of ``micro`` (no optimizer; with or without their
+    reduce-scatters) then ``last``, laid end to end."""
+    out = _Lanes()
+    span = max(e.end for e in micro.events)
+    for k in range(n - 1):
+        out.events += [replace(e, start=e.start + k * span, end=e.end + k * span) for e in micro.events]
+    shift = (n - 1) * span
+    out.events += [replace(e, start=e.start + shift, end=e.end + shift) for e in last.events]
+    return out
+
+
+def options_assumptions(po, g: GPU) -> list[str]:
+    out = []
+    if po.offload:
+        out.append(f"--offload: host-device copies over {PCIE_SOURCE} (catalogue, theoretical), "
+                   "each unit's shard before each all-gather and each gradient shard after its "
+                   "reduce-scatter, on the communication lane; AdamW on the host CPU at "
+                   f"{HOST_ADAMW_BYTES_PER_S / 1e9:.0f} GB/s per GPU (an assumption: a 2-socket "
+                   "node's DRAM shared by 8 GPUs, eager CPU kernels)")
+    if po.grad_accum > 1:
+        out.append(f"--grad-accum {po.grad_accum}: {po.grad_accum - 1} micro-batch(es) without the "
+                   "optimizer, then a full step; " + (
+                       "a reduce-scatter per micro-batch" if po.accum_sync == "every" else
+                       "one reduce-scatter, in the last micro-batch"))
+    if po.reshard_after_forward is not None and not isinstance(po.reshard_after_forward, bool):
+        out.append(f"--reshard-after-forward {po.reshard_after_forward}: backward all-gathers "
+                   f"over groups of {po.reshard_after_forward} ranks")
+    if po.frozen:
+        out.append("frozen parameters: no weight gradients in the traced backward, no "
+                   "reduce-scatter and no optimizer step for them")
+    return out
+
+
 # -- the public function ---------------------------------------------------------------------------
 
 def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision: str = "bf16",
@@ -684,7 +784,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                        prefetch: int = 1, backward_prefetch: str | None = None,
                        forward_prefetch: int | None = None, limit_all_gathers: bool = False,
                        shard_size: int | None = None, tf32: bool = False,
-                       efficiencies: Efficiencies | None = None) -> StepTime:
+                       efficiencies: Efficiencies | None = None, plan_options=None) -> StepTime:
     """Predict one training step of ``model`` (a name from ``utilities.models`` or a ``ModelSpec``)
     on ``gpus`` GPUs of kind ``gpu`` (``GPUS``), per-rank ``batch`` x ``seq`` tokens.
 
@@ -698,8 +798,13 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     gathered parameters to the backward), hybrid_shard (shard within ``shard_size`` GPUs, default
     one node, all-reduce across the replicas), no_shard (DDP: all-reduce the gradients only).
     ``tf32``: fp32 matmuls on the TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``;
-    PyTorch's default, and the course's, is the FP32 peak).
+    PyTorch's default, and the course's, is the FP32 peak). ``plan_options``: the planner's
+    ``PlanOptions`` (offload copies and the host optimizer, accumulation's micro-batches,
+    reshard_after_forward's all-gathers, frozen parameters' gradients, bf16 parameters).
     """
+    from utilities.measure.plan_options import PlanOptions
+
+    po = plan_options or PlanOptions()
     from utilities.models import get_model_spec
 
     spec = get_model_spec(model) if isinstance(model, str) else model
@@ -714,7 +819,9 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
             raise bad_value("shard_size", shard_size, f"a divisor of gpus ({gpus})")
     elif shard_size is not None:
         raise bad_value("shard_size", shard_size, "only with strategy hybrid_shard")
-    profile = trace_step(spec, precision, ac, batch, seq, world=min(gpus, gpus_per_node) or 1)
+    frozen = PlanOptions(trainable=po.trainable, lora_rank=po.lora_rank) if po.frozen else None
+    profile = trace_step(spec, precision, ac, batch, seq, world=min(gpus, gpus_per_node) or 1,
+                         options=frozen)
     notes = [f"GPU: {g.name}: {g.source}", *g.notes]
     fp8_used = fp8 and "fp8" in g.peak_flops and precision != "fp32"
     if fp8 and not fp8_used:
@@ -759,10 +866,12 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
             ag_fwd[u.name] = coll("all_gather", u.name, full * ag_item, group)
             if strategy != "shard_grad_op" and not u.is_root:
                 ag_bwd[u.name] = coll("all_gather", u.name, full * ag_item, group)
-        gc = [coll("reduce_scatter", u.name, full * r_item, group)] if group > 1 else []
+        grad_full = trainable_shard_numel(u, group) * group
+        gc = [coll("reduce_scatter", u.name, grad_full * r_item, group)] if group > 1 and grad_full else []
         if replicas > 1:
+            gshard = trainable_shard_numel(u, group)
             gc.append(_Coll("all_reduce", u.name, collective_time(
-                "all_reduce", shard * r_item, replicas, g, eff, 1, network_gbps), shard * r_item))
+                "all_reduce", gshard * r_item, replicas, g, eff, 1, network_gbps), gshard * r_item))
         grads[u.name] = gc
 
     # the optimizer step: AdamW over this rank's fp32 shard, memory-bound
@@ -770,6 +879,14 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                       for u in profile.units)
     opt_bytes = 32 * shard_total  # read param, grad, 2 moments; write param, 2 moments; the clip's read
     optimizer_s = opt_bytes / (g.hbm_bytes_per_s * eff.memory)
+    if not po.default:
+        trained = sum(trainable_shard_numel(u, group) if strategy != "no_shard" else
+                      trainable_shard_numel(u, 1) for u in profile.units)
+        optimizer_s = optimizer_time(trained, po, g, eff)
+        ag_bwd = reshard_all_gathers(ag_bwd, ag_fwd, profile.units, group, po, ag_item_bytes(
+            precision), coll)
+        if po.offload:
+            offload_copies(ag_fwd, ag_bwd, grads, profile.units, group, po, g)
 
     if backward_prefetch is not None:
         bwd_mode = backward_prefetch
@@ -781,11 +898,16 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
         fwd_depth = prefetch if forward_prefetch is None else forward_prefetch
     lanes = _schedule(plan_segs, profile.units, ag_fwd, ag_bwd, grads, fwd_depth, bwd_mode,
                       bwd_depth, limit_all_gathers, optimizer_s)
+    if po.grad_accum > 1:
+        micro = _schedule(plan_segs, profile.units, ag_fwd, ag_bwd,
+                          grads if po.accum_sync == "every" else {}, fwd_depth, bwd_mode,
+                          bwd_depth, limit_all_gathers, 0.0)
+        lanes = accumulated_lanes(micro, lanes, po.grad_accum)
 
     compute_s = sum(e.end - e.start for e in lanes.events if e.lane == "compute")
     comm_s = sum(e.end - e.start for e in lanes.events if e.lane == "comm")
     step_s = max(e.end for e in lanes.events)
-    tps = batch * seq / step_s
+    tps = batch * seq * po.grad_accum / step_s  # tokens per optimizer step / its time
     mfu = tps * spec.flops_per_token(seq) / g.peak_flops["bf16"]
     per_unit: dict[str, dict[str, float]] = {}
     for e in lanes.events:
@@ -794,6 +916,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     notes += _assumptions(strategy, precision, compile, fp8_used, gpus, gpus_per_node, network_gbps,
                           group, replicas, eff, g, bwd_mode, fwd_depth, bwd_depth,
                           limit_all_gathers, profile, tf32)
+    notes += options_assumptions(po, g)
     return StepTime(
         model=spec.name, gpus=gpus, gpu=g.name, strategy=strategy, precision=precision, ac=ac,
         batch=batch, seq=seq, compile=compile, fp8=fp8_used, step_s=step_s, compute_s=compute_s,

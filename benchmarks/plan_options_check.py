@@ -1,0 +1,175 @@
+"""Plan options and reserved memory against published figures, with their ratios (planned /
+published). Writes results/plan_options_check.json (committed). Needs no GPU (the planner runs
+on fake tensors); a few minutes on a laptop for the llama-8b plans.
+
+* Lightning's FSDP docs (docs/source-pytorch/advanced/model_parallel/fsdp.rst): its demo
+  Transformer (nn.Transformer, d_model 1024, 64 heads, 32 encoder + 32 decoder layers, FFN 4096,
+  WikiText2's 33,278-word vocabulary: ~1B parameters), 2 x A100 40GB, Lightning 2.1 / PyTorch 2.1,
+  fp32, Adam, batch 1 (its DataLoader's default) x 35 tokens (WikiText2's block), FSDP1 wrapping
+  the encoder and decoder layers: FSDP 9,627 MB at 3.19 it/s; + CPU offload 2,790 MB at 0.02 it/s.
+  Planned with FSDP2 (the planner's) and AdamW (the same state as Adam).
+* DeepSpeed's estimate_zero3_model_states_mem_needs (deepspeed/runtime/zero/stage3.py) with
+  parameters and optimizer offloaded: per node CPU 18 bytes x parameters / nodes x 1.5 (its
+  buffer factor, zero_init), per GPU 4 x the largest layer's parameters; against `plan
+  --offload`'s host memory per node and the parameters gathered at its peak (llama-8b, 8 GPUs).
+* accelerate's FSDP2 example (examples/torch_native_parallelism/fsdp2_fp8.py): Llama 3.1 8B with
+  bf16 parameters, 8 x H100 80GB, batch 1 x 8192, no AC: the run exists.
+* torchtitan (benchmarks/llama3_h100_202412_torchtitan.md): Llama 3.1 8B, 8 x H100 96GB, batch 2
+  x 8192, selective AC: 82.4 GiB reserved; on 128 GPUs 15.4 GiB less.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+OUT = Path(__file__).resolve().parent / "results" / "plan_options_check.json"
+GiB, MB = 2**30, 10**6
+
+
+class _AnyLayerMeta(type):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+
+
+class TransformerLayer(nn.Module, metaclass=_AnyLayerMeta):
+    """Lightning's wrapping policy {TransformerEncoderLayer, TransformerDecoderLayer} as one class."""
+
+
+class LightningDemoTransformer(nn.Module):
+    """lightning.pytorch.demos.Transformer at the docs' sizes, with the loss inside."""
+
+    def __init__(self, vocab=33278, ninp=1024, nhead=64, nhid=4096, nlayers=32):
+        super().__init__()
+        self.ninp = ninp
+        self.embedding = nn.Embedding(vocab, ninp)
+        self.transformer = nn.Transformer(d_model=ninp, nhead=nhead, num_encoder_layers=nlayers,
+                                          num_decoder_layers=nlayers, dim_feedforward=nhid,
+                                          dropout=0.2, batch_first=True)
+        self.decoder = nn.Linear(ninp, vocab)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        t = input_ids.shape[1]
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=input_ids.device), diagonal=1)
+        src = self.embedding(input_ids) * math.sqrt(self.ninp)
+        tgt = self.embedding(labels) * math.sqrt(self.ninp)
+        hidden = self.transformer(src, tgt, tgt_mask=mask, tgt_is_causal=True)
+        out = nn.functional.log_softmax(self.decoder(hidden), -1)
+        loss = nn.functional.nll_loss(out.view(-1, out.shape[-1]), labels.view(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+def ratio(planned: float, published: float) -> float:
+    return round(planned / published, 3)
+
+
+def lightning(rows: list) -> None:
+    from utilities.measure.plan_options import PlanOptions
+    from utilities.measure.planner import plan, resolve_gpu_memory
+    from utilities.measure.step_time import estimate_step_time
+    from utilities.models import custom_model_spec
+
+    spec = custom_model_spec("lightning-demo-transformer", LightningDemoTransformer,
+                             TransformerLayer, vocab_size=33278, seq_len=35)
+    mem, _ = resolve_gpu_memory("a100-40gb")
+    for name, opts, mb, its in (("FSDP", {}, 9627, 3.19), ("FSDP + CPU offload", {"offload": True},
+                                                           2790, 0.02)):
+        p = plan(spec, 2, mem, "full_shard", "fp32", "none", 1, 35, "cuda", options=opts)
+        t = estimate_step_time(spec, 2, "full_shard", "fp32", "none", 1, 35, gpu="a100-40gb",
+                               plan_options=PlanOptions(**p.options))
+        rows.append({
+            "source": "Lightning FSDP docs, 2 x A100 40GB, ~1B demo Transformer, fp32, batch 1 x 35",
+            "config": name, "parameters": p.parameters_total,
+            "published_memory_MB": mb, "planned_allocated_MB": round(p.peak_bytes["total"] / MB),
+            "planned_reserved_MB": round(p.reserved["reserved"] / MB),
+            "memory_ratio_allocated": ratio(p.peak_bytes["total"] / MB, mb),
+            "memory_ratio_reserved": ratio(p.reserved["reserved"] / MB, mb),
+            "published_it_per_s": its, "planned_it_per_s": round(1 / t.step_s, 3),
+            "speed_ratio": ratio(1 / t.step_s, its),
+            "host_per_node_GB": p.host and round(p.host["per_node_bytes"] / 1e9, 2)})
+
+
+def deepspeed(rows: list) -> None:
+    from utilities.measure.planner import plan, resolve_gpu_memory
+    from utilities.models import get_model_spec
+
+    spec = get_model_spec("llama-8b")
+    psi = spec.num_parameters
+    largest = max(p.numel() for p in spec.build(device="meta").parameters())
+    mem, _ = resolve_gpu_memory("h100")
+    p = plan("llama-8b", 8, mem, "full_shard", "bf16", "full", 1, 8192, "cuda",
+             options={"offload": True})
+    ds_cpu = 18 * psi * 1.5
+    rows.append({
+        "source": "DeepSpeed estimate_zero3_model_states_mem_needs, offload params + optimizer, "
+                  "llama-8b, 1 node x 8 GPUs",
+        "published_cpu_per_node_GB": round(ds_cpu / 1e9, 1),
+        "published_cpu_per_node_without_buffer_factor_GB": round(18 * psi / 1e9, 1),
+        "planned_host_per_node_GB": round(p.host["per_node_bytes"] / 1e9, 1),
+        "cpu_ratio": ratio(p.host["per_node_bytes"], ds_cpu),
+        "cpu_ratio_without_buffer_factor": ratio(p.host["per_node_bytes"], 18 * psi),
+        "published_gpu_model_states_GB": round(4 * largest / 1e9, 2),
+        "planned_gathered_parameters_GB": round((p.detail.get("unsharded_parameters", 0)
+                                                + p.detail.get("all_gather", 0)) / 1e9, 2),
+        "planned_gpu_peak_GiB": round(p.peak_bytes["total"] / GiB, 2),
+        "note": "DeepSpeed keeps fp16 parameters (2 B) beside fp32 master, gradient and Adam "
+                "state (16 B) on the host; FSDP2's offload keeps 4 + 4 + 8. Its GPU figure is "
+                "the model states only (the largest layer gathered, fp16 parameter + gradient)."})
+
+
+def accelerate_and_torchtitan(rows: list) -> None:
+    from utilities.measure.planner import plan, resolve_gpu_memory
+
+    h100, _ = resolve_gpu_memory("h100")
+    for opts in ({}, {"param_dtype": "bf16"}):
+        p = plan("llama-8b", 8, h100, "full_shard", "bf16", "none", 1, 8192, "cuda", options=opts)
+        rows.append({
+            "source": "accelerate fsdp2_fp8.py: Llama 3.1 8B, bf16 parameters, 8 x H100 80GB, "
+                      "batch 1 x 8192, no AC (the run exists)",
+            "param_dtype": opts.get("param_dtype", "fp32"),
+            "planned_allocated_GiB": round(p.peak_bytes["total"] / GiB, 2),
+            "planned_reserved_GiB": round(p.reserved["reserved"] / GiB, 2),
+            "gpu_GiB": round(h100 / GiB, 2), "budget_GiB": round(p.budget_bytes / GiB, 2),
+            "fits_budget": p.fits, "fits_gpu": p.peak_bytes["total"] <= h100})
+    h96 = 96 * 10**9
+    got = {}
+    for n in (8, 128):
+        p = plan("llama-8b", n, h96, "full_shard", "bf16", "selective", 2, 8192, "cuda")
+        got[n] = p
+    pub8, drop = 82.4, 15.4
+    a8, a128 = (got[n].peak_bytes["total"] / GiB for n in (8, 128))
+    r8, r128 = (got[n].reserved["reserved"] / GiB for n in (8, 128))
+    rows.append({
+        "source": "torchtitan llama3_h100_202412: Llama 3.1 8B, H100 96GB, batch 2 x 8192, "
+                  "selective AC, reserved memory",
+        "published_reserved_8_GiB": pub8, "planned_allocated_8_GiB": round(a8, 2),
+        "planned_reserved_8_GiB": round(r8, 2), "reserved_ratio_8": ratio(r8, pub8),
+        "published_reserved_128_GiB": pub8 - drop, "planned_reserved_128_GiB": round(r128, 2),
+        "reserved_ratio_128": ratio(r128, pub8 - drop),
+        "published_drop_GiB": drop, "planned_allocated_drop_GiB": round(a8 - a128, 2),
+        "planned_reserved_drop_GiB": round(r8 - r128, 2), "drop_ratio": ratio(r8 - r128, drop)})
+
+
+def main() -> int:
+    t = time.perf_counter()
+    rows: list = []
+    for part in (lightning, deepspeed, accelerate_and_torchtitan):
+        part(rows)
+        print(json.dumps(rows[-1]), flush=True)
+    data = {"benchmark": "plan_options_check", "torch": torch.__version__,
+            "seconds": round(time.perf_counter() - t, 1), "rows": rows}
+    OUT.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
