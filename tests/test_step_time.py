@@ -323,7 +323,7 @@ def test_calibration_twin_measures_saves_and_is_used(tmp_path):
                                       "memory": st.CALIBRATED.memory})
     (tmp_path / "slow.json").write_text(json.dumps(slow))
     assert C.load_efficiencies(tmp_path / "slow.json").matmul == pytest.approx(st.CALIBRATED.matmul / 2)
-    kw = dict(model="llama-1b", gpus=8, batch=1, seq=512)
+    kw = dict(model="llama-1b", gpus=8, batch=2, seq=2048)  # GEMM-bound enough to show it
     base = st.estimate_step_time(**kw)
     calibrated = st.estimate_step_time(**kw, efficiencies=C.load_efficiencies(tmp_path / "slow.json"))
     assert calibrated.compute_s > 1.05 * base.compute_s  # half the GEMM speed: a slower step
