@@ -1,18 +1,14 @@
-"""Time model check: utilities.measure.step_time's predicted tokens/s per GPU vs published figures.
+"""Time model check: utilities.measure.step_time's predicted tokens/s per GPU vs published runs.
 
-The rows are the throughput figures of ../shared/reference/anchors.md (torchtitan's Llama 3.1 8B on
-8 H100s, torchtitan PR 165's Llama 7B, torchao's Float8 table, accelerate's FP8 example) and the
-course's own one-H100 measurements (benchmarks/results/gpu/2026-11-22-h100: the plain llama-1b loop and
-lesson 10's FSDP2 runs). Each row says which settings the source states and which are assumed.
-
-The model has one set of efficiencies (``step_time.CALIBRATED``). ``--fit`` searches them
-(coordinate descent on a grid, least squares of log(predicted / published)) on the rows whose
-role is "fit" only, prints them and records them; the held-out rows are never used to tune. The
-fit rows are the course's own measurements on one H100 (three plain-loop rows, lesson 10's
-FSDP2 eager row) and torchao's Float8 row (the only source of an FP8 efficiency); every
-torchtitan row is held out. The
-result file has, per row, the prediction, the published figure, their ratio and the role, and the
-mean absolute error of the fit rows and of the held-out rows. No GPU is needed: the model traces
+Every row, its source, its setup (confirmed in the source), its role and the matched pairs that
+make an effect (eager vs compiled, bf16 vs Float8 of the same run) are data, in one file:
+``benchmarks/time_model_rows.json``. ``--fit`` searches the fitted efficiencies from the file's
+fixed starting values (coordinate descent on a grid, least squares of log(predicted / published)
+over the fit rows, plus 4 x log(predicted effect / published effect) over the pairs whose two
+rows are both fit rows) and reads the rows whose role is "fit" and nothing else: the held-out
+rows are predicted afterwards, with whatever the fit gave, and reported as they come out.
+``step_time.CALIBRATED`` holds what ``--fit`` prints (a test checks they agree). Without
+``--fit`` the check predicts every row with ``CALIBRATED``. No GPU is needed: the model traces
 each configuration on fake tensors (one trace per model/batch/sequence/AC, about 5 s each).
 """
 
@@ -39,8 +35,8 @@ from utilities.text import HelpFormatter  # noqa: E402
 
 NAME = "time_model_check"
 OUT = REPO / "benchmarks" / "results" / f"{NAME}.json"
-TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-EVIDENCE = "course benchmarks/results/gpu/2026-11-22-h100"
+DATA = REPO / "benchmarks" / "time_model_rows.json"
+PAIR_WEIGHT = 4.0
 
 
 class _OffCatalogueSpec(ModelSpec):
@@ -56,77 +52,23 @@ def _meta_count(spec) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# Llama 2 7B (torchtitan PR 165's "Llama 7B"): hidden 4096, FFN 11008, 32 layers, 32 heads (no
-# GQA), 32,000-token vocabulary.
-LLAMA2_7B = _OffCatalogueSpec("llama2-7b", "llama", block_class_name="LlamaDecoderLayer",
-                              default_seq_len=4096, **_llama(4096, 11008, 32, 32, 32, vocab=32000))
+# Llama 2 7B and 13B (torchtitan PR 165's "Llama 7B", fms-fsdp's 7b and 13b): no GQA, a
+# 32,000-token vocabulary.
+OFF_CATALOGUE = {
+    "llama2-7b": _OffCatalogueSpec("llama2-7b", "llama", block_class_name="LlamaDecoderLayer",
+                                   default_seq_len=4096, **_llama(4096, 11008, 32, 32, 32, vocab=32000)),
+    "llama2-13b": _OffCatalogueSpec("llama2-13b", "llama", block_class_name="LlamaDecoderLayer",
+                                    default_seq_len=4096, **_llama(5120, 13824, 40, 40, 40, vocab=32000)),
+}
+LLAMA2_7B = OFF_CATALOGUE["llama2-7b"]
 
-TITAN_8B = dict(model="llama-8b", gpus=8, gpu="h100-96gb", strategy="full_shard", precision="bf16",
-                ac="selective", batch=2, seq=8192)
-COURSE_1B = dict(model="llama-1b", gpus=1, gpu="h100", precision="bf16", seq=2048)
 
-ROWS = [
-    dict(id="course-plain-eager-b4", role="fit", source=EVIDENCE + " (README: plain loop)",
-         published=39978, config=dict(COURSE_1B, strategy="no_shard", ac="none", batch=4),
-         notes="plain one-GPU loop, no FSDP: modelled as no_shard on 1 GPU"),
-    dict(id="course-plain-compile-b8", role="fit", source=EVIDENCE + " (README: plain loop)",
-         published=58144, config=dict(COURSE_1B, strategy="no_shard", ac="none", batch=8,
-                                      compile=True),
-         notes="torch.compile per decoder block"),
-    dict(id="course-plain-compile-b4", role="fit", source=EVIDENCE + " (README: plain loop)",
-         published=54012, config=dict(COURSE_1B, strategy="no_shard", ac="none", batch=4,
-                                      compile=True)),
-    dict(id="course-fsdp2-eager-b4", role="fit", source=EVIDENCE + "/end_to_end-h100.json",
-         published=34977, config=dict(COURSE_1B, strategy="full_shard", ac="none", batch=4),
-         notes="lesson 10, FSDP2 on one GPU (its copies, no communication)"),
-    dict(id="course-fsdp2-compile-b4", role="held_out", source=EVIDENCE + "/end_to_end-h100.json",
-         published=43092, config=dict(COURSE_1B, strategy="full_shard", ac="none", batch=4,
-                                      compile=True)),
-    dict(id="course-fsdp2-compile-selective-b4", role="held_out",
-         source=EVIDENCE + "/end_to_end-h100.json", published=41848,
-         config=dict(COURSE_1B, strategy="full_shard", ac="every-2nd-block", batch=4, compile=True),
-         notes="lesson 10's selective is block-level (--ac-every 2)"),
-    dict(id="torchtitan-8b-fsdp2", role="held_out", source=TITAN, published=5762, config=TITAN_8B,
-         notes="torchtitan's selective AC is op-level, as the planner's 'selective'"),
-    dict(id="torchtitan-8b-fsdp2-compile", role="held_out", source=TITAN, published=6667,
-         config=dict(TITAN_8B, compile=True)),
-    dict(id="torchtitan-8b-fsdp2-compile-fp8", role="held_out", source=TITAN, published=8532,
-         config=dict(TITAN_8B, compile=True, fp8=True)),
-    dict(id="torchtitan-pr165-7b-compile-selective", role="held_out",
-         source="torchtitan PR 165 (anchors.md)", published=8250, published_range=[8100, 8400],
-         config=dict(model="llama2-7b", gpus=8, gpu="h100-96gb", strategy="full_shard",
-                     precision="bf16", ac="selective", batch=8, seq=2048, compile=True),
-         notes="GPU part not stated: assumed torchtitan's 96 GB hosts; range midpoint"),
-    dict(id="torchtitan-pr165-7b-compile-noac", role="held_out",
-         source="torchtitan PR 165 (anchors.md)", published=9200, published_range=[9100, 9300],
-         config=dict(model="llama2-7b", gpus=8, gpu="h100-96gb", strategy="full_shard",
-                     precision="bf16", ac="none", batch=8, seq=2048, compile=True),
-         notes="GPU part not stated: assumed torchtitan's 96 GB hosts; range midpoint"),
-    dict(id="torchao-8b-bf16", role="held_out", source="pytorch/ao torchao/float8/README.md",
-         published=6150, config=dict(TITAN_8B, batch=1, compile=True),
-         notes="batch and AC not in anchors.md: assumed batch 1, selective AC, torchtitan's hosts"),
-    dict(id="torchao-8b-fp8", role="fit", source="pytorch/ao torchao/float8/README.md",
-         published=7689, config=dict(TITAN_8B, batch=1, compile=True, fp8=True),
-         notes="tensorwise scaling with FP8 all-gather; batch and AC assumed as the bf16 row"),
-    dict(id="accelerate-8b-bf16", role="held_out", source="accelerate FSDP2 + torchao example",
-         published=8000, loose=True,
-         config=dict(model="llama-8b", gpus=8, gpu="h100", strategy="full_shard",
-                     precision="bf16", ac="none", batch=1, seq=8192, compile=False),
-         notes="'~8,000': batch, AC and compile not stated (assumed 1, none, eager); H100 SXM"),
-    dict(id="accelerate-8b-fp8", role="held_out", source="accelerate FSDP2 + torchao example",
-         published=10000, loose=True,
-         config=dict(model="llama-8b", gpus=8, gpu="h100", strategy="full_shard",
-                     precision="bf16", ac="none", batch=1, seq=8192, compile=False, fp8=True),
-         notes="'~10,000': as the bf16 row"),
-]
-
-FIT_FIELDS = {"matmul": (0.40, 0.95), "memory": (0.30, 0.95), "compile_memory": (0.10, 1.0),
-              "fp8_matmul": (0.20, 0.90), "kernel_floor_s": (1e-6, 20e-6),
-              "unit_overhead_s": (0.0, 2e-3)}
+def load_data(path: Path = DATA) -> dict:
+    return json.loads(Path(path).read_text())
 
 
 def _model(name: str):
-    return LLAMA2_7B if name == "llama2-7b" else name
+    return OFF_CATALOGUE.get(name, name)
 
 
 def predict(row: dict, eff: st.Efficiencies) -> st.StepTime:
@@ -135,36 +77,88 @@ def predict(row: dict, eff: st.Efficiencies) -> st.StepTime:
     return st.estimate_step_time(model, efficiencies=eff, **cfg)
 
 
-def _loss(rows, eff) -> float:
-    return sum(math.log(predict(r, eff).tokens_per_s_per_gpu / r["published"]) ** 2 for r in rows)
+def efficiencies(params: dict[str, float], base: st.Efficiencies = st.CALIBRATED) -> st.Efficiencies:
+    """``base`` with the fitted values in ``params`` in place: plain names are fields, "GPU.key"
+    entries go to ``per_gpu`` (the fields that are not fitted, and the per-GPU entries that are
+    not, stay as ``base`` states them with their sources)."""
+    per_gpu = {k: dict(v) for k, v in base.per_gpu.items()}
+    fields = {}
+    for name, value in params.items():
+        if "." in name:
+            gpu, key = name.split(".", 1)
+            per_gpu.setdefault(gpu, {})[key] = value
+        else:
+            fields[name] = value
+    return st.with_efficiencies(base, per_gpu=per_gpu, **fields)
 
 
-def fit(rows: list[dict], start: st.Efficiencies, rounds: int = 4) -> st.Efficiencies:
-    """Coordinate descent: each field over its range on a grid that narrows each round."""
-    eff = start
-    span = {k: hi - lo for k, (lo, hi) in FIT_FIELDS.items()}
+def _rates(rows: list[dict], eff: st.Efficiencies, predictor) -> dict[str, float]:
+    return {r["id"]: predictor(r, eff).tokens_per_s_per_gpu for r in rows}
+
+
+def _loss(rows, pairs, eff, predictor) -> float:
+    rate = _rates(rows, eff, predictor)
+    published = {r["id"]: r["published"] for r in rows}
+    loss = sum(math.log(rate[i] / published[i]) ** 2 for i in rate)
+    for p in pairs:
+        want = published[p["variant"]] / published[p["base"]]
+        loss += PAIR_WEIGHT * math.log(rate[p["variant"]] / rate[p["base"]] / want) ** 2
+    return loss
+
+
+def fit(rows: list[dict], pairs: list[dict], start: dict[str, float], ranges: dict[str, list[float]],
+        rounds: int = 5, predictor=None) -> dict[str, float]:
+    """Coordinate descent from ``start``: each parameter over its range on an 11-point grid that
+    halves each round. ``rows`` are the fit rows (the only rows it reads); ``pairs`` whose two rows
+    are among them add their effect's error."""
+    predictor = predictor or predict
+    ids = {r["id"] for r in rows}
+    pairs = [p for p in pairs if p["base"] in ids and p["variant"] in ids]
+    params = dict(start)
+    span = {k: hi - lo for k, (lo, hi) in ranges.items()}
     for _ in range(rounds):
-        for name, (lo, hi) in FIT_FIELDS.items():
-            centre = getattr(eff, name)
-            grid = [min(hi, max(lo, centre + span[name] * (i / 10 - 0.5))) for i in range(11)]
-            best = min(grid, key=lambda v: _loss(rows, st.with_efficiencies(eff, **{name: v})))
-            eff = st.with_efficiencies(eff, **{name: float(f"{best:.3g}")})
+        for name, (lo, hi) in ranges.items():
+            centre = params[name]
+            grid = sorted({min(hi, max(lo, centre + span[name] * (i / 10 - 0.5))) for i in range(11)})
+            best = min(grid, key=lambda v: _loss(rows, pairs, efficiencies({**params, name: v}), predictor))
+            params[name] = float(f"{best:.3g}")
             span[name] /= 2
-    return eff
+    return params
 
 
-def check(eff: st.Efficiencies) -> list[dict]:
+def fit_from_data(data: dict, rounds: int = 5, predictor=None) -> dict[str, float]:
+    """The fit as ``--fit`` runs it: the data file's fit rows only, from its starting values."""
+    fit_rows = [r for r in data["rows"] if r["role"] == "fit"]
+    return fit(fit_rows, data["pairs"], data["fit_start"], data["fit_ranges"], rounds, predictor)
+
+
+def check(rows: list[dict], eff: st.Efficiencies) -> list[dict]:
     out = []
-    for r in ROWS:
+    for r in rows:
         t = predict(r, eff)
         out.append(dict(
-            id=r["id"], role=r["role"], source=r["source"], config=r["config"],
+            id=r["id"], role=r["role"], source=r["source"], setup=r["setup"], config=r["config"],
             published_tokens_per_s_per_gpu=r["published"],
             published_range=r.get("published_range"), loose=r.get("loose", False),
             predicted_tokens_per_s_per_gpu=round(t.tokens_per_s_per_gpu, 1),
             ratio=round(t.tokens_per_s_per_gpu / r["published"], 4),
             predicted_mfu=round(t.mfu, 4), predicted_step_s=round(t.step_s, 4),
             exposed_comm_s=round(t.exposed_comm_s, 4), notes=r.get("notes", "")))
+    return out
+
+
+def effects(rows: list[dict], pairs: list[dict]) -> list[dict]:
+    """Each matched pair: the published and the predicted effect (variant / base)."""
+    by_id = {r["id"]: r for r in rows}
+    out = []
+    for p in pairs:
+        b, v = by_id[p["base"]], by_id[p["variant"]]
+        published = v["published_tokens_per_s_per_gpu"] / b["published_tokens_per_s_per_gpu"]
+        predicted = v["predicted_tokens_per_s_per_gpu"] / b["predicted_tokens_per_s_per_gpu"]
+        role = "fit" if b["role"] == v["role"] == "fit" else "held_out"
+        out.append(dict(effect=p["effect"], base=p["base"], variant=p["variant"], role=role,
+                        published=round(published, 4), predicted=round(predicted, 4),
+                        difference=round(predicted - published, 4)))
     return out
 
 
@@ -184,22 +178,36 @@ README_BLOCK = re.compile(r"(<!-- time-model:start -->\n)(.*?)(<!-- time-model:e
 
 
 def render(data: dict) -> str:
-    """The README's table and error summary, from a result file: never typed by hand."""
+    """The README's tables and error summary, from a result file: never typed by hand."""
     def published(r: dict) -> str:
         low_high = r.get("published_range")
         text = f"{low_high[0]:,}-{low_high[1]:,}" if low_high else f"{r['published_tokens_per_s_per_gpu']:,}"
-        return text + (" (loose)" if r.get("loose") else "")
+        return ("~" if r.get("loose") else "") + text
 
     lines = [f"_Rendered from `results/time_model_check.json` ({data['date'][:10]}, torch "
-             f"{data['torch']}) by `python benchmarks/time_model_check.py`; tokens/s per GPU._", "",
-             "| row | role | predicted | published | ratio |", "|---|---|---|---|---|"]
+             f"{data['torch']}) by `python benchmarks/time_model_check.py`; tokens/s per GPU; rows, "
+             "roles and sources from `benchmarks/time_model_rows.json`._", "",
+             "| row | role | source | setup | predicted | published | ratio |",
+             "|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        lines.append(f"| {r['id']} | {r['role'].replace('_', ' ')} | "
-                     f"{r['predicted_tokens_per_s_per_gpu']:,.0f} | {published(r)} | {r['ratio']:.2f} |")
+        setup = r["setup"] + (f" ({r['notes']})" if r.get("notes") else "")
+        lines.append(f"| {r['id']} | {r['role'].replace('_', ' ')} | {r['source']} | {setup} | "
+                     f"{r['predicted_tokens_per_s_per_gpu']:,.0f} | {published(r)} | {r['ratio']:.3f} |")
+    lines += ["", "Effects, the same run with and without the knob (variant / base tokens/s):", "",
+              "| effect | base -> variant | role | published | predicted | difference |",
+              "|---|---|---|---|---|---|"]
+    for e in data["effects"]:
+        lines.append(f"| {e['effect']} | {e['base']} -> {e['variant']} | {e['role'].replace('_', ' ')} | "
+                     f"{e['published']:.3f} | {e['predicted']:.3f} | {e['difference']:+.3f} |")
     s = data["summary"]
-    lines += ["", f"Mean absolute error: fit rows {s['fit']['mean_abs_error']:.1%}, held-out rows "
-                  f"{s['held_out']['mean_abs_error']:.1%} (largest {s['held_out']['max_abs_error']:.0%}; "
-                  f"{s['held_out_not_loose']['mean_abs_error']:.1%} without the loose rows)."]
+    fit, held = s["fit"], s["held_out"]
+    lines += ["", f"Mean absolute error: fit rows {fit['mean_abs_error']:.1%} ({fit['rows']} rows), "
+                  f"held-out rows {held['mean_abs_error']:.1%} ({held['rows']} rows, largest "
+                  f"{s['held_out']['max_abs_error']:.1%}; {s['held_out_not_loose']['mean_abs_error']:.1%} "
+                  "without the rows published as approximate, `~`)."]
+    lines += ["", "Published runs the model cannot express:", ""]
+    for r in data["not_expressible"]:
+        lines.append(f"- {r['id']} ({r['source']}, {r['published']}): {r['why']}")
     return "\n".join(lines) + "\n"
 
 
@@ -218,47 +226,60 @@ def write_readmes(data: dict, readmes: tuple[Path, ...] = READMES) -> list[Path]
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--fit", action="store_true",
-                   help="search the efficiencies on the 'fit' rows (from step_time.CALIBRATED) and "
-                        "check with the result instead of CALIBRATED")
-    p.add_argument("--fit-rows", nargs="+", default=None, metavar="ID",
-                   help="with --fit: the rows to fit on (default: those whose role is 'fit'); the "
-                        "others are held out")
+                   help="fit the efficiencies on the data file's 'fit' rows, from its fixed starting "
+                        "values, print them and check every row with them instead of CALIBRATED")
+    p.add_argument("--data", default=str(DATA), help=f"rows file (default {DATA.relative_to(REPO)})")
     p.add_argument("--out", default=str(OUT), help=f"result file (default {OUT.relative_to(REPO)})")
     return p.parse_args(argv)
+
+
+def fitted_params(eff: st.Efficiencies, names) -> dict[str, float]:
+    """The values of the fitted parameters in ``eff`` (``GPU.key`` names from ``per_gpu``)."""
+    out = {}
+    for name in names:
+        if "." in name:
+            gpu, key = name.split(".", 1)
+            out[name] = eff.per_gpu.get(gpu, {}).get(key)
+        else:
+            out[name] = getattr(eff, name)
+    return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
+    data = load_data(Path(args.data))
     eff = st.CALIBRATED
-    fitted = None
-    if args.fit_rows:
-        unknown = set(args.fit_rows) - {r["id"] for r in ROWS}
-        if unknown:
-            raise SystemExit(f"unknown rows: {sorted(unknown)}")
-        for r in ROWS:
-            r["role"] = "fit" if r["id"] in args.fit_rows else "held_out"
+    params = None
     if args.fit:
-        eff = fitted = fit([r for r in ROWS if r["role"] == "fit"], st.CALIBRATED)
-        print("fitted:", {k: getattr(eff, k) for k in FIT_FIELDS})
-    rows = check(eff)
+        params = fit_from_data(data)
+        eff = efficiencies(params)
+        print("fitted:", json.dumps(params))
+    rows = check(data["rows"], eff)
     result = {
         "benchmark": NAME, "device": "cpu", "device_name": "none (a model, no GPU)",
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "tiny": False, "settings": {"fit": args.fit},
-        "efficiencies": {k: v for k, v in vars(eff).items() if k != "sources"},
+        "efficiencies": {k: v for k, v in vars(eff).items() if k not in ("sources", "per_gpu")},
+        "per_gpu": eff.per_gpu,
+        "fitted": fitted_params(eff, data["fit_ranges"]),
+        "fit_start": data["fit_start"],
         "efficiency_sources": st.CALIBRATED.sources,
-        "fitted_here": fitted is not None,
-        "fit_rows": [r["id"] for r in ROWS if r["role"] == "fit"],
-        "held_out_rows": [r["id"] for r in ROWS if r["role"] == "held_out"],
-        "rows": rows, "summary": summary(rows),
+        "fitted_here": params is not None,
+        "fit_rows": [r["id"] for r in data["rows"] if r["role"] == "fit"],
+        "held_out_rows": [r["id"] for r in data["rows"] if r["role"] == "held_out"],
+        "rows": rows, "effects": effects(rows, data["pairs"]), "summary": summary(rows),
+        "not_expressible": data["not_expressible"],
         "seconds": round(time.perf_counter() - t0, 1),
     }
     print(f"{'row':<40}{'role':>9}{'predicted':>11}{'published':>11}{'ratio':>8}")
     for r in rows:
         print(f"{r['id'][:40]:<40}{r['role']:>9}{r['predicted_tokens_per_s_per_gpu']:>11,.0f}"
               f"{r['published_tokens_per_s_per_gpu']:>11,}{r['ratio']:>8.3f}")
+    for e in result["effects"]:
+        print(f"{e['effect']:<8}{e['variant'][:40]:<41}{e['role']:>9} published {e['published']:.3f} "
+              f"predicted {e['predicted']:.3f}")
     print(json.dumps(result["summary"]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -137,16 +137,55 @@ def test_knobs_and_output():
         assert g.source and g.peak_flops["bf16"] > g.peak_flops["fp32"] > 0
 
 
-def test_llama_8b_on_torchtitans_hosts_within_20_percent_of_published():
-    """torchtitan, Llama 3.1 8B, 8 x H100 96GB, bf16, selective AC, batch 2 x 8192: 5,762
-    tokens/s/GPU (anchors.md); + compile 6,667; + compile + Float8 8,532."""
+def test_compile_and_float8_effects_on_torchtitans_table_1():
+    """torchtitan, Llama 3.1 8B, 8 x H100 96GB, bf16, selective AC, batch 2 x 8192 (fit rows):
+    5,762 tokens/s/GPU; + compile 6,667 (x1.157); + compile + Float8 8,532 (x1.280). The
+    model's effects, each the ratio of two predictions, within 0.07 of the published ones."""
     kw = dict(model="llama-8b", gpus=8, gpu="h100-96gb", precision="bf16", ac="selective",
               batch=2, seq=8192)
-    for extra, published in ((dict(), 5762), (dict(compile=True), 6667),
-                             (dict(compile=True, fp8=True), 8532)):
-        t = st.estimate_step_time(**kw, **extra)
-        assert t.tokens_per_s_per_gpu == pytest.approx(published, rel=0.20), (extra, t.tokens_per_s_per_gpu)
+    eager, compiled, fp8 = (st.estimate_step_time(**kw, **extra) for extra in
+                            (dict(), dict(compile=True), dict(compile=True, fp8=True)))
+    assert abs(compiled.tokens_per_s_per_gpu / eager.tokens_per_s_per_gpu - 6667 / 5762) < 0.07
+    assert abs(fp8.tokens_per_s_per_gpu / compiled.tokens_per_s_per_gpu - 8532 / 6667) < 0.07
+    for t in (eager, compiled, fp8):
         assert t.exposed_comm_s < 0.05 * t.step_s  # 8 GPUs on NVLink: compute-bound
+
+
+def test_ring_latency_is_nccls_per_node_boundary_and_tree_at_scale():
+    """NCCL's tuning model (src/graph/tuning.cc): a ring pays the network hop latency on the
+    nNodes - 1 steps that cross a node boundary, the NVLink one (at least 3 us of network
+    overhead) on the others; an all-reduce across many nodes goes by tree when that is faster."""
+    gpu, eff = st.get_gpu("h100"), st.CALIBRATED
+    for n in (16, 128, 1024):
+        nodes = n // 8
+        expected = (eff.base_latency_s + (n - nodes) * max(eff.hop_latency_link_s, eff.net_overhead_s)
+                    + (nodes - 1) * eff.hop_latency_network_s)
+        assert st.collective_time("all_gather", 0, n, gpu, eff, 8, 400) == pytest.approx(expected)
+    ring_ar = (eff.base_latency_s + 2 * (1024 - 128) * eff.hop_latency_link_s
+               + 2 * 127 * eff.hop_latency_network_s)
+    tree = st.collective_time("all_reduce", 0, 1024, gpu, eff, 8, 400)
+    assert tree < ring_ar / 5  # log2(128) network levels instead of 254 steps
+    # large messages: the ring's bandwidth (2 (n-1)/n) beats the tree's (2 / 0.92)
+    size = 2**30
+    big = st.collective_time("all_reduce", size, 16, gpu, eff, 8, 400)
+    bw = 400e9 / 8 * eff.network
+    assert big == pytest.approx(eff.base_latency_s + 2 * 14 * eff.hop_latency_link_s
+                                + 2 * 1 * eff.hop_latency_network_s + 2 * 15 / 16 * size / bw)
+    # 1,024 GPUs lose little to latency: torchtitan's llama-8b setup within 5% of 128 GPUs' rate
+    kw = dict(model="llama-8b", gpu="h100-96gb", ac="selective", batch=2, seq=8192)
+    r128, r1024 = (st.estimate_step_time(gpus=n, **kw).tokens_per_s_per_gpu for n in (128, 1024))
+    assert r1024 > 0.95 * r128
+
+
+def test_each_gpu_part_has_its_efficiencies_and_says_where_they_come_from():
+    for name in ("h100-96gb", "h200", "a100-80gb"):
+        assert name in st.CALIBRATED.per_gpu
+    a100 = st.CALIBRATED.for_gpu("a100-80gb")
+    assert a100.link == pytest.approx(240 / 300) and a100.attention == pytest.approx(0.62)
+    assert st.CALIBRATED.for_gpu("a100-40gb") == a100  # extrapolated, and says so
+    notes = st.estimate_step_time(gpus=8, gpu="a100-40gb", **SMALL).assumptions
+    assert any("extrapolated" in n and "a100-80gb" in n for n in notes)
+    assert st.CALIBRATED.for_gpu("h100") == st.CALIBRATED
 
 
 def test_each_unit_gets_its_own_compute():
@@ -167,42 +206,99 @@ def test_each_unit_gets_its_own_compute():
         assert len(recomputed) == 2  # every other block
 
 
-def test_committed_check_is_current_and_holds_rows_out():
-    """benchmarks/results/time_model_check.json was made with today's efficiencies and model: its
-    torchtitan rows are what the model predicts now; the fit and held-out rows are disjoint, and
-    every torchtitan row is held out."""
+def _check_module():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import time_model_check
+
+    return time_model_check
+
+
+def test_committed_check_is_current_and_calibrated_is_the_fit():
+    """benchmarks/results/time_model_check.json was made by ``--fit`` with today's model: CALIBRATED
+    holds what the fit gave, its rows are the data file's, the fit and held-out rows are disjoint,
+    and the torchtitan Table 1 rows are what the model predicts now. (The held-out error is
+    reported as it comes out: no test holds it to a tolerance.)"""
     import json
     from pathlib import Path
 
-    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-                       / "time_model_check.json").read_text())
     from readme_claims import MODEL_ARITHMETIC_RTOL
 
+    tmc = _check_module()
+    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                       / "time_model_check.json").read_text())
+    assert data["fitted_here"]
     for k, v in data["efficiencies"].items():
         assert getattr(st.CALIBRATED, k) == pytest.approx(v, rel=MODEL_ARITHMETIC_RTOL), k
+    assert tmc.fitted_params(st.CALIBRATED, data["fitted"]) == data["fitted"]
+    rows = tmc.load_data()["rows"]
+    assert [r["id"] for r in data["rows"]] == [r["id"] for r in rows]
+    assert data["fit_rows"] == [r["id"] for r in rows if r["role"] == "fit"]
     assert not set(data["fit_rows"]) & set(data["held_out_rows"])
-    assert all(r not in data["fit_rows"] for r in data["held_out_rows"])
-    rows = {r["id"]: r for r in data["rows"]}
-    assert all(rows[i]["role"] == "held_out" for i in rows if i.startswith("torchtitan"))
+    by_id = {r["id"]: r for r in data["rows"]}
     for i, extra in (("torchtitan-8b-fsdp2", {}), ("torchtitan-8b-fsdp2-compile", {"compile": True})):
         t = st.estimate_step_time("llama-8b", 8, ac="selective", batch=2, seq=8192, gpu="h100-96gb",
                                   **extra)
-        # the file holds the prediction rounded to 0.1 tokens/s
-        assert rows[i]["predicted_tokens_per_s_per_gpu"] == pytest.approx(
+        assert by_id[i]["predicted_tokens_per_s_per_gpu"] == pytest.approx(
             t.tokens_per_s_per_gpu, rel=MODEL_ARITHMETIC_RTOL, abs=0.05)
-        assert abs(rows[i]["ratio"] - 1) < 0.20
+
+
+def test_the_fit_never_reads_held_out_rows():
+    """The fit sees the fit rows only: a predictor that records what it is asked shows it, and
+    changing every held-out row (published figure and setup) leaves the fitted values unchanged."""
+    import copy
+
+    tmc = _check_module()
+    data = tmc.load_data()
+    seen: set[str] = set()
+
+    def fake(row, eff):  # a cheap stand-in for the model: a smooth function of the efficiencies
+        seen.add(row["id"])
+        rate = 1e4 * eff.matmul * (1 + 0.1 * len(row["id"])) * (1 + eff.memory) / (1 + eff.kernel_floor_s)
+        return type("T", (), {"tokens_per_s_per_gpu": rate * (1.2 if row["config"].get("fp8") else 1)})
+
+    fitted = tmc.fit_from_data(data, rounds=1, predictor=fake)
+    assert seen == {r["id"] for r in data["rows"] if r["role"] == "fit"}
+    changed = copy.deepcopy(data)
+    for r in changed["rows"]:
+        if r["role"] == "held_out":
+            r["published"] *= 3
+            r["config"]["batch"] = 99
+    assert tmc.fit_from_data(changed, rounds=1, predictor=fake) == fitted
+
+
+def test_the_check_runs_and_reports(tmp_path):
+    """``--fit`` on a small data file of the same form: it fits, predicts every row and reports
+    the fit and held-out errors, the effects and the rows it cannot express."""
+    import json
+
+    tmc = _check_module()
+    data = tmc.load_data()
+    tiny = dict(model="llama-tiny", gpus=2, gpu="h100", precision="bf16", ac="none", batch=2, seq=64)
+    data["rows"] = [dict(id="a", role="fit", source="s", setup="x", published=5e5, config=tiny),
+                    dict(id="b", role="fit", source="s", setup="x", published=6e5,
+                         config=dict(tiny, compile=True)),
+                    dict(id="c", role="held_out", source="s", setup="x", published=5e5,
+                         config=dict(tiny, batch=4))]
+    data["pairs"] = [dict(effect="compile", base="a", variant="b")]
+    data["fit_ranges"] = {k: data["fit_ranges"][k] for k in ("matmul", "compile_memory")}
+    (tmp_path / "rows.json").write_text(json.dumps(data))
+    assert tmc.main(["--fit", "--data", str(tmp_path / "rows.json"), "--out", str(tmp_path / "o.json")]) == 0
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert out["summary"]["held_out"]["rows"] == 1 and out["summary"]["fit"]["rows"] == 2
+    assert out["effects"][0]["role"] == "fit" and out["not_expressible"]
+    assert "| c | held out |" in tmc.render(out)
 
 
 def test_the_benchmarks_readme_table_is_rendered_from_the_committed_check():
     """The README's time model table is the committed result file rendered, nothing typed by hand."""
     import json
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))
-    import time_model_check
-
+    time_model_check = _check_module()
     data = json.loads((root / "benchmarks/results/time_model_check.json").read_text())
     for readme in time_model_check.READMES:
         block = time_model_check.README_BLOCK.search(readme.read_text())
@@ -227,7 +323,7 @@ def test_calibration_twin_measures_saves_and_is_used(tmp_path):
                                       "memory": st.CALIBRATED.memory})
     (tmp_path / "slow.json").write_text(json.dumps(slow))
     assert C.load_efficiencies(tmp_path / "slow.json").matmul == pytest.approx(st.CALIBRATED.matmul / 2)
-    kw = dict(model="llama-1b", gpus=8, batch=1, seq=512)
+    kw = dict(model="llama-1b", gpus=8, batch=2, seq=2048)  # GEMM-bound enough to show it
     base = st.estimate_step_time(**kw)
     calibrated = st.estimate_step_time(**kw, efficiencies=C.load_efficiencies(tmp_path / "slow.json"))
     assert calibrated.compute_s > 1.05 * base.compute_s  # half the GEMM speed: a slower step

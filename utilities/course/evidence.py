@@ -5,11 +5,11 @@ A GPU is often lent for minutes (a borrowed cloud GPU, a cluster job with a wall
 for this version of their code in the evidence folder (``--into``); the next slot takes the following
 ones, until the folder is complete. A step's version is a hash of the files it runs (the harness, its
 own lesson, test or benchmark files, and every repository module those import), so a later slot
-neither redoes what is still valid nor trusts what a code change made stale. Each step runs as its own process group from the
-repository root; its output lands in ``STEP.log``, the files it is kept for (a lesson's
-results.json, a benchmark's JSON, a JUnit file) under ``STEP/``, and its status, wall time and
-version in ``manifest.json``. A step that needs a package this machine lacks is left for a machine
-that has it, and said so; a failure is recorded and the chunk goes on.
+neither redoes what is still valid nor trusts what a code change made stale. Each step runs as its
+own process group from the repository root; its output lands in ``STEP.log``, the files it is kept
+for (a lesson's results.json, a benchmark's JSON, a JUnit file) under ``STEP/``, and its status,
+wall time and version in ``manifest.json``. A step that needs a package this machine lacks is left
+for a machine that has it, and said so; a failure is recorded and the chunk goes on.
 
 ``--pack FILE.tar.gz`` writes the folder into one archive (rewritten after every step, so a slot cut
 short still hands back what it did); on a CPU machine ``--unpack FILE.tar.gz`` merges it into the

@@ -17,9 +17,10 @@ timeline. Three parts, each stated in ``StepTime.assumptions``:
 2. **Communication, from the shards.** Per unit: the all-gather of its parameters in the mixed
    precision policy's parameter dtype, the reduce-scatter of its gradients in the reduce dtype
    (plus the all-reduce across replicas under hybrid_shard, or the gradients' all-reduce under
-   no_shard), with FSDP2's per-parameter dim-0 shards padded to a multiple of the group. An NCCL
-   ring, alpha-beta: ``base + (n - 1) x hop + (n - 1) / n x bytes / bandwidth``, over NVLink
-   inside a node and the network across nodes.
+   no_shard), with FSDP2's per-parameter dim-0 shards padded to a multiple of the group. NCCL's
+   own tuning model: a ring, ``base + intra-node steps x hop + (nNodes - 1) x network hop +
+   (n - 1) / n x bytes / bandwidth``, over NVLink inside a node and the network across nodes;
+   an all-reduce across nodes by NCCL's tree where that is faster (``collective_time``).
 3. **The schedule.** Two lanes, compute and communication (collectives run one at a time, in the
    order they are issued). An all-gather is issued ``prefetch`` units ahead (FSDP2's implicit
    prefetching is one unit; 0 is none), a reduce-scatter when its unit's backward ends; a unit's
@@ -27,9 +28,11 @@ timeline. Three parts, each stated in ``StepTime.assumptions``:
    ``backward_prefetch`` (BACKWARD_PRE / BACKWARD_POST / None) and ``limit_all_gathers`` are
    variants of the issue order. Exposed communication = step - compute.
 
-The efficiencies are fitted by ``benchmarks/time_model_check.py --fit`` against a subset of the
-published rows in ``anchors.md`` and the course's own H100 measurements; the others are held out,
-and the script reports the error on both.
+The efficiencies are fitted by ``benchmarks/time_model_check.py --fit`` from fixed starting values
+on the rows marked fit in ``benchmarks/time_model_rows.json`` (published runs and the course's own
+H100 measurements, with the compile and Float8 effects of matched pairs); the rows marked held out
+are never read by the fit, and the script reports the error on both. Each GPU part has its own
+tensor-core fraction where a published run of it exists (``Efficiencies.per_gpu``).
 
 The API (what ``fsdp-course plan`` builds on):
 
@@ -94,11 +97,8 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
         "900 GB/s total = 450 GB/s each way); memory as nvidia-smi reports it"),
     GPU("h100-96gb", 96 * 10**9, _H100_PEAKS, 2.4e12, 450e9, "NVLink",
         "H100 96GB HBM2e (torchtitan's Grand Teton part, anchors.md): 96 GB, 2.4 TB/s, 500 W "
-        "power limit; peaks and NVLink as the NVIDIA H100 SXM5 datasheet",
-        clock_factor=(500 / 700) ** (1 / 3),
-        notes=("h100-96gb runs at a 500 W power limit instead of the SXM's 700 W: its sustained "
-               "tensor-core clock is taken as (500/700)^(1/3) = 0.89 of the 700 W part's (dynamic "
-               "power ~ f^3 when voltage scales with frequency), an assumption, not a measurement",)),
+        "power limit; peaks and NVLink as the NVIDIA H100 SXM5 datasheet (what it sustains at "
+        "500 W: CALIBRATED.per_gpu, fitted on torchtitan's runs on it)"),
     GPU("h200", 143771 * 2**20, _H100_PEAKS, 4.8e12, 450e9, "NVLink",
         "NVIDIA H200 SXM datasheet (141 GB HBM3e, 4.8 TB/s, dense peaks as H100 SXM, NVLink "
         "900 GB/s total)"),
@@ -140,37 +140,77 @@ class Efficiencies:
     hop_latency_link_s: float  # per ring step inside a node
     hop_latency_network_s: float  # per ring step when the ring spans nodes
     unit_overhead_s: float = 0.0  # FSDP's per-unit hooks, per forward and backward of each unit
+    compile_floor_s: float = 2e-6  # torch.compile: the shortest fused kernel (one per run of ops)
+    hop_latency_pcie_s: float = 5.7e-6  # per ring step inside a node over PCIe
+    net_overhead_s: float = 3e-6  # least time per intra-node step of a ring that spans nodes
+    tree_latency_link_s: float = 4.0e-6  # per tree level inside a node (all-reduce)
+    tree_latency_network_s: float = 14e-6  # per tree level across nodes (all-reduce)
+    per_gpu: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
+    def for_gpu(self, name: str) -> Efficiencies:
+        """The efficiencies on one GPU part. ``per_gpu[name]["tensor"]`` scales the tensor-core
+        fractions (matmul, attention, fp8_matmul: the clock and power the part sustains against
+        the reference H100 SXM's); its other keys replace fields outright."""
+        over = dict(self.per_gpu.get(name, self.per_gpu.get(_EXTRAPOLATED_FROM.get(name, ""), {})))
+        if not over:
+            return self
+        t = over.pop("tensor", 1.0)
+        changes = {"matmul": self.matmul * t, "attention": self.attention * t,
+                   "fp8_matmul": self.fp8_matmul * t}
+        changes.update(over)
+        return replace(self, per_gpu={}, **changes)
+
+
+# Parts without a published run of their own take another part's efficiencies (assumptions, say so)
+_EXTRAPOLATED_FROM = {"a100-40gb": "a100-80gb"}
 
 CALIBRATED = Efficiencies(
-    matmul=0.658,
+    matmul=0.626,
     attention=0.35,
-    memory=0.878,
-    compile_memory=0.175,
-    fp8_matmul=0.406,
-    kernel_floor_s=5.51e-6,
+    memory=0.95,
+    compile_memory=0.262,
+    fp8_matmul=0.518,
+    kernel_floor_s=1.52e-5,
     link=370 / 450,
     network=0.80,
     base_latency_s=8.4e-6,
     hop_latency_link_s=3.4e-6,
     hop_latency_network_s=14e-6,
-    unit_overhead_s=0.85e-3,
+    unit_overhead_s=1.73e-3,
+    compile_floor_s=0.5e-6,
+    hop_latency_pcie_s=5.7e-6,
+    net_overhead_s=3e-6,
+    tree_latency_link_s=4.0e-6,
+    tree_latency_network_s=14e-6,
+    per_gpu={
+        "h100-96gb": {"tensor": 0.842},
+        "h200": {"tensor": 1.09},
+        "a100-80gb": {"tensor": 1.18, "attention": 0.62, "link": 240 / 300},
+    },
     sources={
-        "matmul, memory, compile_memory, fp8_matmul, kernel_floor_s, unit_overhead_s": "fitted "
-        "on 2026-11-25 by benchmarks/time_model_check.py --fit (coordinate descent, least "
-        "squares of log(predicted / published)) on 5 rows: the course's llama-1b on one H100 "
-        "(benchmarks/results/gpu/2026-11-22-h100: the plain loop eager batch 4, compiled batch 4 and 8; "
-        "lesson 10's FSDP2 eager batch 4) and torchao's Float8 row (op-level selective AC, as "
-        "torchtitan's); the 10 other rows, "
-        "torchtitan's among them, are held out (benchmarks/results/time_model_check.json)",
+        "matmul, memory, compile_memory, compile_floor_s, fp8_matmul, kernel_floor_s, "
+        "unit_overhead_s, per_gpu tensor": "fitted by `python benchmarks/time_model_check.py "
+        "--fit` from the fixed starting values in benchmarks/time_model_rows.json, on its rows "
+        "marked fit only (least squares of log(predicted / published), and of the compile and "
+        "Float8 effects of the matched pairs among them); the held-out rows are never read by the "
+        "fit (benchmarks/results/time_model_check.json)",
+        "per-GPU parts": "H100 SXM (h100) is the reference part: the course's plain-loop H100 runs "
+        "and accelerate's 8x H100 SXM pair; h100-96gb (500 W): its tensor-core fraction fitted on "
+        "torchtitan's Table 1 (8 GPUs) and torchao's pair; h200: fitted on Trainy's 4-node "
+        "torchtitan run; a100-80gb: fitted on fms-fsdp's 128-A100 Llama 2 7B run; a100-40gb: "
+        "extrapolated (a100-80gb's); l4: extrapolated (H100 SXM's)",
         "attention": "not fitted: FlashAttention-2 on H100 reaches about 350 of 989 TFLOP/s "
-        "(the FlashAttention-3 paper's FA2 baseline, head dim 128)",
-        "link": "NCCL's H100 NVLink bus bandwidth, 370 GB/s (nccl src/graph/topo.h, as quoted in "
-        "torch/_inductor/comm_analysis.py), over the 450 GB/s link",
+        "(the FlashAttention-3 paper's FA2 baseline, head dim 128); on A100 0.62, the middle of "
+        "the FlashAttention-2 paper's 50-73% of the A100's peak (forward + backward)",
+        "link": "NCCL's NVLink bus bandwidth (nccl src/graph/topo.h: 20.6 GB/s per link on sm90 x "
+        "18 links = 370 GB/s of H100's 450; 20.0 x 12 = 240 GB/s of A100's 300)",
         "network": "assumed: 80% of the NIC's line rate for large messages",
-        "latencies": "NCCL's Simple-protocol ring constants (nccl src/graph/tuning.cc, as quoted "
-        "in torch/_inductor/comm_analysis.py): base 8.4 us, NVLink 3.4 us, network 14 us per step",
+        "latencies": "NCCL's Simple-protocol tuning constants (nccl src/graph/tuning.cc): base 8.4 "
+        "us; ring 3.4 us per NVLink step, 5.7 us per PCIe step, 14 us per network step, network "
+        "steps nNodes - 1 per ring (2 (nNodes - 1) for all-reduce), intra-node steps at least "
+        "3 x the 1 us network overhead on a ring that spans nodes; tree (all-reduce only) 4.0 us "
+        "per NVLink level, 14 us per network level, bandwidth x 0.92 x 1/2",
     },
 )
 
@@ -493,7 +533,16 @@ def segment_time(seg: Segment, gpu: GPU, eff: Efficiencies, precision: str, comp
         extra = cast * (eff.compile_memory if compile and seg.unit != "root" else 1.0)
     t = np.maximum(np.maximum(flops_t, mem_t), eff.kernel_floor_s)
     if compile and seg.unit != "root":  # compiled per block, as torchtitan and the course do
-        t = np.where(seg.kind == MEMORY, t * eff.compile_memory, t)
+        # Inductor fuses each run of consecutive memory-bound ops (between two GEMMs, attention
+        # or FSDP copies) into one kernel: one launch, and only the run's inputs and outputs
+        # cross HBM (compile_memory of the eager bytes), not its intermediates
+        mem = seg.kind == MEMORY
+        if mem.any():
+            run = np.cumsum(~mem)[mem]
+            _, first = np.unique(run, return_index=True)
+            run_bytes = np.add.reduceat(seg.nbytes[mem], first)
+            extra += float(np.maximum(run_bytes * eff.compile_memory / bw, eff.compile_floor_s).sum())
+            t = np.where(mem, 0.0, t)
     if not fsdp_copies:
         t = np.where(seg.kind == FSDP_COPY, 0.0, t)
     return float(t.sum()) + extra
@@ -512,19 +561,39 @@ def ring_bytes_per_gpu(kind: str, total_bytes: float, n: int) -> float:
 
 def collective_time(kind: str, total_bytes: float, n: int, gpu: GPU, eff: Efficiencies,
                     gpus_per_node: int, network_gbps: float) -> float:
-    """Alpha-beta time of a ring collective over ``n`` ranks whose full buffer is ``total_bytes``:
-    the group's slowest link (NVLink when it fits in a node, else each GPU's network share)."""
+    """Time of one NCCL collective over ``n`` ranks whose full buffer is ``total_bytes``, as NCCL's
+    own tuning model charges it (nccl src/graph/tuning.cc, Simple protocol; the model torch's
+    ``_inductor/comm_analysis.py`` adapts). Ring: a base latency, then per step the intra-node
+    hop latency, except the ``nNodes - 1`` steps (``2 (nNodes - 1)`` for all-reduce) that cross a
+    node boundary, which pay the network's; on a ring that spans nodes each intra-node step costs
+    at least NCCL's network overhead (3 x 1 us, x86). Bandwidth: (n - 1) / n of the buffer (twice
+    for all-reduce) over the group's slowest link, NVLink inside a node, else each GPU's share of
+    the network (comm_analysis's correction of NCCL's ``nNodes <= 2`` bandwidth choice).
+    All-reduce across nodes: NCCL's tree where it predicts less time (latency ``2 ((ppn - 1) x
+    intra + log2(nNodes) x net)``, bandwidth 0.92 x 1/2 of the bus bandwidth)."""
     if n <= 1:
         return 0.0
-    spans_nodes = n > gpus_per_node
-    if spans_nodes:
+    ppn = min(n, gpus_per_node)
+    nodes = -(-n // ppn)
+    reps = 2 if kind == "all_reduce" else 1
+    steps = (n - 1) * reps
+    intra = eff.hop_latency_link_s if gpu.link == "NVLink" else eff.hop_latency_pcie_s
+    if nodes > 1:
         bw = network_gbps * 1e9 / 8 * eff.network
-        hop = eff.hop_latency_network_s
+        inter_steps = (nodes - 1) * reps
+        intra = max(intra, eff.net_overhead_s)
     else:
         bw = gpu.link_bytes_per_s * eff.link
-        hop = eff.hop_latency_link_s
-    steps = (n - 1) * (2 if kind == "all_reduce" else 1)
-    return eff.base_latency_s + steps * hop + ring_bytes_per_gpu(kind, total_bytes, n) / bw
+        inter_steps = 0
+    ring = (eff.base_latency_s + (steps - inter_steps) * intra + inter_steps * eff.hop_latency_network_s
+            + ring_bytes_per_gpu(kind, total_bytes, n) / bw)
+    if kind != "all_reduce" or nodes == 1:
+        return ring
+    tree_intra = eff.tree_latency_link_s if gpu.link == "NVLink" else eff.hop_latency_pcie_s
+    levels = max(1, nodes.bit_length() - 1)  # NCCL's log2i: floor(log2(nNodes))
+    tree = (eff.base_latency_s + 2 * ((ppn - 1) * tree_intra + levels * eff.tree_latency_network_s)
+            + total_bytes / (bw * 0.92 * 0.5))
+    return min(ring, tree)
 
 
 # -- the result ------------------------------------------------------------------------------------
@@ -809,7 +878,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
 
     spec = get_model_spec(model) if isinstance(model, str) else model
     g = get_gpu(gpu)
-    eff = efficiencies or CALIBRATED
+    eff = (efficiencies or CALIBRATED).for_gpu(g.name)
     _check(gpus, strategy, precision, ac, batch, seq, gpus_per_node, network_gbps, prefetch,
            backward_prefetch, forward_prefetch)
     seq = seq or spec.default_seq_len
@@ -822,7 +891,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     frozen = PlanOptions(trainable=po.trainable, lora_rank=po.lora_rank) if po.frozen else None
     profile = trace_step(spec, precision, ac, batch, seq, world=min(gpus, gpus_per_node) or 1,
                          options=frozen)
-    notes = [f"GPU: {g.name}: {g.source}", *g.notes]
+    notes = [f"GPU: {g.name}: {g.source}", *g.notes, _efficiency_note(g.name)]
     fp8_used = fp8 and "fp8" in g.peak_flops and precision != "fp32"
     if fp8 and not fp8_used:
         notes.append(f"--fp8 ignored: {g.name} has no FP8 tensor cores" if "fp8" not in g.peak_flops
@@ -925,6 +994,20 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
         per_unit=per_unit, trace_s=profile.trace_s)
 
 
+def _efficiency_note(name: str) -> str:
+    """Where this part's efficiencies come from: its own published runs, or another part's."""
+    if name in CALIBRATED.per_gpu:
+        return (f"efficiencies for {name}: the reference H100 SXM fractions with this part's own, "
+                "fitted on its published runs (CALIBRATED.per_gpu)")
+    if name in _EXTRAPOLATED_FROM:
+        return (f"efficiencies for {name}: extrapolated, {_EXTRAPOLATED_FROM[name]}'s (no published "
+                "run of this part in the check)")
+    if name == "h100":
+        return "efficiencies for h100: the reference part, fitted on published H100 SXM runs"
+    return (f"efficiencies for {name}: extrapolated, H100 SXM's (no published run of this part in "
+            "the check)")
+
+
 def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network_gbps, group,
                  replicas, eff, g, bwd_mode, fwd_depth, bwd_depth, limit, profile,
                  tf32=False) -> list[str]:
@@ -942,9 +1025,12 @@ def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network
                          "precision; tf32=True for TF32"),
         f"topology: {nodes} node(s) x {min(gpus, gpus_per_node)} GPUs, {g.link} "
         f"{g.link_bytes_per_s / 1e9:.0f} GB/s per GPU each way at {eff.link:.0%} inside a node, "
-        f"{network_gbps:g} Gb/s per GPU at {eff.network:.0%} across nodes; NCCL ring, "
-        f"{eff.base_latency_s * 1e6:.1f} us + {eff.hop_latency_link_s * 1e6:.1f} us (NVLink) / "
-        f"{eff.hop_latency_network_s * 1e6:.0f} us (network) per step",
+        f"{network_gbps:g} Gb/s per GPU at {eff.network:.0%} across nodes; NCCL's tuning model "
+        f"(Simple protocol): ring {eff.base_latency_s * 1e6:.1f} us + "
+        f"{eff.hop_latency_link_s * 1e6:.1f} us per NVLink step, "
+        f"{eff.hop_latency_network_s * 1e6:.0f} us per step that crosses a node boundary "
+        "(nNodes - 1 of them); all-reduce across nodes by NCCL's tree where it is faster; NVLS "
+        "(NVLink SHARP) and PAT not modelled",
         "collectives run one at a time on one lane (FSDP2's all-gather and reduce-scatter "
         "streams share the links); communication kernels do not slow the compute they overlap",
         f"FSDP's per-unit hooks (Python, stream waits) stall the compute lane "
@@ -973,14 +1059,18 @@ def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network
                    + ("limit_all_gathers (at most 2 units gathered)" if limit else
                       "the CPU runs ahead, every all-gather issued at once"))
     if compile:
-        out.append(f"torch.compile per block: the blocks' memory-bound kernels take "
-                   f"{eff.compile_memory:.0%} of their eager time (elementwise ops fused); "
-                   "matmuls, attention, FSDP's copies and the root (embedding, output layer, "
-                   "loss) unchanged")
+        out.append(f"torch.compile per block: each run of consecutive memory-bound ops between "
+                   "two GEMMs (or attention, or FSDP's copies) is one fused kernel: one launch "
+                   f"(at least {eff.compile_floor_s * 1e6:.1f} us) moving {eff.compile_memory:.0%} "
+                   "of the run's eager bytes (its intermediates stay in registers); matmuls, "
+                   "attention, FSDP's copies and the root (embedding, output layer, loss) "
+                   "unchanged")
     if fp8:
-        out.append(f"fp8: torchao Float8Linear (tensorwise) for the blocks' Linears: GEMMs at "
-                   f"{eff.fp8_matmul:.0%} of the FP8 dense peak, plus amax and cast passes "
-                   "(memory-bound); FP8 all-gather of block parameters (1 byte each); embedding, "
+        out.append(f"fp8: torchao Float8Linear (tensorwise) for the blocks' Linears: their "
+                   f"three GEMMs (forward, grad input, grad weight) at {eff.fp8_matmul:.0%} of the "
+                   "FP8 dense peak reading half the bytes; an amax and a cast pass per operand "
+                   "(1.25 x the bf16 operand bytes, memory-bound, fused like any elementwise op "
+                   "under compile); FP8 all-gather of block parameters (1 byte each); embedding, "
                    "output layer and attention stay bf16")
     out.append("MFU: tokens/s/GPU x (6N + 12 x layers x heads x head_dim x seq) / the GPU's "
                "bf16 dense peak (the course's and torchtitan's convention)")
