@@ -241,10 +241,10 @@ def save_plain(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -
 
 
 def load_plain(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    optimizer.load_state_dict(torch.load(path, weights_only=False))
+    optimizer.load_state_dict(torch.load(path, weights_only=True))
 
 
-def save_full(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+def save_optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """The fix: ``get_optimizer_state_dict`` gathers every shard into full tensors keyed by
     parameter name (a collective: every rank calls it), rank 0 writes them."""
     state = get_optimizer_state_dict(model, optimizer,
@@ -254,9 +254,9 @@ def save_full(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) ->
     dist.barrier()
 
 
-def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+def load_optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """``set_optimizer_state_dict`` takes each rank's shard of every full tensor."""
-    set_optimizer_state_dict(model, optimizer, torch.load(path, weights_only=False),
+    set_optimizer_state_dict(model, optimizer, torch.load(path, weights_only=True),
                              options=StateDictOptions(full_state_dict=True))
 
 
@@ -645,12 +645,12 @@ class Failures:
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # every rank
         weights = {k: v.clone() for k, v in weights.items()}
         files = {}
-        for half, save in (("mistake", save_plain), ("fix", save_full)):
+        for half, save in (("mistake", save_plain), ("fix", save_optimizer_by_name)):
             files[half] = self.lesson.out / f"optimizer_{half}.pt"
             save(model, optimizer, files[half])
         onward = train_losses(model, optimizer, data[steps % len(data):], 2)
         result = {"uninterrupted_losses": [round(x, 6) for x in onward]}
-        for half, load in (("mistake", load_plain), ("fix", load_full)):
+        for half, load in (("mistake", load_plain), ("fix", load_optimizer_by_name)):
             fresh = shard(self.model(seed=1))
             set_model_state_dict(fresh, weights, options=StateDictOptions(full_state_dict=True))
             opt = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
