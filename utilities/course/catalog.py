@@ -120,6 +120,9 @@ LESSONS: dict[str, LessonInfo] = {
                    "memory_planner.py", one_gpu_nproc=2,
                    run=Run(gpu_model="llama-1b", gpu_batch_size=2, steps=4, quick_steps=3,
                            batch_size=4)),
+        LessonInfo("16", "16_cpu_offload", "CPU offload", "cpu_offload.py",
+                   "the GPU memory offload saves and the time its copies cost show only on GPUs",
+                   run=Run(steps=8, quick_steps=4, batch_size=4)),
     )
 }
 
