@@ -44,6 +44,9 @@ CLAIMS: dict[str, Callable[[Row], dict[str, Any]]] = {
                   "replicated_weight_bytes_per_rank"),
     "13": _picked("compiled_blocks", "parameters"),
     "14": lambda v: {"planned": v["predicted_peak_bytes"]},
+    "16": _picked("parameters_on", "gradients_on", "optimizer_on", "pinned", "sharded_bytes",
+                  "to_device_copies", "to_device_bytes", "to_device_moved_bytes", "to_host_copies",
+                  "to_host_bytes", "to_host_moved_bytes"),
 }
 PEAK_PARTS = ("total_without_all_gather", "parameters", "optimizer", "activations")
 # The parts of the peak a lesson's quick run reproduces of its committed run (default: all of

@@ -176,16 +176,19 @@ def run_variant(lesson: Lesson, name: str, pin_memory: bool) -> None:
 def takeaway(results: dict) -> str:
     """The lesson's point, from what the run measured (printed last)."""
     base, off = variant(results, "fsdp2"), variant(results, "fsdp2-offload")
-    line = (f"FSDP2 offload: state on {off['parameters_on']} (without: {base['parameters_on']}); "
-            f"per step {off['to_device_copies']} copies to the device "
-            f"({fmt_bytes(off['to_device_bytes'])}, {off['to_device_bytes'] / base['sharded_bytes']:.2f}x "
-            f"the parameter shards) and {off['to_host_copies']} to the host "
-            f"({fmt_bytes(off['to_host_bytes'])}), none without offload")
+    shards = off["sharded_bytes"]
+    line = (f"FSDP2 offload issued {off['to_device_copies']} copies to the device per step "
+            f"({fmt_bytes(off['to_device_bytes'])}, {off['to_device_bytes'] / shards:.2f}x the "
+            f"parameter shards: forward and backward gathers) and {off['to_host_copies']} to the "
+            f"host ({fmt_bytes(off['to_host_bytes'])}, {off['to_host_bytes'] / shards:.2f}x: the "
+            f"gradients); without offload {base['to_device_copies'] + base['to_host_copies']}")
     if results["device"] == "cuda":
         peak = lambda v: fmt_bytes(v["peak_memory_bytes"]["total"])  # noqa: E731
-        line += (f"; GPU peak {peak(base)} -> {peak(off)}, step "
-                 f"{base['step_time_s'] * 1e3:.0f} -> {off['step_time_s'] * 1e3:.0f} ms")
-    return line
+        return (f"{line}; state on {off['parameters_on']} (without: {base['parameters_on']}), GPU "
+                f"peak {peak(base)} -> {peak(off)}, step {base['step_time_s'] * 1e3:.0f} -> "
+                f"{off['step_time_s'] * 1e3:.0f} ms")
+    moved = off["to_device_moved_bytes"] + off["to_host_moved_bytes"]
+    return f"{line}; here they moved {fmt_bytes(moved)}: host and device are one memory"
 
 
 def main(args: argparse.Namespace) -> None:
@@ -198,7 +201,7 @@ def main(args: argparse.Namespace) -> None:
                                "to_device_moved_bytes", "to_host_moved_bytes")
         pin = lesson.device.type == "cuda" if args.pin_memory == "auto" else args.pin_memory == "true"
         lesson.check(not pin or lesson.device.type == "cuda", "--pin-memory", args.pin_memory,
-                     "true only with --device cuda (pinned host memory needs a GPU)")
+                     "auto or false on a CPU (pinned host memory needs a GPU)")
         lesson.results.setting(pin_memory=pin)
         for name in args.variants:
             run_variant(lesson, name, pin)
@@ -213,7 +216,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "asynchronous copies (auto: true on a GPU, false on CPU, where nothing "
                         "can be pinned)")
     add_prediction_arguments(p, LESSONS["16"].run.gpu_model, LESSONS["16"].run.gpu_batch_size)
-    return p.parse(argv)
+    args = p.parse(argv)
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    if args.pin_memory == "true" and on_cpu:
+        p.exit(2, "error: --pin-memory 'true' is not allowed; allowed: auto or false on a CPU "
+                  "(pinned host memory needs a GPU)\n")
+    return args
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ private names:
 
 * **to device**: a ``Tensor.to(device)`` whose source shares storage with a parameter's local
   shard (the shards the step started with; on a CPU run the compute device is the CPU);
-* **to host**: a ``Tensor.to(cpu)`` or a ``copy_`` whose result is a gradient's storage at the end
-  of the step (FSDP2 moves each reduce-scattered shard with ``.to``; FSDP1 copies into its host
-  gradient buffer with ``copy_``).
+* **to host**: a ``Tensor.to(cpu)`` or a ``copy_`` whose result is a gradient at the end of the
+  step, that very tensor (same start, same size; FSDP2 moves each reduce-scattered shard with
+  ``.to``, FSDP1 copies into its host gradient buffer with ``copy_``).
 
 Each copy counts as *issued*; it also counts as *moved* when bytes changed place (a ``.to`` that
 returned a new tensor, or a ``copy_`` between two storages). On a CPU-only run the host and the
@@ -44,6 +44,16 @@ def _storage(t: Any) -> int | None:
         return None
 
 
+def _exact(t: Any) -> tuple[int, int] | None:
+    """Where a tensor starts and how many bytes it spans: the same tensor, not just its storage."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return _local(t).data_ptr(), _nbytes(t)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     t = _local(t)
     return t.numel() * t.element_size()
@@ -72,20 +82,22 @@ class CopyCount:
     to_host_copies: int = 0
     to_host_bytes: int = 0
     to_host_moved_bytes: int = 0
-    _calls: list[tuple[str, int | None, int | None, int, bool, str | None]] = field(
+    _calls: list[tuple[str, int | None, tuple[int, int] | None, int, bool, str | None]] = field(
         default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, int]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
-    def classify(self, parameter_storages: set[int], gradient_storages: set[int]) -> None:
-        """Book every recorded call by what it moved (the storages the step began and ended with)."""
+    def classify(self, parameter_storages: set[int], gradients: set[tuple[int, int]]) -> None:
+        """Book every recorded call by what it moved: the parameters' storages the step began with,
+        the gradient tensors it ended with (exactly: a copy into a buffer a gradient is a view of
+        is not the gradient's copy)."""
         for kind, src, out, nbytes, moved, target in self._calls:
             if kind == "to" and src in parameter_storages:
                 self.to_device_copies += 1
                 self.to_device_bytes += nbytes
                 self.to_device_moved_bytes += nbytes if moved else 0
-            elif out in gradient_storages and (kind == "copy_" or target == "host"):
+            elif out in gradients and (kind == "copy_" or target == "host"):
                 self.to_host_copies += 1
                 self.to_host_bytes += nbytes
                 self.to_host_moved_bytes += nbytes if moved else 0
@@ -104,14 +116,14 @@ def _recording(count: CopyCount) -> Iterator[None]:
         device = _target_device((self, *args), kwargs)
         if device is not None:
             target = "host" if device.type == "cpu" else "device"
-            count._calls.append(("to", _storage(self), _storage(out), _nbytes(self), out is not self,
+            count._calls.append(("to", _storage(self), _exact(out), _nbytes(self), out is not self,
                                  target))
         return out
 
     def recorded_copy_(self, src, *args, **kwargs):
         out = copy_(self, src, *args, **kwargs)
         if isinstance(src, torch.Tensor):
-            count._calls.append(("copy_", _storage(src), _storage(self), _nbytes(src), True, None))
+            count._calls.append(("copy_", _storage(src), _exact(self), _nbytes(src), True, None))
         return out
 
     torch.Tensor.to, torch.Tensor.copy_ = recorded_to, recorded_copy_
@@ -131,8 +143,9 @@ def local_parameter_bytes(model: nn.Module) -> int:
     return sum(_nbytes(p) for p in model.parameters())
 
 
-def gradient_storages(model: nn.Module) -> set[int]:
-    return {s for p in model.parameters() if p.grad is not None and (s := _storage(p.grad)) is not None}
+def gradient_tensors(model: nn.Module) -> set[tuple[int, int]]:
+    """Where each gradient's local shard starts and how many bytes it spans."""
+    return {g for p in model.parameters() if p.grad is not None and (g := _exact(p.grad)) is not None}
 
 
 @contextlib.contextmanager
@@ -143,7 +156,7 @@ def count_copies(model: nn.Module) -> Iterator[CopyCount]:
     params = parameter_storages(model)
     with _recording(count):
         yield count
-    count.classify(params, gradient_storages(model))
+    count.classify(params, gradient_tensors(model))
 
 
 def placement(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
