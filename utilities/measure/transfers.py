@@ -1,4 +1,4 @@
-"""Host <-> device copies counted, and where each piece of training state lives.
+"""Host <-> device copies and reduce-scatters counted, and where each piece of training state lives.
 
 CPU offload keeps the parameters, gradients and optimizer state in host memory; FSDP copies a
 unit's parameter shards to the GPU before its all-gather (forward, and again in backward for units
@@ -176,3 +176,38 @@ def placement(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) 
     return {"parameters": devices(params), "gradients": devices(p.grad for p in params
                                                                 if p.grad is not None),
             "optimizer": devices(state), "pinned": pinned}
+
+
+@dataclass
+class ReduceScatterCount:
+    calls: int = 0
+    bytes: int = 0  # the inputs' bytes: the unsharded gradients handed to the collective
+
+
+@contextlib.contextmanager
+def count_reduce_scatters() -> Iterator[ReduceScatterCount]:
+    """Count the reduce-scatters this process issues while active, and their input bytes. FSDP1 and
+    FSDP2 call ``torch.distributed.reduce_scatter_single`` (torch 2.13; ``reduce_scatter_tensor``
+    in older releases): whichever exist are wrapped for the duration."""
+    import torch.distributed as dist
+
+    count = ReduceScatterCount()
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(original):
+        def call(*args, **kwargs):  # both take (output, input, ...)
+            grad = kwargs.get("input", args[1] if len(args) > 1 else None)
+            count.calls += 1
+            count.bytes += _nbytes(grad) if isinstance(grad, torch.Tensor) else 0
+            return original(*args, **kwargs)
+
+        return call
+
+    for n in names:
+        setattr(dist, n, counting(originals[n]))
+    try:
+        yield count
+    finally:
+        for n, original in originals.items():
+            setattr(dist, n, original)
