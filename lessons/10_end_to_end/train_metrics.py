@@ -217,9 +217,9 @@ class TrainingLog:
         between = self.between[:-1]
         return {"accum_sync": self.cfg.accum_sync if self.cfg.grad_accum > 1 else None,
                 "reduce_scatters_per_step": self.reduce_scatters.get("calls"),
-                "reduce_scatter_bytes_per_step": self.reduce_scatters.get("bytes"),
-                "sharded_gradient_bytes_between": max((b["sharded"] for b in between), default=None),
-                "unsharded_gradient_bytes_between": max((b["unsharded"] for b in between),
+                "reduce_scatter_per_step_bytes": self.reduce_scatters.get("bytes"),
+                "grads_between_sharded_bytes": max((b["sharded"] for b in between), default=None),
+                "grads_between_unsharded_bytes": max((b["unsharded"] for b in between),
                                                         default=None)}
 
     def finish(self, resumed_from: Path | None) -> None:
