@@ -131,22 +131,24 @@ def counted_step(counts: dict, at: int):
 @contextlib.contextmanager
 def pinning_stands_in(device: torch.device, api: str, offload: bool) -> Iterator[None]:
     """FSDP1's offload assumes an accelerator: it pins its host shards unconditionally and waits
-    on the device's stream after backward. A CPU-only torch can do neither, so on a CPU run, while
-    FSDP1 offloads, ``pin_memory()`` returns the tensor itself and the CPU's stream gets a
-    ``synchronize`` that waits for nothing (the CPU runs in order); the run says so. The copies and
-    the placement are FSDP1's own."""
-    if device.type == "cuda" or api != "fsdp1" or not offload or torch.cuda.is_available():
+    on the compute device's stream after backward. With ``--device cpu`` the CPU's stream has no
+    ``synchronize``, and a CPU-only torch cannot pin: while FSDP1 offloads there, the stream gets a
+    ``synchronize`` that waits for nothing (the CPU runs in order) and, without CUDA,
+    ``pin_memory()`` returns the tensor itself; the run says so. The copies and the placement are
+    FSDP1's own."""
+    if device.type != "cpu" or api != "fsdp1" or not offload:
         yield
         return
     stream = type(torch.cpu.current_stream())
-    original, had_sync = torch.Tensor.pin_memory, hasattr(stream, "synchronize")
-    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    pin, had_sync = torch.Tensor.pin_memory, hasattr(stream, "synchronize")
+    if not torch.cuda.is_available():
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     if not had_sync:
-        stream.synchronize = lambda self: None  # the CPU runs in order: nothing to wait for
+        stream.synchronize = lambda self: None
     try:
         yield
     finally:
-        torch.Tensor.pin_memory = original
+        torch.Tensor.pin_memory = pin
         if not had_sync:
             del stream.synchronize
 
@@ -193,7 +195,7 @@ def takeaway(results: dict) -> str:
 
 def main(args: argparse.Namespace) -> None:
     knobs = {name: {} for name in ("fsdp2", "fsdp1") if name in args.variants}
-    predicted = predict_from_arguments(args, knobs)  # before the process group: rank 0 only
+    predicted = predict_from_arguments(args, knobs) if knobs else None  # rank 0, before the group
     with Lesson("16", args, needs_ranks="sharding before offloading", notes=NOTES,
                 cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         lesson.results.columns("parameters_on", "optimizer_on", "to_device_copies",
