@@ -131,6 +131,29 @@ def _dcp(r: dict) -> None:
     assert variant(r, "resume-check")["max_abs_loss_diff"] <= 1e-5
 
 
+# -- 16: CPU offload moves the sharded state to the host and copies it each step --------------------
+OFFLOAD_VARIANTS = ("fsdp2", "fsdp2-offload", "fsdp1", "fsdp1-offload")
+
+
+def _offload(r: dict) -> None:
+    every_variant_released(r)
+    for api in ("fsdp2", "fsdp1"):
+        base, off = variant(r, api), variant(r, f"{api}-offload")
+        assert base["to_device_copies"] == base["to_host_copies"] == 0, api
+        assert off["to_host_bytes"] == off["sharded_bytes"], api  # each gradient shard comes back once
+        assert off["optimizer_on"] == off["parameters_on"] == "cpu", api
+
+
+def _offload_gpu(r: dict) -> None:
+    for api in ("fsdp2", "fsdp1"):
+        base, off = variant(r, api), variant(r, f"{api}-offload")
+        assert base["parameters_on"].startswith("cuda") and off["gradients_on"] == "cpu", api
+        assert off["to_device_moved_bytes"] >= off["sharded_bytes"], api  # forward gathers at least
+        assert off["to_host_moved_bytes"] == off["sharded_bytes"], api
+        assert total(off) < total(base), api  # the sharded state left the GPU
+    assert variant(r, "fsdp2-offload")["pinned"] is True
+
+
 CASES = [
     Case("01-wrap", "01", ("--variants", "fsdp2-one-unit,fsdp2-per-block,fsdp1-one-unit,"
                                          "fsdp1-per-block", "--steps", "4"), _wrap),
@@ -145,4 +168,6 @@ CASES = [
     Case("07-mixed-precision", "07", ("--policies", "fp32,bf16", "--steps", "6"), _precision,
          _precision_gpu),
     Case("08-distributed-checkpoint", "08", (), _dcp, gpu_quick=True),
+    Case("16-cpu-offload", "16", ("--variants", ",".join(OFFLOAD_VARIANTS), "--steps", "4"),
+         _offload, _offload_gpu),
 ]

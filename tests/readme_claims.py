@@ -49,6 +49,9 @@ CLAIMS: dict[str, Callable[[Row], dict[str, Any]]] = {
                   "unsharded_gradient_bytes", "mistake_peak_gradient_bytes", "fix_peak_gradient_bytes",
                   "mistake_reduce_scatters", "fix_reduce_scatters", "mistake_all_gathers",
                   "fix_all_gathers", "trainable_gradient_bytes_per_rank", "frozen_gradient_bytes_per_rank"),
+    "16": _picked("parameters_on", "gradients_on", "optimizer_on", "pinned", "sharded_bytes",
+                  "to_device_copies", "to_device_bytes", "to_device_moved_bytes", "to_host_copies",
+                  "to_host_bytes", "to_host_moved_bytes"),
 }
 PEAK_PARTS = ("total_without_all_gather", "parameters", "optimizer", "activations")
 # The parts of the peak a lesson's quick run reproduces of its committed run (default: all of

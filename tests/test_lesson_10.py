@@ -4,8 +4,9 @@ and a bad config value is one line and exit 2.
 Five torchrun launches in all: the notebook's quick run (30 steps, a checkpoint every 10), the same
 run killed from outside (SIGKILL to the CLI, torchrun and every rank) once its first checkpoint is
 published, its --resume (resumed once more in this process: nothing to do), a short run that
-crashes itself (--crash-after-step), and the same training through every other switch at once
-(FSDP1, selective checkpointing, gradient accumulation, prefetch, profiler).
+crashes itself (--crash-after-step), the same training through every other switch at once
+(FSDP1, selective checkpointing, gradient accumulation, prefetch, profiler), and two short runs of
+gradient accumulation, reducing after the last micro-batch and after every one.
 """
 
 from __future__ import annotations
@@ -174,6 +175,47 @@ def test_every_switch_trains_the_same_model(results, tmp_path):
         [e[1] for e in reference["eval_losses"]], abs=SAME_CURVE_ATOL)
     trace = json.loads((tmp_path / "trace_rank0.json").read_text())
     assert trace["traceEvents"]
+    # FSDP1's no_sync() (the default --accum-sync last): one reduce-scatter per unit per step, the
+    # whole model's gradients unsharded between the micro-batches
+    assert r["settings"]["accum_sync"] == "last" and v["accum_sync"] == "last"
+    assert v["reduce_scatters_per_step"] == LLAMA_TINY_UNITS
+    assert v["grads_between_unsharded_bytes"] == LLAMA_TINY_GRAD_BYTES
+    assert v["grads_between_sharded_bytes"] == 0
+
+
+# llama-tiny: 4 blocks and the root are FSDP units; 836,736 fp32 parameters, 2 ranks share them
+LLAMA_TINY_UNITS, LLAMA_TINY_GRAD_BYTES = 5, 4 * 836_736
+
+
+def test_without_accumulation_each_unit_reduce_scatters_once_per_step(results):
+    v = results["variants"][0]
+    assert v["reduce_scatters_per_step"] == LLAMA_TINY_UNITS
+    assert v["reduce_scatter_per_step_bytes"] == LLAMA_TINY_GRAD_BYTES
+    assert v["accum_sync"] is None and v["grads_between_unsharded_bytes"] is None  # no micro-batches
+
+
+def test_accum_sync_trades_gradient_memory_for_reduce_scatters(tmp_path):
+    """Both sides of gradient accumulation's trade, FSDP2, 2 micro-batches per step: `last`
+    (set_requires_gradient_sync(False) until the last one) holds the whole model's gradients
+    unsharded between micro-batches and reduce-scatters once; `every` holds only this rank's
+    shards and reduce-scatters after each micro-batch. The losses are the same."""
+    runs = {}
+    for sync in ("last", "every"):
+        out = tmp_path / sync
+        proc = cli("run", "10", "--device", "cpu", "--quick", "--out", str(out), "--",
+                   "--batch-size", "4", "--grad-accum", "2", "--accum-sync", sync, "--steps", "3",
+                   "--ckpt-every", "0", timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[sync] = json.loads((out / "results.json").read_text())["variants"][0]
+    last, every = runs["last"], runs["every"]
+    assert last["grads_between_unsharded_bytes"] == LLAMA_TINY_GRAD_BYTES
+    assert last["grads_between_sharded_bytes"] == 0
+    assert every["grads_between_unsharded_bytes"] == 0
+    assert every["grads_between_sharded_bytes"] == LLAMA_TINY_GRAD_BYTES // 2
+    assert last["reduce_scatters_per_step"] == LLAMA_TINY_UNITS
+    assert every["reduce_scatters_per_step"] == 2 * LLAMA_TINY_UNITS
+    assert every["reduce_scatter_per_step_bytes"] == 2 * last["reduce_scatter_per_step_bytes"]
+    assert every["losses"] == pytest.approx(last["losses"], abs=1e-5)
 
 
 def test_notebook_run_wrote_checkpoints(results, tmp_path_factory):
@@ -184,7 +226,8 @@ def test_notebook_run_wrote_checkpoints(results, tmp_path_factory):
 
 
 @pytest.mark.parametrize("flags, named", [(["--lr", "-1"], "--lr"), (["--api", "fsdp3"], "fsdp3"),
-                                          (["--grad-accum", "0"], "--grad-accum")])
+                                          (["--grad-accum", "0"], "--grad-accum"),
+                                          (["--accum-sync", "never"], "--accum-sync")])
 def test_bad_config_value_is_one_line_exit_2(flags, named):
     assert named in flag_error("10", *flags)
 

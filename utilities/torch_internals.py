@@ -323,3 +323,20 @@ def fsdp1_orig_params(unit: nn.Module) -> list[torch.Tensor] | None:
 def fsdp1_mixed_precision(unit: nn.Module) -> Any | None:
     """The ``MixedPrecision`` an FSDP1 unit runs with (FSDP1 stores an all-None one for none)."""
     return getattr(unit, "mixed_precision", None)
+
+
+# -- CPU offload -----------------------------------------------------------------------------------
+
+def cpu_offload_policy_class() -> type:
+    """FSDP2's ``CPUOffloadPolicy``: public in ``torch.distributed.fsdp`` from torch 2.6; earlier
+    releases kept it beside ``fully_shard`` under ``torch.distributed._composable.fsdp``."""
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+    except ImportError:
+        import importlib
+
+        try:
+            return importlib.import_module("torch.distributed._composable.fsdp").CPUOffloadPolicy
+        except (ImportError, AttributeError):
+            raise _unsupported("CPU offload with fully_shard", "CPUOffloadPolicy") from None
+    return CPUOffloadPolicy

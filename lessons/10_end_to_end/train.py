@@ -9,7 +9,8 @@ Start your own project from this file. Its first part is the lesson:
                     apply_prefetch (explicit all-gather prefetching)
     checkpoints     DCP: model, optimizer, scheduler, step and data position, published with
                     utilities.dcp's crash-safe swap; --resume continues from the newest one
-    main            nanoGPT's loop: gradient accumulation, clipping, AdamW with warm-up and
+    main            nanoGPT's loop: gradient accumulation (reduce once per step, or every
+                    micro-batch: --accum-sync), clipping, AdamW with warm-up and
                     cosine decay, eval on held-out data, a checkpoint every N steps
 
 Below main: FSDP1 for comparison (--api fsdp1), the data (sharded, deterministic, resumable) and
@@ -245,7 +246,8 @@ def main(cfg: Config) -> None:
             with log.step(step, model, optimizer, scheduler):  # timed; memory probed once
                 optimizer.zero_grad(set_to_none=True)
                 for micro in range(cfg.grad_accum):
-                    with no_gradient_sync(model, micro == cfg.grad_accum - 1, cfg.grad_accum > 1):
+                    with no_gradient_sync(model, micro == cfg.grad_accum - 1,
+                                          cfg.grad_accum > 1 and cfg.accum_sync == "last"):
                         loss = model(**batch).loss / cfg.grad_accum
                         loss.backward()
                     log.micro_batch(loss, tokens_in(batch))
@@ -272,10 +274,13 @@ def main(cfg: Config) -> None:
 
 
 def no_gradient_sync(model: nn.Module, last_micro_batch: bool,
-                     accumulating: bool) -> contextlib.AbstractContextManager:
-    """Accumulate without reducing gradients until the last micro-batch of the step (nothing to do
-    without accumulation: FSDP2's flag walks every module, so it is not set on every step)."""
-    if not accumulating:
+                     skip_sync: bool) -> contextlib.AbstractContextManager:
+    """With ``skip_sync`` (--accum-sync last): accumulate without reducing gradients until the last
+    micro-batch of the step. The full-size gradients then stay on every rank between micro-batches,
+    and each unit is reduce-scattered once per step. Without it (no accumulation, or --accum-sync
+    every) every backward reduce-scatters: sharded gradients only, one reduce-scatter per unit per
+    micro-batch (FSDP2's flag walks every module, so it is not set when there is nothing to skip)."""
+    if not skip_sync:
         return contextlib.nullcontext()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(last_micro_batch)

@@ -73,6 +73,11 @@ class Config:
                                  type=positive_int)
     grad_accum: int = opt(1, "micro-batches per optimizer step (gradient accumulation)",
                           type=positive_int)
+    accum_sync: str = opt("last", "with --grad-accum N: reduce-scatter the gradients after the last "
+                                  "micro-batch only (last: the unsharded gradients stay until then, "
+                                  "one reduce-scatter per unit per step) or after every micro-batch "
+                                  "(every: only sharded gradients are kept, N reduce-scatters per "
+                                  "unit per step)", choices=("last", "every"))
     seq_len: int | None = opt(None, "tokens per sequence (default 32 with --quick, else the "
                                     "model's)", type=positive_int)
     lr: float = opt(3e-3, "peak learning rate (AdamW)", type=positive_float)

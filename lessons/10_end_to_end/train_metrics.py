@@ -25,7 +25,9 @@ from train_config import Config, ac_label
 
 from utilities import distributed as D
 from utilities.measure import MemoryProbe, fmt_bytes
+from utilities.measure.memory import live_gradient_bytes, shard_numels
 from utilities.measure.results import Results, table
+from utilities.measure.transfers import count_reduce_scatters
 from utilities.models import ModelSpec
 from utilities.training import TrainStats, peak_flops
 
@@ -70,6 +72,10 @@ class TrainingLog:
         self.evals: list[list[float]] = []
         self.checkpoints: list[int] = []
         self.memory: dict[str, Any] = {}
+        self.reduce_scatters: dict[str, int] = {}  # the probed step's: calls and input bytes
+        self.between: list[dict[str, int]] = []  # the probed step's gradients after each micro-batch
+        self._probed_model: nn.Module | None = None
+        self._shards: dict[int, int] = {}
         self.tokens_per_step = 0
         self.start_step = 0
         self._pending: list[tuple[torch.Tensor, float, bool]] = []  # loss, local time, timed?
@@ -120,8 +126,15 @@ class TrainingLog:
         # FSDPMemTracker follows one forward per step: with accumulation, count live tensors instead
         tracker = None if self.cfg.grad_accum == 1 else False
         probe = MemoryProbe(model, optimizer, self.device, use_tracker=tracker) if probe_memory else None
-        with probe or contextlib.nullcontext():
+        counting = count_reduce_scatters() if probe_memory else contextlib.nullcontext()
+        self._probed_model = model if probe_memory else None
+        if not self._shards:  # before the first forward, every parameter is sharded (an eval's
+            self._shards = shard_numels(model)  # forward leaves FSDP2's root unsharded)
+        with probe or contextlib.nullcontext(), counting as reduce_scatters:
             yield
+        self._probed_model = None
+        if reduce_scatters is not None:
+            self.reduce_scatters = {"calls": reduce_scatters.calls, "bytes": reduce_scatters.bytes}
         self._sync()
         timed = not probe_memory and step > self.start_step + 1
         self._pending.append((self._loss, time.perf_counter() - t0, timed))
@@ -137,6 +150,8 @@ class TrainingLog:
         """A micro-batch's (already scaled) loss, kept on the device, and the tokens it trained on."""
         loss = loss.detach().to(torch.float64)
         self._loss = loss if self._loss is None else self._loss + loss
+        if self._probed_model is not None:  # the gradients this micro-batch leaves for the next
+            self.between.append(live_gradient_bytes(self._probed_model, self._shards))
         self._tokens += tokens * self.world
 
     def _sync(self) -> None:
@@ -194,6 +209,19 @@ class TrainingLog:
                 f"{len(self.checkpoints)} checkpoints"
                 + (f", resumed from {resumed_from}" if resumed_from else ""))
 
+    def accumulation(self) -> dict[str, Any]:
+        """What one optimizer step cost in gradient memory and communication (the probed step):
+        the reduce-scatters this rank issued and their input bytes, and the gradients alive
+        between micro-batches (after each but the last), sharded and unsharded, at their largest.
+        None where the step has one micro-batch (nothing is between)."""
+        between = self.between[:-1]
+        return {"accum_sync": self.cfg.accum_sync if self.cfg.grad_accum > 1 else None,
+                "reduce_scatters_per_step": self.reduce_scatters.get("calls"),
+                "reduce_scatter_per_step_bytes": self.reduce_scatters.get("bytes"),
+                "grads_between_sharded_bytes": max((b["sharded"] for b in between), default=None),
+                "grads_between_unsharded_bytes": max((b["unsharded"] for b in between),
+                                                        default=None)}
+
     def finish(self, resumed_from: Path | None) -> None:
         """Write results.json (one variant, named by --api) and print the table on rank 0."""
         self._catch_up()
@@ -210,7 +238,8 @@ class TrainingLog:
         results.add(cfg.api, stats, start_step=self.start_step, first_loss_step=self.start_step + 1,
                     lrs=self.lrs, eval_losses=self.evals, checkpoints=self.checkpoints,
                     resumed_from=str(resumed_from) if resumed_from else None,
-                    precision=cfg.precision, activation_checkpointing=ac_label(cfg))
+                    precision=cfg.precision, activation_checkpointing=ac_label(cfg),
+                    **self.accumulation())
         results.columns("precision", "activation_checkpointing", "start_step", "resumed_from")
         if self.device.type == "cpu":
             results.note("CPU run: memory from torch.distributed._tools trackers (one step); step times "

@@ -124,6 +124,9 @@ LESSONS: dict[str, LessonInfo] = {
                    "allocated vs reserved memory and NCCL timeouts show only on GPUs", one_gpu_nproc=2,
                    run=Run(gpu_model="llama-tiny", gpu_batch_size=4, cpu_model="llama-tiny",
                            steps=1, quick_steps=1, batch_size=4)),
+        LessonInfo("16", "16_cpu_offload", "CPU offload", "cpu_offload.py",
+                   "the GPU memory offload saves and the time its copies cost show only on GPUs",
+                   run=Run(steps=8, quick_steps=4, batch_size=4)),
     )
 }
 

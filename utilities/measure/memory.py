@@ -225,6 +225,48 @@ def census(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
 
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+
+
+def shard_numels(model: nn.Module) -> dict[int, int]:
+    """Each parameter's local size now, by ``id``: taken while the model is sharded (before its
+    first forward: a forward without backward, an eval's, leaves FSDP2's root unit unsharded), it
+    says later which gradients are shard-sized (``live_gradient_bytes``)."""
+    return {id(p): _local(p).numel() for p in model.parameters()}
+
+
+def live_gradient_bytes(model: nn.Module, shards: dict[int, int] | None = None) -> dict[str, int]:
+    """Bytes of every gradient alive right now on this rank, split by whether it is a sharded one.
+
+    ``sharded``: the storages behind the gradients of the model's own parameters whose size is the
+    parameter's shard (``shards``, from ``shard_numels`` taken while the model was sharded; default:
+    the parameters' local sizes now): what a reduce-scatter leaves. ``unsharded``: every other
+    gradient storage alive, found on any live ``nn.Parameter``: the full-size gradients FSDP keeps
+    while gradient synchronization is off (FSDP2's ``set_requires_gradient_sync(False)``, FSDP1's
+    ``no_sync()``), before any reduce-scatter. Read between two micro-batches, it shows what
+    accumulating without synchronizing holds."""
+    import gc
+
+    shards = shard_numels(model) if shards is None else shards
+    own = list(model.parameters())
+    found = [o for o in gc.get_objects() if isinstance(o, nn.Parameter)]
+    size: dict[int, int] = {}  # every gradient storage alive: its bytes
+    shard_sized: dict[int, bool] = {}  # whether every gradient of the model's on it is shard-sized
+    for p in [*own, *found]:
+        grad = p.grad
+        if grad is None or grad.is_meta:
+            continue
+        storage = _local(grad).untyped_storage()
+        size[storage.data_ptr()] = storage.nbytes()
+        if id(p) in shards:  # FSDP1 keeps its parameters' gradients as views of one flat storage
+            fits = _local(grad).numel() == shards[id(p)]
+            shard_sized[storage.data_ptr()] = shard_sized.get(storage.data_ptr(), True) and fits
+    sharded = {ptr for ptr, fits in shard_sized.items() if fits}
+    return {"sharded": sum(size[ptr] for ptr in sharded),
+            "unsharded": sum(n for ptr, n in size.items() if ptr not in sharded)}
+
+
 def unsharded_parameter_bytes(peak: dict[str, Any]) -> int | None:
     """Bytes of all-gathered (unsharded) parameters alive at the peak, from a tracker's breakdown.
 
