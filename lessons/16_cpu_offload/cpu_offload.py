@@ -42,6 +42,7 @@ from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.measure import fmt_bytes
+from utilities.measure.plan_options import PlanOptions
 from utilities.measure.results import variant
 from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
 from utilities.measure.transfers import count_copies, local_parameter_bytes, placement
@@ -84,8 +85,8 @@ VARIANTS = {"fsdp2": ("fsdp2", False), "fsdp2-offload": ("fsdp2", True),
             "fsdp1": ("fsdp1", False), "fsdp1-offload": ("fsdp1", True)}
 NOTES = ("to_device / to_host: the copies one step issued each way (FSDP2 one per parameter, FSDP1 "
          "one per unit), with their bytes; moved: the bytes that changed place.",
-         "The prediction on a cluster covers the step without offload; the offload prediction comes "
-         "from `fsdp-course plan --offload`.")
+         "The prediction on a cluster is `fsdp-course plan --offload`'s time model: the copies over "
+         "PCIe and AdamW on the host, with their assumptions.")
 CPU_NOTE = ("CPU run: the host and the device are the same memory, so offloading frees no memory "
             "and its copies move little or nothing: the placement and the copies counted are the "
             "mechanism; the memory it saves and the time it costs show on a GPU. fsdp1-offload: "
@@ -193,8 +194,16 @@ def takeaway(results: dict) -> str:
     return f"{line}; here they moved {fmt_bytes(moved)}: host and device are one memory"
 
 
+def prediction_knobs(variants: list[str]) -> dict[str, dict]:
+    """Each variant as the step-time model takes it: offload moves the shards, gradients and the
+    optimizer step to the host (``PlanOptions(offload=True)``: the copies over PCIe and AdamW on
+    the host CPU). The model plans FSDP2; FSDP1's offload is predicted the same way."""
+    return {name: {"plan_options": PlanOptions(offload=offload)} if offload else {}
+            for name, (_api, offload) in VARIANTS.items() if name in variants}
+
+
 def main(args: argparse.Namespace) -> None:
-    knobs = {name: {} for name in ("fsdp2", "fsdp1") if name in args.variants}
+    knobs = prediction_knobs(args.variants)
     predicted = predict_from_arguments(args, knobs) if knobs else None  # rank 0, before the group
     with Lesson("16", args, needs_ranks="sharding before offloading", notes=NOTES,
                 cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
