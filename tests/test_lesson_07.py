@@ -123,7 +123,10 @@ def test_bad_policy_is_one_line_exit_2():
 def test_readme_table_is_reproduced_by_the_quick_run(results):
     """The README's table is rendered from results_cpu.json, the lesson's own `fsdp-course run 07`
     (tests/test_trust_newcomer.py checks the rendering). The quick run must reproduce its observed
-    dtypes and the peak memory by category exactly."""
+    dtypes, and the peak's height and optimizer state. Not how the peak splits between parameters
+    and activations: fsdp2-bf16-fp32-reduce has two moments within 0.3% of each other (the forward
+    peak fsdp2-bf16 has, and one in backward with its fp32 gradient), and which of the two is the
+    highest depends on the ranks' thread timing (seen once in a clean CI run: the forward one)."""
     from conftest import assert_readme_table_is_reproduced
 
-    assert_readme_table_is_reproduced("07", results)
+    assert_readme_table_is_reproduced("07", results, peak_parts=("total_without_all_gather", "optimizer"))
