@@ -52,6 +52,9 @@ class LessonInfo:
     gpu_note: str = ""  # what only a GPU shows, for the learning path
     one_gpu_nproc: int = 1  # ranks on a one-GPU machine (2: a per-rank memory lesson)
     run: Run = Run()
+    # how a run's sizes read in its README caption, where its variants choose their own steps and
+    # batches ("" : the run's steps and batch)
+    sizes: str = ""
 
     @property
     def path(self) -> Path:
@@ -123,7 +126,8 @@ LESSONS: dict[str, LessonInfo] = {
         LessonInfo("15", "15_when_fsdp_goes_wrong", "when FSDP goes wrong", "when_fsdp_goes_wrong.py",
                    "allocated vs reserved memory and NCCL timeouts show only on GPUs", one_gpu_nproc=2,
                    run=Run(gpu_model="llama-tiny", gpu_batch_size=4, cpu_model="llama-tiny",
-                           steps=1, quick_steps=1, batch_size=4)),
+                           steps=1, quick_steps=1, batch_size=4),
+                   sizes="each failure at the steps and batches its row needs to show it"),
         LessonInfo("16", "16_cpu_offload", "CPU offload", "cpu_offload.py",
                    "the GPU memory offload saves and the time its copies cost show only on GPUs",
                    run=Run(steps=8, quick_steps=4, batch_size=4)),

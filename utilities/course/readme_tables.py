@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from utilities.course.catalog import LESSONS
 from utilities.errors import UsageError
 from utilities.measure.results import idle_category_notes, markdown_table
 from utilities.measure.results import load as load_results
@@ -161,10 +162,12 @@ def caption(results: dict[str, Any], source: str, first: dict[str, Any] | None =
         return (f"_And [`{source}`]({source}): `{command}` (variants: {names}){where}, "
                 f"{results['date'][:10]}._")
     batch = f", batch {s['batch_size']} x {s['seq_len']} tokens per rank" if "seq_len" in s else ""
+    info = LESSONS.get(results["lesson"])
+    sizes = info.sizes if info is not None and info.sizes else f"{s['steps']} steps{batch}"
     return (f"_Rendered from [`{source}`]({source}): `{command}` on {results['world_size']} "
             f"ranks ({results['device']}, {s.get('backend', '?')}) of one machine ({machine(results)}), "
             f"torch {results['torch']}, {results['date'][:10]}; {results['model']['name']}, "
-            f"{s['steps']} steps{batch}._")
+            f"{sizes}._")
 
 
 def render(lesson: str, runs: dict[str, Any] | list[tuple[str, dict[str, Any]]],
