@@ -335,3 +335,31 @@ def test_calibration_twin_measures_saves_and_is_used(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--calibration" in bad.stderr
     refused = cli_here("plan", "--calibrate")
     assert refused.returncode == 2 and "needs a CUDA GPU" in refused.stderr
+
+
+def test_plan_trace_is_a_chrome_trace_whose_slices_add_up_to_the_predicted_step(tmp_path):
+    """``plan --trace FILE.json``: every slice has what a Chrome-trace reader needs (ph, ts, dur, pid,
+    tid), the last slice ends at the predicted step, and the compute lane's slices add up to the
+    predicted compute time; with --no-time or --sweep it is one line."""
+    import json
+
+    from conftest import cli_here
+
+    path = tmp_path / "step.json"
+    proc = cli_here("plan", "--model", "llama-tiny", "--gpus", "8", "--batch", "2", "--json",
+                    "--trace", str(path))
+    assert proc.returncode == 0, proc.stderr
+    time = json.loads(proc.stdout)["time"]
+    trace = json.loads(path.read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert slices and all({"ph", "ts", "dur", "pid", "tid", "name"} <= set(e) for e in slices)
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} == {
+        "compute", "communication"}
+    assert max(e["ts"] + e["dur"] for e in slices) / 1e6 == pytest.approx(time["step_s"], rel=1e-9)
+    compute = sum(e["dur"] for e in slices if e["cat"] == "compute") / 1e6
+    assert compute == pytest.approx(time["compute_s"], rel=1e-9)
+    assert any(e["name"].endswith("all_gather") for e in slices)
+    for flags, says in ((["--no-time"], "--trace is not allowed with --no-time"),
+                        (["--sweep"], "--trace is not allowed with --sweep")):
+        bad = cli_here("plan", "--model", "llama-tiny", "--trace", str(tmp_path / "x.json"), *flags)
+        assert bad.returncode == 2 and says in bad.stderr and bad.stderr.strip().count("\n") == 0

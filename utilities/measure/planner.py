@@ -848,6 +848,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="fp32 (default: fp32 master parameters) or bf16 (the model stored in "
                         "bf16, no fp32 masters: half the state, lost small updates)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--trace", default=None, metavar="FILE.json",
+                        help="also write the predicted step's timeline (compute and communication "
+                             "lanes, a slice per unit's forward, backward and collective) as a Chrome "
+                             "trace that Perfetto or chrome://tracing opens")
     return parser
 
 
@@ -954,9 +958,29 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
     else:
         best, p = None, plan(batch=batch, **kw)
     p.gpu_memory_source = source
+    trace = getattr(args, "trace", None)
+    if trace and options is None:
+        raise UsageError("--trace is not allowed with --no-time; allowed: --trace FILE.json with the "
+                         "step-time prediction on")
     if options is not None and p.detail:
-        p.time = predict_time(p, options).as_dict()
+        step = predict_time(p, options)
+        p.time = step.as_dict()
+        if trace:
+            write_trace(step, trace)
     return p, best
+
+
+def write_trace(step, path: str) -> None:
+    """The predicted step as a Chrome trace at ``path`` (``step_time.chrome_trace``); one line if
+    it cannot be written."""
+    from utilities.measure.step_time import chrome_trace
+
+    try:
+        with open(path, "w") as f:
+            json.dump(chrome_trace(step), f)
+    except OSError as e:
+        raise UsageError(f"--trace {path!r} is not allowed: {e.strerror}; allowed: a writable "
+                         "file path") from None
 
 
 def format_plan(p: Plan, largest: int | None = None) -> str:
@@ -1083,6 +1107,9 @@ def format_time(time: dict[str, Any]) -> str:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    if getattr(args, "trace", None):
+        raise UsageError("--trace is not allowed with --sweep (one trace is one configuration); "
+                         "allowed: --trace with a single plan")
     gpu_memory_bytes, _ = resolve_memory_for(args)
     options = time_options(args)
     batch, seq = _int_arg("--batch", args.batch), _int_arg("--seq", args.seq)

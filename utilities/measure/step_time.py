@@ -64,7 +64,7 @@ from utilities.text import rate_text
 
 __all__ = ["CALIBRATED", "Cluster", "Efficiencies", "Event", "GPU", "GPUS", "StepTime",
            "add_prediction_arguments", "check_prediction_arguments", "collective_time",
-           "draw_timelines", "estimate_step_time", "format_predicted", "format_step_time",
+           "chrome_trace", "draw_timelines", "estimate_step_time", "format_predicted", "format_step_time",
            "get_gpu", "parse_cluster", "predict_from_arguments", "predict_variants",
            "predicted_rows", "ring_bytes_per_gpu", "sweep", "trace_step"]
 
@@ -643,6 +643,30 @@ class StepTime:
         if timeline:
             out["timeline"] = [asdict(e) for e in self.timeline]
         return out
+
+
+def chrome_trace(step: StepTime, title: str = "") -> dict[str, Any]:
+    """The predicted step in the Chrome trace format (what ``torch.profiler``'s
+    ``export_chrome_trace`` writes and Perfetto or chrome://tracing open): one process, a compute
+    thread and a communication thread, one complete slice ("ph": "X", microseconds) per unit's
+    forward, backward or optimizer step and per collective, named "UNIT PHASE". A prediction, not a
+    measurement: the process is named so."""
+    name = title or (f"PREDICTED step: {step.model} on {step.gpus} x {step.gpu}, {step.strategy}, "
+                     f"{step.precision}, batch {step.batch} x {step.seq}")
+    lanes = {"compute": 0, "comm": 1}
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "pid": 0, "tid": 0, "name": "process_name", "args": {"name": name}},
+        {"ph": "M", "pid": 0, "tid": lanes["compute"], "name": "thread_name", "args": {"name": "compute"}},
+        {"ph": "M", "pid": 0, "tid": lanes["comm"], "name": "thread_name",
+         "args": {"name": "communication"}}]
+    for e in step.timeline:
+        events.append({"ph": "X", "pid": 0, "tid": lanes.get(e.lane, 1), "name": f"{e.unit} {e.phase}",
+                       "cat": e.lane, "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
+                       "args": {"unit": e.unit, "phase": e.phase}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"what": "PREDICTED by the course's step-time model, not measured",
+                          "step_s": step.step_s, "compute_s": step.compute_s, "comm_s": step.comm_s,
+                          "assumptions": step.assumptions}}
 
 
 # -- the schedule ----------------------------------------------------------------------------------
