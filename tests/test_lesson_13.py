@@ -187,7 +187,8 @@ def test_sweep_crossover_comes_from_its_rows(sweep):
     for h in TWIN_WIDTHS:
         compiled, eager = variant(sweep, f"compiled-h{h}"), variant(sweep, f"eager-h{h}")
         ratio = compiled["tokens_per_s"] / eager["tokens_per_s"]
-        assert found["ratios"][str(h)] == pytest.approx(ratio, rel=1e-3)
+        # the lesson keeps each ratio to 4 decimals: half a unit of the last one either way
+        assert found["ratios"][str(h)] == pytest.approx(ratio, rel=1e-3, abs=5e-5)
     expected = crossover_hidden(sweep["variants"], "compiled", "eager")
     assert sweep["compile_crossover_hidden"] == expected["hidden"] and found["why"] == expected["why"]
 
