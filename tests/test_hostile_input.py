@@ -84,30 +84,21 @@ def test_a_json_file_too_deep_too_large_or_not_regular_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("content", ["deep", "sparse"])
-def test_plan_refuses_a_deep_or_huge_config_in_one_line(tmp_path, content):
-    path = tmp_path / "config.json"
+@pytest.mark.parametrize("read_as", ["config", "calibration"])
+def test_plan_refuses_a_deep_or_huge_json_file_in_one_line(tmp_path, content, read_as):
+    """A --model config.json and a --calibration file are both read within the JSON bounds."""
+    path = tmp_path / f"{read_as}.json"
+    head = '{"model_type": "llama", "x": ' if read_as == "config" else '{"efficiencies": '
     if content == "deep":
-        path.write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+        path.write_text(head + "[" * 100_000 + "]" * 100_000 + "}")
     else:
         with open(path, "wb") as f:
             f.truncate(64 * 2**30)
-    proc = cli_here("plan", "--model", str(path), "--no-time")
+    flags = (["--model", str(path), "--no-time"] if read_as == "config"
+             else ["--model", "llama-tiny", "--calibration", str(path)])
+    proc = cli_here("plan", *flags)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("error:") and proc.stderr.strip().count("\n") == 0, proc.stderr
-    assert ("nested deeper" if content == "deep" else "more than the") in proc.stderr
-
-
-@pytest.mark.parametrize("content", ["deep", "sparse"])
-def test_plan_refuses_a_deep_or_huge_calibration_file_in_one_line(tmp_path, content):
-    path = tmp_path / "calibration.json"
-    if content == "deep":
-        path.write_text('{"efficiencies": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    else:
-        with open(path, "wb") as f:
-            f.truncate(64 * 2**30)
-    proc = cli_here("plan", "--model", "llama-tiny", "--calibration", str(path))
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.startswith("error: --calibration") and proc.stderr.strip().count("\n") == 0
     assert ("nested deeper" if content == "deep" else "more than the") in proc.stderr
 
 
