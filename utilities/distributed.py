@@ -16,9 +16,11 @@ true per-rank figures; its collectives go through the host, so its step times ar
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -450,3 +452,31 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def watch_reduce_scatters(on_input: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Call ``on_input`` with the input (the unsharded gradients) of every reduce-scatter this
+    process issues while active, then issue it. FSDP1 and FSDP2 call
+    ``torch.distributed.reduce_scatter_single`` (torch 2.13; ``reduce_scatter_tensor`` in older
+    releases): whichever exist are wrapped for the duration, so what is seen is what went over the
+    wire, not what a config says."""
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def watching(original):
+        def call(*args, **kwargs):  # both take (output, input, ...)
+            grad = kwargs.get("input", args[1] if len(args) > 1 else None)
+            if isinstance(grad, torch.Tensor):
+                on_input(grad)
+            return original(*args, **kwargs)
+
+        return call
+
+    for n in names:
+        setattr(dist, n, watching(originals[n]))
+    try:
+        yield
+    finally:
+        for n, original in originals.items():
+            setattr(dist, n, original)

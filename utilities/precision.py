@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from utilities.bf16 import bf16_ready
+from utilities.distributed import watch_reduce_scatters
 from utilities.errors import bad_value
 
 
@@ -214,13 +215,10 @@ def observe_dtypes(model: nn.Module, probe: DtypeProbe | None = None) -> Iterato
     The counts cost three host syncs per reduce-scatter: never time a step while this is active
     (``utilities.training.train``'s ``untimed`` runs it around the steps it does not time).
 
-    FSDP1 and FSDP2 reduce gradients with ``torch.distributed.reduce_scatter_single`` (torch 2.13;
-    ``reduce_scatter_tensor`` in older releases); we wrap whichever exist for the duration, so what
-    we record is what went over the wire, not what the config says.
-    Padding FSDP adds to make shards even is counted too (a few zeros; the same in every policy).
+    What is recorded is what FSDP handed to the collective
+    (``utilities.distributed.watch_reduce_scatters``), not what the config says. Padding FSDP adds
+    to make shards even is counted too (a few zeros; the same in every policy).
     """
-    import torch.distributed as dist
-
     probe = DtypeProbe() if probe is None else probe
 
     def pre_hook(module, _inputs):
@@ -228,24 +226,9 @@ def observe_dtypes(model: nn.Module, probe: DtypeProbe | None = None) -> Iterato
 
     handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()
                if isinstance(m, nn.Linear)]
-    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
-    originals = {n: getattr(dist, n) for n in names}
-
-    def recording(original):
-        def call(*args, **kwargs):  # both take (output, input, ...)
-            grad = kwargs.get("input", args[1] if len(args) > 1 else None)
-            if grad is not None:
-                probe.record(grad)
-            return original(*args, **kwargs)
-
-        return call
-
-    for n in names:
-        setattr(dist, n, recording(originals[n]))
     try:
-        yield probe
+        with watch_reduce_scatters(probe.record):
+            yield probe
     finally:
-        for n, original in originals.items():
-            setattr(dist, n, original)
         for h in handles:
             h.remove()

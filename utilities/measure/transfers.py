@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from utilities.distributed import watch_reduce_scatters
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)  # a DTensor (FSDP2): its shard on this rank
@@ -186,28 +188,13 @@ class ReduceScatterCount:
 
 @contextlib.contextmanager
 def count_reduce_scatters() -> Iterator[ReduceScatterCount]:
-    """Count the reduce-scatters this process issues while active, and their input bytes. FSDP1 and
-    FSDP2 call ``torch.distributed.reduce_scatter_single`` (torch 2.13; ``reduce_scatter_tensor``
-    in older releases): whichever exist are wrapped for the duration."""
-    import torch.distributed as dist
-
+    """Count the reduce-scatters this process issues while active, and their input bytes
+    (``utilities.distributed.watch_reduce_scatters``)."""
     count = ReduceScatterCount()
-    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
-    originals = {n: getattr(dist, n) for n in names}
 
-    def counting(original):
-        def call(*args, **kwargs):  # both take (output, input, ...)
-            grad = kwargs.get("input", args[1] if len(args) > 1 else None)
-            count.calls += 1
-            count.bytes += _nbytes(grad) if isinstance(grad, torch.Tensor) else 0
-            return original(*args, **kwargs)
+    def seen(grad: torch.Tensor) -> None:
+        count.calls += 1
+        count.bytes += _nbytes(grad)
 
-        return call
-
-    for n in names:
-        setattr(dist, n, counting(originals[n]))
-    try:
+    with watch_reduce_scatters(seen):
         yield count
-    finally:
-        for n, original in originals.items():
-            setattr(dist, n, original)
