@@ -283,8 +283,8 @@ def _refusal(tmp_path, values: dict, *flags: str) -> str:
     ("t5", "d_model, num_layers, num_heads, vocab_size, d_ff"),
 ])
 def test_a_config_without_its_sizes_is_refused_naming_its_familys_fields(tmp_path, family, names):
-    """A config naming only its family used to be planned with transformers' defaults (exit 0):
-    a typo in every key gave a confident plan of a model nobody wrote."""
+    """A config naming only its family is refused: planned with transformers' defaults, a typo in
+    every key would give a confident plan of a model nobody wrote."""
     err = _refusal(tmp_path, {"model_type": family, "hidden_sise": 64})
     assert f"none of the sizes a {family} model needs ({names})" in err
 
