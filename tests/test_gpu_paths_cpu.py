@@ -352,13 +352,15 @@ def test_planner_for_cuda_without_a_gpu_runs_the_cpu_simulation_and_says_so(monk
     ``fsdp-course run``'s fit check): with a GPU the fake tensors claim CUDA and AdamW takes its
     foreach path; without one they live on the CPU, the plan says so in a note, and its bytes are
     the CPU plan's."""
+    from utilities.measure import fake_step
     from utilities.measure import planner as P
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert P._fake_device("cuda") == (torch.device("cuda"), [])
-    assert P.adamw_foreach(torch.device("cuda")) and not P.adamw_foreach(torch.device("cpu"))
+    assert fake_step.fake_device("cuda") == (torch.device("cuda"), [])
+    assert (fake_step.adamw_foreach(torch.device("cuda"))
+            and not fake_step.adamw_foreach(torch.device("cpu")))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    device, notes = P._fake_device("cuda")
+    device, notes = fake_step.fake_device("cuda")
     assert device == torch.device("cpu") and "no GPU here" in notes[0]
     as_gpu = P.plan("llama-tiny", 2, 10**12, "full_shard", "bf16", "none", 1, 32, "cuda")
     on_cpu = P.plan("llama-tiny", 2, 10**12, "full_shard", "bf16", "none", 1, 32, "cpu")

@@ -15,6 +15,7 @@ from torch import nn
 from utilities.errors import UsageError
 from utilities.measure import planner as P
 from utilities.models import custom_model_spec, get_model_spec
+from utilities.measure import fake_step
 from utilities.torch_internals import clear_dtensor_sharding_cache
 
 # The 7.5B llama of the planner's overcount report: Psi = 7,501,778,944
@@ -74,7 +75,8 @@ def test_full_shard_holds_16_bytes_per_parameter_over_64_gpus(tmp_path):
 def test_model_states_are_exact_on_either_devices_adamw_path(tmp_path, monkeypatch, foreach, gpus):
     """Both AdamW paths (CPU's per-tensor, CUDA's foreach) from a cold sharding cache: states
     16 Psi / N and the optimizer at the peak 8 Psi / N, at 8 and 1,024 GPUs."""
-    monkeypatch.setattr(P, "adamw_foreach", lambda device: foreach)
+    monkeypatch.setattr(fake_step, "adamw_foreach", lambda device: foreach)
+    fake_step._trace.cache_clear()  # the same configuration, traced again on the other path
     clear_dtensor_sharding_cache()
     two_layers = dict(LLAMA_7_5B, num_hidden_layers=2)
     p = P.plan(write_config(tmp_path / "llama2", two_layers), gpus, 80 * 2**30, "full_shard", "bf16",

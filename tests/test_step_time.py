@@ -9,6 +9,7 @@ import torch
 
 from utilities.errors import UsageError
 from utilities.measure import step_time as st
+from utilities.measure.fake_step import trace
 
 SMALL = dict(model="llama-1b", batch=1, seq=2048)  # communication-heavy at 16+ GPUs
 
@@ -34,7 +35,7 @@ def test_shards_match_the_collectives_fsdp2_issued_in_the_trace():
     """The model's all-gather sizes (per-parameter dim-0 chunks, padded to a multiple of the
     group) are the bytes FSDP2's all-gathers carried in the traced step, unit by unit, in forward
     order; reduce-scatter outputs are one rank's shard. 3 ranks: every dim 0 here needs padding."""
-    prof = st.trace_step("llama-tiny", "bf16", "none", 1, 64, world=3)
+    prof = trace("llama-tiny", 3, "full_shard", "bf16", "none", 1, 64)
     gathers = [(u, b) for op, u, b in prof.collectives if op == "_allgather_base_"]
     expected = [(u.name, u.shard_numel(3) * 3 * 2) for u in prof.units]  # bf16: 2 bytes
     assert gathers[:len(expected)] == expected
@@ -192,7 +193,7 @@ def test_each_unit_gets_its_own_compute():
     """Per-unit attribution: identical blocks get identical forward and backward FLOPs, also in
     T5's decoder, whose blocks all take the encoder's output (their backward stays open until its
     gradient is complete); checkpointed blocks recompute their forward in backward."""
-    prof = st.trace_step("t5-tiny", "fp32", "every-2nd-block", 2, 32, world=2)
+    prof = trace("t5-tiny", 2, "full_shard", "fp32", "every-2nd-block", 2, 32)
     flops: dict[tuple[str, str], float] = {}
     for s in prof.segments:
         flops[(s.unit, s.phase)] = flops.get((s.unit, s.phase), 0.0) + float(s.flops.sum())

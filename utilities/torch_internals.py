@@ -133,9 +133,10 @@ FLAT_PARAM_HOOKS = ("_post_backward_hook_handle", "_post_backward_hook_state")
 
 # -- the memory trackers --------------------------------------------------------------------------
 
-def global_peak_only(tracker: Any) -> Any:
+def global_peak_only(tracker: Any, observe: Any = None) -> Any:
     """Make a ``MemTracker`` / ``FSDPMemTracker`` keep only the global peak, which is all the
-    course reads (``get_tracker_snapshot("peak")``).
+    course reads (``get_tracker_snapshot("peak")``); ``observe(current)``, when given, is called at
+    every sample with the current snapshot by device (the planner's scaling reads them all).
 
     After every operator the stock tracker also walks every module it has seen to update that
     module's own peak (``_update_peak_stats``): a third of ``fsdp-course plan``'s time on llama-8b
@@ -146,7 +147,10 @@ def global_peak_only(tracker: Any) -> Any:
     if not (callable(getattr(type(tracker), "_update_peak_stats", None))
             and isinstance(getattr(tracker, "_peak_mem", None), dict)
             and isinstance(getattr(tracker, "_peak_mem_snap", None), dict)):
+        if observe is not None:
+            raise _unsupported("the planner's scaled trace", "MemTracker._update_peak_stats")
         return tracker
+    tracker._course_observe = observe
     tracker._update_peak_stats = MethodType(_update_global_peak, tracker)
     return tracker
 
@@ -161,6 +165,18 @@ def _update_global_peak(self: Any, peak_state: Any) -> None:
         if self._peak_mem.get(dev, 0) < snap["Total"]:
             self._peak_mem[dev] = snap["Total"]
             self._peak_mem_snap[dev] = deepcopy(snap)
+    observe = getattr(self, "_course_observe", None)
+    if observe is not None:
+        observe(current)
+
+
+def mod_tracker_of(tracker: Any) -> Any:
+    """The ``ModTracker`` a ``MemTracker`` / ``FSDPMemTracker`` follows the modules with (its
+    ``_mod_tracker``, in torch 2.6 to 2.14): the time model reads the same module boundaries."""
+    modules = getattr(tracker, "_mod_tracker", None)
+    if modules is None or not hasattr(modules, "register_user_hooks"):
+        raise _unsupported("the planner's time trace", "MemTracker._mod_tracker")
+    return modules
 
 
 # -- the fake process group ----------------------------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Any
 
 ROUND = 512
 SMALL = 1 << 20  # requests up to this come from the small pool
@@ -173,8 +174,10 @@ class EventRecorder:
     """Records a ``MemTracker``'s allocations and frees on one device type as
     ``(kind, key, bytes)`` events, by wrapping its ``_update_snap``."""
 
-    def __init__(self, tracker, device_type: str):
+    def __init__(self, tracker, device_type: str, where=None):
         self.events: list[tuple[str, int, int]] = []
+        self.where = where  # a callable naming where the step is; its answer kept per event
+        self.places: list[Any] = []
         self.kinds: dict[int, str] = {}  # key -> the tracker's category when it was allocated
         self.device_type = device_type
         self._orig = tracker._update_snap
@@ -183,6 +186,8 @@ class EventRecorder:
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
         if winfo.device.type == self.device_type:
             name = getattr(u_type, "name", str(u_type))
+            if self.where is not None and name in ("ADD", "DEL", "SIZE"):
+                self.places.append(self.where())
             key = id(winfo)
             if name == "ADD":
                 self.kinds.setdefault(key, str(getattr(winfo.reftype, "value", winfo.reftype)))
@@ -194,6 +199,10 @@ class EventRecorder:
                 nbytes = winfo.size * winfo.element_size
                 self.events.append(("alloc", key, nbytes) if nbytes else ("free", key, 0))
         return self._orig(u_type, winfo, old_mem_consumed, old_reftype)
+
+    def release(self) -> None:
+        """Let go of the tracker (and with it the model) once the step is recorded."""
+        self._orig = None
 
     def without(self, events: list[tuple[str, int, int]], kinds: set[str]) -> list[tuple[str, int, int]]:
         """``events`` less those of the allocations whose category is in ``kinds``."""

@@ -24,11 +24,9 @@ the GPU's memory.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import re
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +34,13 @@ import torch
 
 from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.measure import categorize, fmt_bytes
+from utilities.measure.fake_step import (
+    PRECISIONS,
+    STRATEGIES,
+    check_step,
+    fake_device,
+    trace,
+)
 from utilities.measure.plan_options import (
     BF16_ACCURACY_NOTE,
     HOST_MEMORY_SOURCE,
@@ -45,16 +50,9 @@ from utilities.measure.plan_options import (
 )
 from utilities.models import get_model_spec
 from utilities.text import rate_text, wrap_lines
-from utilities.torch_internals import global_peak_only
 
-STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 NODE_GPUS = 8  # hybrid_shard's default shard group: one node
-PRECISIONS = ("fp32", "bf16")
-# activation checkpointing: "selective" is op-level, as in torchtitan (keep matmul and attention
-# outputs, recompute the rest); "every-2nd-block" is block-level (lesson 02's "selective")
-AC_MODES = ("none", "selective", "every-2nd-block", "full")
 HEADROOM = 0.10  # of the GPU's memory, kept for what the trackers cannot see
-MAX_GPUS = 65536
 CATEGORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 # temporaries: everything else alive at the peak (the tracker's "Temp": autograd's short-lived
 # tensors such as the logits and the loss's softmax over the vocabulary; the all-gather and
@@ -165,138 +163,6 @@ class Plan:
         return asdict(self)
 
 
-# -- the fake world ------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def fake_world(world_size: int):
-    """A ``world_size``-rank fake process group seen from rank 0 (restores any real one after)."""
-    import torch.distributed as dist
-
-    from utilities.torch_internals import fake_store
-
-    if dist.is_initialized():
-        raise RuntimeError("plan() needs a process without a process group (it creates a fake one)")
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, device: torch.device,
-             options: PlanOptions | None = None):
-    """Build on meta, apply the options (bf16 storage, freezing, adapters), checkpoint, shard per
-    block, then materialize as fake tensors on ``device``."""
-    from torch.distributed.fsdp import fully_shard
-
-    from utilities.activation_checkpointing import (
-        apply_activation_checkpointing,
-        apply_op_selective_checkpointing,
-        block_units,
-    )
-    from utilities.measure.plan_options import apply_to_model, shard_kwargs
-    from utilities.precision import fsdp2_policy
-
-    options = options or PlanOptions()
-    model = spec.build(device="meta")
-    block = spec.block_class()
-    apply_to_model(model, [m for m in model.modules() if isinstance(m, block)], options)
-    if ac == "selective":
-        apply_op_selective_checkpointing(model, block)
-    elif ac != "none":
-        apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
-    opts = dict(mesh=mesh, mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))
-    for unit in block_units(model, block):
-        fully_shard(unit, **opts)
-    fully_shard(model, **opts)
-    with fake_mode:
-        model.to_empty(device=device)
-    return model
-
-
-def _fake_batch(spec, batch: int, seq: int, device: torch.device) -> dict[str, torch.Tensor]:
-    vocab = spec.config().vocab_size
-    ids = torch.randint(0, vocab, (batch, seq), device=device)
-    if spec.is_seq2seq:
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                "labels": torch.randint(0, vocab, (batch, seq), device=device)}
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-def adamw_foreach(device: torch.device) -> bool:
-    """AdamW's ``foreach`` choice on ``device`` (torch's default: on for CUDA, off for CPU)."""
-    return device.type == "cuda"
-
-
-def _train_step_tracked(model, batch, device: torch.device, options: PlanOptions | None = None
-                        ) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
-    """One training step under ``FSDPMemTracker`` with the optimizer state already in place (the
-    steady state ``train()`` measures on its second step), and what the rank holds after it.
-
-    The state is created by one untracked AdamW step on zero gradients: the same tensors a first
-    real step would create, at no forward's cost. Both steps take the same ``foreach``: a tracked
-    step that dispatches ops the untracked one did not misses DTensor's sharding-propagation cache,
-    and propagation then runs those ops at their full (unsharded) size under the planner's own
-    FakeTensorMode, which the tracker books as optimizer state (3 full-size fp32 tensors of the
-    largest weight)."""
-    from utilities.distributed import T5_POSITION_BIAS_VIEW
-    from utilities.measure.allocator import EventRecorder
-    from utilities.measure.memory import TrackerHooks, census
-    from utilities.measure.plan_options import accumulate, traced_micro_batches, trainable_parameters
-    from utilities.torch_internals import fsdp_mem_tracker
-
-    options = options or PlanOptions()
-    params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=adamw_foreach(device))
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    tracker = global_peak_only(fsdp_mem_tracker()(model, optimizer))
-    recorder = EventRecorder(tracker, device.type)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Module is None")
-        warnings.filterwarnings("ignore", message=T5_POSITION_BIAS_VIEW)
-        with TrackerHooks(), tracker:  # the hooks go, so the fake model can be collected
-            start = len(recorder.events)
-            optimizer.zero_grad(set_to_none=True)
-            accumulate(model, batch, options, traced_micro_batches(options), tracker.reset_mod_stats)
-            optimizer.step()
-    held = census(model, optimizer)
-    states = {k: int(held[k]) for k in ("parameters", "gradients", "optimizer")}
-    extra = {"recorder": recorder, "start": start, "largest_unit_shard": _largest_unit_shard(model)}
-    snaps = tracker.get_tracker_snapshot("peak")
-    for dev, snap in snaps.items():
-        if torch.device(dev).type == device.type:
-            return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}, states, extra
-    return {}, states, extra
-
-
-def _largest_unit_shard(model) -> int:
-    """Bytes of the largest FSDP unit's parameter shard on this rank (its own parameters)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    from utilities.measure.memory import _tensor_bytes
-
-    seen: set[int] = set()
-    largest = 0
-    for m in reversed([m for m in model.modules() if isinstance(m, FSDPModule)]):
-        own = [p for p in m.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in own)
-        largest = max(largest, sum(_tensor_bytes(p) for p in own))
-    return largest
-
-
-def _fake_device(device_type: str) -> tuple[torch.device, list[str]]:
-    """The device the fake tensors claim. FakeTensorMode alone can claim "cuda" without a GPU, but
-    the device mesh and FSDP2's CUDA streams need a CUDA runtime: without one we use "cpu"."""
-    if device_type == "cuda" and not torch.cuda.is_available():
-        return torch.device("cpu"), [
-            "no GPU here: the fake tensors live on 'cpu' (same byte sizes; AdamW runs without "
-            "foreach, whose temporaries a GPU run adds)"]
-    return torch.device(device_type), []
-
-
 def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_shard",
          precision: str = "bf16", ac: str = "none", batch: int = 1, seq: int | None = None,
          device_type: str = "cuda", shard_size: int | None = None,
@@ -317,7 +183,7 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     warnings = [*spec.warnings, *context_warnings(spec, seq)]
     if o.param_dtype == "bf16":
         warnings.append(BF16_ACCURACY_NOTE)
-    device, notes = _fake_device(device_type)
+    device, notes = fake_device(device_type)
     if strategy == "no_shard":
         # FSDP2 has no NO_SHARD: nothing is sharded on a 1-rank mesh, as under DDP.
         world, notes = 1, notes + [
@@ -339,8 +205,13 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
             method="lower bound: parameter shards + AdamW state alone exceed the budget "
                    "(activations not simulated)", notes=notes, warnings=warnings,
             options=o.as_dict())
-    snap, states, extra = _simulate(spec, world, strategy, precision, ac, batch, seq, device,
-                                    shard_size, o)
+    step = trace(spec, world, strategy, precision, ac, batch, seq, device.type, shard_size, o)
+    snap, states = dict(step.peak), dict(step.states)
+    if step.traced_layers:
+        notes.append(f"traced at {step.traced_layers[0]} and {step.traced_layers[1]} blocks and "
+                     f"scaled to {step.layers}: the middle blocks are alike (the reserved memory's "
+                     + ("replay is scaled linearly)" if step.reserved_scaled_linearly else
+                        "replay repeats the middle block's allocations)"))
     cats = categorize(snap)
     detail = cats.pop("detail")
     if strategy == "no_shard":
@@ -356,10 +227,10 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     host = None
     offloaded = set()
     if o.offload:
-        host, offloaded = _offload(cats, detail, states, extra["largest_unit_shard"], gpus, o, notes)
+        host, offloaded = _offload(cats, detail, states, step.largest_unit_shard, gpus, o, notes)
     known = sum(cats[c] for c in ("parameters", "gradients", "optimizer", "activations"))
     cats["temporaries"] = max(0, cats["total"] - known)
-    reserved = _reserved(extra, offloaded, cats["total"], device, notes)
+    reserved = _reserved(step, offloaded, cats["total"])
     fits = cats["total"] <= budget and (host is None or host["fits"])
     if o.grad_accum > 1:
         notes.append(f"--grad-accum {o.grad_accum} --accum-sync {o.accum_sync}: two micro-batches "
@@ -415,41 +286,13 @@ def _offload(cats: dict[str, int], detail: dict[str, int], states: dict[str, int
     return host, set(OFFLOADED)
 
 
-def _reserved(extra: dict[str, Any], offloaded: set[str], allocated: int, device: torch.device,
-              notes: list[str]) -> dict[str, int] | None:
+def _reserved(step, offloaded: set[str], allocated: int) -> dict[str, int] | None:
     """The caching allocator's reserved peak for the traced step (``allocator.reserved_peak``)."""
-    from utilities.measure.allocator import reserved_peak
-
-    rec, start = extra["recorder"], extra["start"]
-    before, step = rec.events[:start], rec.events[start:]
-    if offloaded:
-        before, step = rec.without(before, offloaded), rec.without(step, offloaded)
-    if not step:
+    r = step.reserved(frozenset(offloaded))
+    if r is None:
         return None
-    r = reserved_peak(before, step)
     r["tracker_allocated"] = int(allocated)
     return r
-
-
-def _simulate(spec, world, strategy, precision, ac, batch, seq, device,
-              shard_size: int | None = None, options: PlanOptions | None = None
-              ) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
-    """The tracker's peak snapshot of one fake step, the model states held after it, and the
-    step's recorded allocations."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with fake_world(world):
-        if shard_size:  # HSDP: replicate across the first dim, shard along the second
-            mesh = init_device_mesh(device.type, (world // shard_size, shard_size),
-                                    mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = init_device_mesh(device.type, (world,))
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = _prepare(spec, strategy, precision, ac, mesh, fake_mode, device, options)
-        with fake_mode:
-            data = _fake_batch(spec, batch, seq, device)
-            return _train_step_tracked(model, data, device, options)
 
 
 # The largest memory of one GPU the planner knows (an H200's); no step needing more can run.
@@ -561,23 +404,6 @@ def _check(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq) -> None:
     if gpu_memory_bytes < 1:
         raise bad_value("--gpu-memory", gpu_memory_bytes, "sizes > 0")
     check_step(gpus, strategy, precision, ac, batch, seq)
-
-
-def check_step(gpus, strategy, precision, ac, batch, seq) -> None:
-    """One training step's configuration, as the planner and the time model both take it."""
-    if not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
-        raise bad_value("--gpus", gpus, f"integers in [1, {MAX_GPUS}] (the fake process group "
-                        "takes ~30 s at the top; the largest published training runs used 16,384)")
-    if strategy not in STRATEGIES:
-        raise bad_value("--strategy", strategy, STRATEGIES)
-    if precision not in PRECISIONS:
-        raise bad_value("--precision", precision, PRECISIONS)
-    if ac not in AC_MODES:
-        raise bad_value("--ac", ac, AC_MODES)
-    if not isinstance(batch, int) or batch < 1:
-        raise bad_value("--batch", batch, "integers >= 1")
-    if seq is not None and (not isinstance(seq, int) or seq < 1):
-        raise bad_value("--seq", seq, "integers >= 1")
 
 
 def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_shard",

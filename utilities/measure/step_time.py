@@ -6,8 +6,8 @@ communication that compute does not hide (*exposed*), tokens/s per GPU, MFU and 
 timeline. Three parts, each stated in ``StepTime.assumptions``:
 
 1. **Compute, traced.** One training step (forward, backward, activation-checkpointing recompute)
-   of the real model runs the way ``fsdp-course plan`` runs it (``planner._prepare``: the fake
-   process group, ``FakeTensorMode``, the real ``fully_shard`` units), under a
+   of the real model, the one ``fsdp-course plan`` traces for memory (``fake_step.trace``: the
+   fake process group, ``FakeTensorMode``, the real ``fully_shard`` units), under a
    ``TorchDispatchMode`` that records every ATen op: its FLOPs (``torch.utils.flop_counter``'s
    formulas; attention as FlashAttention does it), the bytes it reads and writes, and the FSDP unit
    running it (``ModTracker``). Each op takes the roofline time
@@ -48,10 +48,7 @@ The API (what ``fsdp-course plan`` builds on):
 from __future__ import annotations
 
 import argparse
-import functools
-import math
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -59,14 +56,24 @@ from typing import Any
 import numpy as np
 
 from utilities.errors import UsageError, bad_value
-from utilities.measure.planner import STRATEGIES, check_step
+from utilities.measure.fake_step import (
+    ATTENTION,
+    FSDP_COPY,
+    MATMUL,
+    MEMORY,
+    STRATEGIES,
+    Segment,
+    UnitInfo,
+    check_step,
+    trace,
+)
 from utilities.text import rate_text
 
 __all__ = ["CALIBRATED", "Cluster", "Efficiencies", "Event", "GPU", "GPUS", "StepTime",
            "add_prediction_arguments", "check_prediction_arguments", "collective_time",
            "chrome_trace", "draw_timelines", "estimate_step_time", "format_predicted", "format_step_time",
            "get_gpu", "parse_cluster", "predict_from_arguments", "predict_variants",
-           "predicted_rows", "ring_bytes_per_gpu", "sweep", "trace_step"]
+           "predicted_rows", "ring_bytes_per_gpu", "sweep"]
 
 BACKWARD_PREFETCH = ("backward_pre", "backward_post", "none")
 
@@ -216,294 +223,6 @@ CALIBRATED = Efficiencies(
 
 
 # -- the trace -------------------------------------------------------------------------------------
-
-MATMUL, ATTENTION, MEMORY, FSDP_COPY = 0, 1, 2, 3
-_FP32, _FP8_OK = 1, 2  # a matmul's flag: computes in fp32; a block Linear's GEMM (Float8-able)
-
-
-@dataclass
-class Segment:
-    """Consecutive ops of one unit in one phase ("forward", "recompute", "backward")."""
-
-    unit: str
-    phase: str
-    kind: np.ndarray  # MATMUL, ATTENTION, MEMORY or FSDP_COPY per op
-    flops: np.ndarray
-    nbytes: np.ndarray
-    fp32: np.ndarray  # the op computes in fp32 (its matmuls run at the fp32 peak)
-    fp8_ok: np.ndarray  # a Linear's GEMM inside a block: what Float8Linear converts
-
-
-@dataclass
-class UnitInfo:
-    """One FSDP unit and the full shapes of the parameters it manages (not its nested units')."""
-
-    name: str
-    shapes: list[tuple[int, ...]]
-    is_root: bool
-    trainable: list[bool] | None = None  # per shape: requires_grad (None: all train)
-
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
-
-    def shard_numel(self, n: int) -> int:
-        """Elements per rank, FSDP2 style: each parameter chunked on dim 0 into n, padded."""
-        total = 0
-        for s in self.shapes:
-            rest = math.prod(s[1:]) if len(s) > 1 else 1
-            total += -(-(s[0] if s else 1) // n) * rest
-        return total
-
-
-@dataclass
-class StepProfile:
-    """What one traced step gives the time model: segments in execution order, the units in
-    forward order, and the collectives FSDP2 issued in the trace."""
-
-    model: str
-    precision: str
-    ac: str
-    batch: int
-    seq: int
-    world: int
-    segments: list[Segment]
-    units: list[UnitInfo]
-    collectives: list[tuple[str, str, int]]  # (op, unit at issue, output bytes)
-    trace_s: float
-
-
-def _view_like(func) -> bool:
-    schema = func._schema
-    return any(a.alias_info is not None and not a.alias_info.is_write for a in schema.returns)
-
-
-_SKIP_NAMESPACES = ("prim", "profiler")
-_SKIP_OPS = {"detach", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
-             "lift_fresh", "_local_scalar_dense", "set_", "resize_", "record_stream"}
-
-
-def _classify(func) -> int | None:
-    """The kind of an ATen op, or None for ops that launch no kernel (views, allocations)."""
-    ns = func.namespace
-    name = func.__name__.split(".")[0]
-    if ns in _SKIP_NAMESPACES or name in _SKIP_OPS or _view_like(func):
-        return None
-    if ns == "c10d" or ns == "_c10d_functional":
-        return -1
-    if ns == "fsdp" or name in ("_foreach_copy_",):
-        return FSDP_COPY
-    if "attention" in name:
-        return ATTENTION
-    if name in ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
-                "_scaled_mm"):
-        return MATMUL
-    return MEMORY
-
-
-def _tensor_bytes(x) -> int:
-    """Bytes a kernel touches in ``x``: an expanded (stride-0) dimension is read once, as
-    ``torch.utils._runtime_estimation.get_num_bytes`` counts it."""
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        n = 1
-        for size, stride in zip(x.shape, x.stride()):
-            if stride != 0:
-                n *= size
-        return n * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_tensor_bytes(y) for y in x)
-    return 0
-
-
-def _attention_flops(func, args, kwargs, causal_default: bool) -> float:
-    """FlashAttention's work: 4 B H Sq Sk D forward (two GEMMs), 2.5x that backward (five GEMMs,
-    S recomputed), halved under a causal mask. ``causal_default``: a decoder-only model's mask is
-    causal (Hugging Face passes it as a tensor, where flash kernels take ``is_causal``)."""
-    named = dict(zip((a.name for a in func._schema.arguments), args))
-    named.update(kwargs)
-    q, k = named.get("query"), named.get("key")
-    if q is None or k is None or q.dim() != 4:
-        return 0.0
-    b, h, sq, d = q.shape
-    sk = k.shape[-2]
-    flops = 4.0 * b * h * sq * sk * d
-    if "backward" in func.__name__:
-        flops *= 2.5
-    causal = bool(named.get("is_causal", False)) or causal_default
-    return flops * (0.5 if causal else 1.0)
-
-
-class _OpRecorder:
-    """The TorchDispatchMode that records each op's kind, FLOPs, bytes, unit and phase."""
-
-    def __init__(self, tracker, unit_names: dict[str, str], root: str, causal: bool):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils.flop_counter import flop_registry
-
-        recorder = self
-        self.tracker = tracker
-        self.unit_names = unit_names
-        self.entered: dict[str, int] = {}  # unit -> when its forward or backward last began
-        self.current = unit_names.get(root, "root")
-        self.dirty = True
-        self.root = root
-        self.causal = causal
-        self.rows: list[tuple[str, str, int, float, int, bool]] = []
-        self.collectives: list[tuple[str, str, int]] = []
-        self.kinds: dict[Any, int | None] = {}
-        self.flop_registry = flop_registry
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                out = func(*args, **kwargs)
-                recorder.record(func, args, kwargs, out)
-                return out
-
-        self.mode = Mode()
-
-        def enter(module, *_):
-            name = tracker.get_known_fqn(module) if module is not None else None
-            if name in unit_names:
-                self.entered[name] = len(self.entered) + len(self.rows)
-            self.dirty = True
-
-        def changed(*_):
-            self.dirty = True
-
-        tracker.register_user_hooks(pre_fw_hook=enter, post_fw_hook=changed, pre_bw_hook=enter,
-                                    post_bw_hook=changed)
-
-    def _unit(self) -> str:
-        """The unit running now: of the units whose forward or backward is open, the one entered
-        last (a T5 decoder block's backward stays open until the shared encoder output's gradient
-        is complete, so nesting depth alone would keep naming it)."""
-        if self.dirty:
-            parents = self.tracker.parents
-            open_units = [n for n in self.unit_names if n in parents]
-            name = max(open_units, key=lambda n: self.entered.get(n, -1)) if open_units else self.root
-            self.current = self.unit_names.get(name, "root")
-            self.dirty = False
-        return self.current
-
-    def record(self, func, args, kwargs, out) -> None:
-        import torch
-
-        kind = self.kinds.get(func, 0.5)
-        if kind == 0.5:
-            kind = self.kinds[func] = _classify(func)
-        if kind is None:
-            return
-        unit = self._unit()
-        if kind == -1:
-            self.collectives.append((func.__name__.split(".")[0], unit, _tensor_bytes(args[0])))
-            return
-        if self.tracker.is_bw:
-            phase = "recompute" if torch.is_grad_enabled() else "backward"
-        else:
-            phase = "forward"
-        flops = 0.0
-        fp32 = False
-        if kind == MATMUL:
-            f = self.flop_registry.get(func._overloadpacket)
-            flops = float(f(*args, **kwargs, out_val=out)) if f else 0.0
-            fp32 = isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32
-        elif kind == ATTENTION:
-            flops = _attention_flops(func, args, kwargs, self.causal)
-        nbytes = _tensor_bytes(list(args)) + _tensor_bytes(list(kwargs.values())) + _tensor_bytes(out)
-        fp8_ok = kind == MATMUL and func.__name__.split(".")[0] in ("mm", "addmm") and unit != "root"
-        self.rows.append((unit, phase, kind, flops, nbytes, _FP32 if fp32 else _FP8_OK if fp8_ok else 0))
-
-
-def _unit_label(fqn: str) -> str:
-    if not fqn:
-        return "root"
-    parts = [p for p in fqn.split(".") if p not in ("model", "_checkpoint_wrapped_module")]
-    return ".".join(parts) or fqn
-
-
-def _segments(rows) -> list[Segment]:
-    out: list[Segment] = []
-    start = 0
-    for i in range(1, len(rows) + 1):
-        if i == len(rows) or rows[i][:2] != rows[start][:2]:
-            chunk = rows[start:i]
-            flags = np.array([r[5] for r in chunk], dtype=np.int8)
-            out.append(Segment(
-                unit=chunk[0][0], phase=chunk[0][1],
-                kind=np.array([r[2] for r in chunk], dtype=np.int8),
-                flops=np.array([r[3] for r in chunk], dtype=np.float64),
-                nbytes=np.array([r[4] for r in chunk], dtype=np.float64),
-                fp32=flags == _FP32, fp8_ok=flags == _FP8_OK))
-            start = i
-    return out
-
-
-@functools.lru_cache(maxsize=16)
-def _trace_cached(spec, precision: str, ac: str, batch: int, seq: int, world: int,
-                  options=None) -> StepProfile:
-    return _trace(spec, precision, ac, batch, seq, world, options)
-
-
-def trace_step(model, precision: str = "bf16", ac: str = "none", batch: int = 1,
-               seq: int | None = None, world: int = 8, options=None) -> StepProfile:
-    """Trace one fake training step (forward and backward) of ``model`` on a ``world``-rank fake
-    process group, full_shard; cached, since per-rank compute is the same for any world size."""
-    from utilities.models import get_model_spec
-
-    spec = get_model_spec(model) if isinstance(model, str) else model
-    return _trace_cached(spec, precision, ac, batch, seq or spec.default_seq_len, world, options)
-
-
-def _trace(spec, precision, ac, batch, seq, world, options=None) -> StepProfile:
-    import warnings
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mod_tracker import ModTracker
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
-
-    from utilities.measure.planner import _fake_batch, _fake_device, _prepare, fake_world
-
-    t0 = time.perf_counter()
-    device, _ = _fake_device("cuda")
-    with fake_world(world), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The module hierarchy tracking")
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        mesh = init_device_mesh(device.type, (world,))
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = _prepare(spec, "full_shard", precision, ac, mesh, fake_mode, device, options)
-        root_name = type(model).__name__
-        units: dict[str, UnitInfo] = {}
-        tracker_names: dict[str, str] = {}
-        nested: set[int] = set()
-        fsdp_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-        for fqn, m in reversed(fsdp_modules):  # innermost first: a unit owns what no child unit does
-            own = [p for p in m.parameters() if id(p) not in nested]
-            nested.update(id(p) for p in own)
-            label = _unit_label(fqn)
-            units[label] = UnitInfo(label, [tuple(p.shape) for p in own], is_root=not fqn,
-                                    trainable=[p.requires_grad for p in own])
-            tracker_names[root_name + ("." + fqn if fqn else "")] = label
-        with fake_mode:
-            data = _fake_batch(spec, batch, seq, device)
-            tracker = ModTracker()
-            rec = _OpRecorder(tracker, tracker_names, root_name, causal=not spec.is_seq2seq)
-            with tracker, rec.mode:
-                model(**data).loss.backward()
-    segments = _segments(rec.rows)
-    order: list[str] = []
-    for s in segments:
-        if s.phase == "forward" and s.unit not in order:
-            order.append(s.unit)
-    order += [u for u in units if u not in order]
-    del model
-    return StepProfile(model=spec.name, precision=precision, ac=ac, batch=batch, seq=seq,
-                       world=world, segments=segments, units=[units[u] for u in order],
-                       collectives=rec.collectives, trace_s=time.perf_counter() - t0)
-
 
 # -- compute time ----------------------------------------------------------------------------------
 
@@ -912,9 +631,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
             raise bad_value("shard_size", shard_size, f"a divisor of gpus ({gpus})")
     elif shard_size is not None:
         raise bad_value("shard_size", shard_size, "only with strategy hybrid_shard")
-    frozen = PlanOptions(trainable=po.trainable, lora_rank=po.lora_rank) if po.frozen else None
-    profile = trace_step(spec, precision, ac, batch, seq, world=min(gpus, gpus_per_node) or 1,
-                         options=frozen)
+    profile = trace(spec, 1 if strategy == "no_shard" else gpus, strategy, precision, ac, batch, seq,
+                    "cuda", shard_size if strategy == "hybrid_shard" else None, po)
     notes = [f"GPU: {g.name}: {g.source}", *g.notes, _efficiency_note(g.name)]
     fp8_used = fp8 and "fp8" in g.peak_flops and precision != "fp32"
     if fp8 and not fp8_used:

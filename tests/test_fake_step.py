@@ -1,0 +1,90 @@
+"""The one fake step (``utilities.measure.fake_step``) that the planner's memory and the time model
+both read: a deep model traced at two small depths and scaled equals the model traced block by
+block, to the byte (the peak by category, the states held, the allocator's replay) and to the
+microsecond (the predicted step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from utilities.measure import fake_step
+from utilities.measure import step_time as st
+from utilities.measure.plan_options import PlanOptions
+from utilities.models import get_model_spec
+
+# llama-1b: 16 blocks; short sequences keep each trace to a few seconds
+CASES = {
+    "selective, bf16": dict(world=8, strategy="full_shard", precision="bf16", ac="selective",
+                            batch=1, seq=256),
+    "HSDP, fp32, accumulation": dict(world=16, strategy="hybrid_shard", precision="fp32", ac="none",
+                                     batch=2, seq=128, shard_size=8,
+                                     options=PlanOptions(grad_accum=2, accum_sync="last")),
+    "block pairs, LoRA": dict(world=4, strategy="full_shard", precision="bf16",
+                              ac="every-2nd-block", batch=1, seq=128,
+                              options=PlanOptions(lora_rank=8)),
+}
+
+
+def _both(case):
+    spec = get_model_spec("llama-1b")
+    kw = dict(CASES[case])
+    return (fake_step.trace(spec, kw.pop("world"), scale=True, **kw),
+            fake_step.trace(spec, CASES[case]["world"], scale=False, **kw))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_scaled_trace_is_the_full_trace_to_the_byte(case):
+    scaled, full = _both(case)
+    assert scaled.traced_layers and not full.traced_layers  # it did scale
+    assert scaled.peak == full.peak
+    assert scaled.states == full.states
+    assert scaled.largest_unit_shard == full.largest_unit_shard
+    assert [u.name for u in scaled.units] == [u.name for u in full.units]
+    assert [u.shapes for u in scaled.units] == [u.shapes for u in full.units]
+    assert scaled.collectives == full.collectives
+    assert len(scaled.segments) == len(full.segments)
+    for a, b in zip(scaled.segments, full.segments):
+        assert (a.unit, a.phase) == (b.unit, b.phase)
+        for name in ("kind", "flops", "nbytes", "fp32", "fp8_ok"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), (a.unit, a.phase, name)
+    if scaled.reserved_scaled_linearly:  # block pairs: the replay is scaled, within 1%
+        assert scaled.reserved()["reserved"] == pytest.approx(full.reserved()["reserved"], rel=0.01)
+    else:
+        assert scaled.reserved() == full.reserved()
+        offloaded = frozenset({"Sharded Param", "OptState"})
+        assert scaled.reserved(offloaded) == full.reserved(offloaded)
+
+
+def test_a_scaled_trace_predicts_the_step_to_the_microsecond(monkeypatch):
+    kw = dict(model="llama-1b", gpus=8, ac="selective", batch=1, seq=256)
+    scaled = st.estimate_step_time(**kw)
+    monkeypatch.setattr(st, "trace", lambda *a, **k: fake_step.trace(*a, **k, scale=False))
+    full = st.estimate_step_time(**kw)
+    assert scaled.step_s == pytest.approx(full.step_s, abs=1e-6)
+    assert scaled.compute_s == pytest.approx(full.compute_s, abs=1e-6)
+    assert scaled.comm_s == pytest.approx(full.comm_s, abs=1e-6)
+    assert scaled.per_unit.keys() == full.per_unit.keys()
+
+
+def test_blocks_that_differ_are_traced_whole():
+    """Freezing the first blocks first (``--trainable``) makes blocks differ: no scaling; nor for a
+    shallow model or one with two stacks (T5)."""
+    spec = get_model_spec("llama-1b")
+    assert fake_step.scaled_depths(spec, "none") == (5, 6)
+    assert fake_step.scaled_depths(spec, "every-2nd-block") == (6, 8)
+    assert fake_step.scaled_depths(spec, "none", PlanOptions(trainable=0.5)) is None
+    assert fake_step.scaled_depths(get_model_spec("llama-tiny"), "none") is None
+    assert fake_step.scaled_depths(get_model_spec("t5-base"), "none") is None
+
+
+def test_the_planner_and_the_time_model_share_one_trace():
+    """``plan`` with its time prediction traces once: the time model finds the planner's trace in
+    the cache."""
+    from utilities.measure import planner
+
+    fake_step._trace.cache_clear()
+    p = planner.plan("llama-tiny", 4, 80 * 2**30, ac="selective", batch=1, seq=64)
+    planner.predict_time(p, {})
+    info = fake_step._trace.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
