@@ -158,6 +158,29 @@ def test_cpu_trace_is_written(tmp_path):
     assert any("addmm" in e.get("name", "") for e in trace["traceEvents"])
 
 
+def test_the_predicted_trace_names_its_slices_as_a_profiled_fsdp2_step(tmp_path):
+    """``plan --trace``'s slices carry the names torch.profiler gives FSDP2's work: every FSDP name
+    (and the optimizer's) in the predicted trace of t5-tiny on 2 ranks is in the CPU profiler
+    trace this lesson writes of the same step (``--trace``), so Perfetto lines the two up."""
+    import json
+    from pathlib import Path
+
+    from conftest import run_lesson
+
+    from utilities.measure import step_time as st
+
+    results = run_lesson("04", tmp_path, "--trace", "--variants", "fsdp2-implicit", "--steps", "2",
+                         "--predict-on", "none")
+    real = json.loads(Path(variant(results, "fsdp2-implicit")["trace"]).read_text())
+    real_names = {e.get("name") for e in real["traceEvents"]}
+    s = results["settings"]
+    t = st.estimate_step_time("t5-tiny", 2, precision="fp32", batch=s["batch_size"], seq=s["seq_len"])
+    predicted = {e["name"] for e in st.chrome_trace(t)["traceEvents"] if e["ph"] == "X"}
+    named = {n for n in predicted if n.startswith(("FSDP::", "Optimizer."))}
+    assert "FSDP::all_gather (encoder.block.0)" in named and "FSDP::post_backward_reduce" in named
+    assert named <= real_names, sorted(named - real_names)
+
+
 def test_the_prediction_on_a_cluster_shows_what_prefetching_hides(results):
     """results.json carries the step-time model's prediction for every variant on 2 x 8 H100,
     labelled as one: without prefetch more communication is exposed than with BACKWARD_PRE, and

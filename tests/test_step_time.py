@@ -340,8 +340,9 @@ def test_calibration_twin_measures_saves_and_is_used(tmp_path):
 
 def test_plan_trace_is_a_chrome_trace_whose_slices_add_up_to_the_predicted_step(tmp_path):
     """``plan --trace FILE.json``: every slice has what a Chrome-trace reader needs (ph, ts, dur, pid,
-    tid), the last slice ends at the predicted step, and the compute lane's slices add up to the
-    predicted compute time; with --no-time or --sweep it is one line."""
+    tid, in microseconds), the lanes end at the predicted step and the compute lane's slices add up
+    to the predicted compute time (within 1 us), collectives are named as FSDP2's record_function
+    names them; with --no-time or --sweep it is one line."""
     import json
 
     from conftest import cli_here
@@ -353,14 +354,47 @@ def test_plan_trace_is_a_chrome_trace_whose_slices_add_up_to_the_predicted_step(
     time = json.loads(proc.stdout)["time"]
     trace = json.loads(path.read_text())
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert slices and all({"ph", "ts", "dur", "pid", "tid", "name"} <= set(e) for e in slices)
+    assert slices and all({"ph", "ts", "dur", "pid", "tid", "name", "args"} <= set(e) for e in slices)
+    assert all(isinstance(e[k], (int, float)) and e["dur"] >= 0 for e in slices for k in ("ts", "dur"))
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} == {
         "compute", "communication"}
-    assert max(e["ts"] + e["dur"] for e in slices) / 1e6 == pytest.approx(time["step_s"], rel=1e-9)
-    compute = sum(e["dur"] for e in slices if e["cat"] == "compute") / 1e6
-    assert compute == pytest.approx(time["compute_s"], rel=1e-9)
-    assert any(e["name"].endswith("all_gather") for e in slices)
+    assert max(e["ts"] + e["dur"] for e in slices) == pytest.approx(time["step_s"] * 1e6, abs=1)
+    compute = sum(e["dur"] for e in slices if e["cat"] == "compute")
+    assert compute == pytest.approx(time["compute_s"] * 1e6, abs=1)
+    names = {e["name"] for e in slices}
+    assert {"FSDP::all_gather (layers.0)", "FSDP::post_backward_reduce (layers.0)",
+            "FSDP::all_gather", "forward (layers.0)", "Optimizer.step#AdamW.step"} <= names
     for flags, says in ((["--no-time"], "--trace is not allowed with --no-time"),
                         (["--sweep"], "--trace is not allowed with --sweep")):
         bad = cli_here("plan", "--model", "llama-tiny", "--trace", str(tmp_path / "x.json"), *flags)
         assert bad.returncode == 2 and says in bad.stderr and bad.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("strategy, gpus", [("full_shard", 8), ("hybrid_shard", 16)])
+def test_trace_slices_carry_the_bytes_and_flops_the_time_model_charged(strategy, gpus):
+    """Each collective slice's ``bytes`` is the buffer the time model priced (a unit's padded
+    parameters in bf16 for an all-gather, its gradients for a reduce-scatter, one shard across the
+    replicas for HSDP's all-reduce) and ``bytes_per_gpu`` what the ring moves per GPU; the compute
+    slices carry the traced segments' FLOPs, bytes and op count (all of them, once), the optimizer
+    its 32 bytes per shard parameter."""
+    t = st.estimate_step_time("llama-tiny", gpus, strategy, batch=2, seq=64)
+    prof = st.trace_step("llama-tiny", "bf16", "none", 2, 64, world=8)
+    units = {u.name: u for u in prof.units}
+    priced = {"all_gather": lambda u: u.shard_numel(8) * 8 * 2,
+              "reduce_scatter": lambda u: u.shard_numel(8) * 8 * 2,
+              "all_reduce": lambda u: u.shard_numel(8) * 2}
+    slices = [e for e in st.chrome_trace(t)["traceEvents"] if e["ph"] == "X"]
+    comm = [e for e in slices if e["cat"] == "comm"]
+    assert {e["args"]["phase"] for e in comm} == ({"all_gather", "reduce_scatter"} |
+                                                  ({"all_reduce"} if strategy == "hybrid_shard" else set()))
+    for e in comm:
+        a = e["args"]
+        assert a["bytes"] > 0 and a["bytes"] == priced[a["phase"]](units[a["unit"]]), e
+        assert a["bytes_per_gpu"] == pytest.approx(st.ring_bytes_per_gpu(a["phase"], a["bytes"], a["gpus"]))
+    work = [e["args"] for e in slices if e["cat"] == "compute" and e["args"]["phase"] != "optimizer"]
+    assert sum(a["flops"] for a in work) == pytest.approx(sum(s.flops.sum() for s in prof.segments))
+    assert sum(a["bytes"] for a in work) == pytest.approx(sum(s.nbytes.sum() for s in prof.segments))
+    assert sum(a["ops"] for a in work) == sum(len(s.kind) for s in prof.segments)
+    (opt,) = [e["args"] for e in slices if e["args"]["phase"] == "optimizer"]
+    assert opt["bytes"] == 32 * sum(u.shard_numel(8) for u in prof.units)
+    assert t.as_dict(timeline=True)["timeline"][0]["args"]

@@ -326,6 +326,7 @@ class Event:
     phase: str  # forward, recompute, backward, optimizer; all_gather, reduce_scatter, all_reduce
     start: float
     end: float
+    args: dict[str, Any] = field(default_factory=dict)  # bytes, FLOPs, ops: the trace's slice args
 
 
 @dataclass
@@ -355,7 +356,8 @@ class StepTime:
     trace_s: float = 0.0
 
     def as_dict(self, timeline: bool = False) -> dict[str, Any]:
-        """The summary the CLI's ``--json`` carries (``timeline=True`` adds the events)."""
+        """The summary the CLI's ``--json`` carries (``timeline=True`` adds the events, with their
+        args)."""
         keys = ("gpu", "step_s", "compute_s", "comm_s", "exposed_comm_s", "tokens_per_s_per_gpu",
                 "mfu", "assumptions")
         out = {k: getattr(self, k) for k in keys}
@@ -364,12 +366,32 @@ class StepTime:
         return out
 
 
+# The names torch.profiler shows for this work in a real FSDP2 step, so Perfetto lines a prediction
+# up with a profiled run: FSDP2 wraps its collectives in record_function(self._with_fqn(NAME)) in
+# torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py (unshard: "FSDP::all_gather";
+# post_backward: "FSDP::post_backward_reduce", the reduce-scatter and HSDP's all-reduce), the
+# unit's module FQN in parentheses, none for the root; torch/optim/optimizer.py names the step
+# "Optimizer.step#AdamW.step". A unit's compute has no record_function of its own (it runs between
+# "FSDP::pre_forward (UNIT)" and "FSDP::post_forward (UNIT)"): "forward (UNIT)" and so on.
+TRACE_NAMES = {"all_gather": "FSDP::all_gather", "reduce_scatter": "FSDP::post_backward_reduce",
+               "all_reduce": "FSDP::post_backward_reduce", "optimizer": "Optimizer.step#AdamW.step"}
+
+
+def trace_name(e: Event) -> str:
+    """The slice name of ``e`` in the predicted Chrome trace (``TRACE_NAMES``)."""
+    name = TRACE_NAMES.get(e.phase, e.phase)
+    if e.unit == "all" or (e.unit == "root" and name.startswith("FSDP::")):
+        return name
+    return f"{name} ({e.unit})"
+
+
 def chrome_trace(step: StepTime, title: str = "") -> dict[str, Any]:
     """The predicted step in the Chrome trace format (what ``torch.profiler``'s
     ``export_chrome_trace`` writes and Perfetto or chrome://tracing open): one process, a compute
     thread and a communication thread, one complete slice ("ph": "X", microseconds) per unit's
-    forward, backward or optimizer step and per collective, named "UNIT PHASE". A prediction, not a
-    measurement: the process is named so."""
+    forward, backward or optimizer step and per collective, named as a profiled FSDP2 step names
+    them (``trace_name``), with the unit, the phase and the event's bytes, FLOPs and op count as
+    args. A prediction, not a measurement: the process is named so."""
     name = title or (f"PREDICTED step: {step.model} on {step.gpus} x {step.gpu}, {step.strategy}, "
                      f"{step.precision}, batch {step.batch} x {step.seq}")
     lanes = {"compute": 0, "comm": 1}
@@ -379,9 +401,9 @@ def chrome_trace(step: StepTime, title: str = "") -> dict[str, Any]:
         {"ph": "M", "pid": 0, "tid": lanes["comm"], "name": "thread_name",
          "args": {"name": "communication"}}]
     for e in step.timeline:
-        events.append({"ph": "X", "pid": 0, "tid": lanes.get(e.lane, 1), "name": f"{e.unit} {e.phase}",
+        events.append({"ph": "X", "pid": 0, "tid": lanes.get(e.lane, 1), "name": trace_name(e),
                        "cat": e.lane, "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
-                       "args": {"unit": e.unit, "phase": e.phase}})
+                       "args": {"unit": e.unit, "phase": e.phase, **e.args}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"what": "PREDICTED by the course's step-time model, not measured",
                           "step_s": step.step_s, "compute_s": step.compute_s, "comm_s": step.comm_s,
@@ -396,6 +418,7 @@ class _Coll:
     unit: str
     seconds: float
     nbytes: float
+    args: dict[str, Any] = field(default_factory=dict)
     issue: float = 0.0
     start: float = 0.0
     end: float = 0.0
@@ -416,27 +439,28 @@ class _Lanes:
         c.end = c.start + c.seconds
         self.comm_free = c.end
         if c.seconds > 0:
-            self.events.append(Event("comm", c.unit, c.kind, c.start, c.end))
+            self.events.append(Event("comm", c.unit, c.kind, c.start, c.end, c.args))
         return c
 
-    def compute(self, unit: str, phase: str, seconds: float, after: float = 0.0) -> tuple[float, float]:
+    def compute(self, unit: str, phase: str, seconds: float, after: float = 0.0,
+                args: dict[str, Any] | None = None) -> tuple[float, float]:
         start = max(self.compute_free, after)
         end = start + seconds
         self.compute_free = end
-        self.events.append(Event("compute", unit, phase, start, end))
+        self.events.append(Event("compute", unit, phase, start, end, args or {}))
         return start, end
 
 
 def _schedule(plan_segs, units, ag_fwd, ag_bwd, grad_colls, fwd_depth, bwd_mode, bwd_depth,
-              limit_all_gathers, optimizer_s):
-    """Run the two lanes. ``plan_segs``: (unit, phase, seconds) in execution order; ``ag_fwd`` /
+              limit_all_gathers, optimizer_s, optimizer_args=None):
+    """Run the two lanes. ``plan_segs``: (unit, phase, seconds, args) in execution order; ``ag_fwd`` /
     ``ag_bwd``: unit -> all-gather (absent: none needed); ``grad_colls``: unit -> collectives
     after its backward. Returns the lanes."""
     lanes = _Lanes()
     fwd_order = [u.name for u in units]
     bwd_first: list[str] = []  # units in the order their backward-time compute starts
     last_bwd: dict[str, int] = {}
-    for i, (u, ph, _) in enumerate(plan_segs):
+    for i, (u, ph, *_) in enumerate(plan_segs):
         if ph != "forward":
             if u not in bwd_first:
                 bwd_first.append(u)
@@ -455,7 +479,7 @@ def _schedule(plan_segs, units, ag_fwd, ag_bwd, grad_colls, fwd_depth, bwd_mode,
         return max(now, compute_end.get(order[k - 2], now))
 
     started: set[tuple[str, str]] = set()
-    for i, (u, ph, secs) in enumerate(plan_segs):
+    for i, (u, ph, secs, args) in enumerate(plan_segs):
         stage = "fwd" if ph == "forward" else "bwd"
         order = fwd_order if stage == "fwd" else bwd_first
         k = order.index(u)
@@ -467,7 +491,7 @@ def _schedule(plan_segs, units, ag_fwd, ag_bwd, grad_colls, fwd_depth, bwd_mode,
             if need is not None and (u, stage) not in issued:  # not prefetched: issued on arrival
                 issue((u, stage), need, limit_at(order, k, lanes.compute_free))
             ready = issued[(u, stage)].end if (u, stage) in issued else 0.0
-            start, end = lanes.compute(u, ph, secs, after=ready)
+            start, end = lanes.compute(u, ph, secs, after=ready, args=args)
             # prefetch: the next ``depth`` units' all-gathers, issued as this unit starts
             if stage == "bwd" and bwd_mode == "backward_post":
                 depth = 0
@@ -476,7 +500,7 @@ def _schedule(plan_segs, units, ag_fwd, ag_bwd, grad_colls, fwd_depth, bwd_mode,
                 coll = (ag_fwd if stage == "fwd" else ag_bwd).get(nxt)
                 issue((nxt, stage), coll, limit_at(order, j, start))
         else:
-            start, end = lanes.compute(u, ph, secs)
+            start, end = lanes.compute(u, ph, secs, args=args)
         if stage == "fwd":
             compute_end[u] = end
         if stage == "bwd" and last_bwd.get(u) == i:
@@ -486,7 +510,7 @@ def _schedule(plan_segs, units, ag_fwd, ag_bwd, grad_colls, fwd_depth, bwd_mode,
             for c in grad_colls.get(u, []):
                 lanes.issue(c, end)
     done = max(lanes.compute_free, lanes.comm_free)
-    lanes.compute("all", "optimizer", optimizer_s, after=done)
+    lanes.compute("all", "optimizer", optimizer_s, after=done, args=optimizer_args)
     return lanes
 
 
@@ -513,13 +537,18 @@ def ag_item_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def optimizer_bytes(trained_shard: int, po) -> int:
+    """AdamW's memory traffic over the trainable shard: 32 bytes per parameter in fp32 storage,
+    16 in bf16."""
+    return (16 if po.param_dtype == "bf16" else 32) * trained_shard
+
+
 def optimizer_time(trained_shard: int, po, g: GPU, eff: Efficiencies) -> float:
-    """AdamW over the trainable shard: on the GPU at HBM speed (32 bytes per parameter in fp32
-    storage, 16 in bf16), or with --offload on the host (``HOST_ADAMW_BYTES_PER_S``)."""
-    per = 16 if po.param_dtype == "bf16" else 32
+    """AdamW over the trainable shard: on the GPU at HBM speed (``optimizer_bytes``), or with
+    --offload on the host (``HOST_ADAMW_BYTES_PER_S``)."""
     if po.offload:
-        return per * trained_shard / HOST_ADAMW_BYTES_PER_S
-    return per * trained_shard / (g.hbm_bytes_per_s * eff.memory)
+        return optimizer_bytes(trained_shard, po) / HOST_ADAMW_BYTES_PER_S
+    return optimizer_bytes(trained_shard, po) / (g.hbm_bytes_per_s * eff.memory)
 
 
 def reshard_all_gathers(ag_bwd, ag_fwd, units, group, po, item, coll):
@@ -642,15 +671,16 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     # compute, per segment
     copies = strategy != "no_shard"
     plan_segs = [(s.unit, s.phase, segment_time(s, g, eff, precision, compile, fp8_used, copies,
-                                                tf32))
+                                                tf32),
+                  {"flops": float(s.flops.sum()), "bytes": float(s.nbytes.sum()), "ops": len(s.kind)})
                  for s in profile.segments]
     if copies and eff.unit_overhead_s:
         seen: set[tuple[str, str]] = set()
-        for i, (unit, phase, secs) in enumerate(plan_segs):
+        for i, (unit, phase, secs, args) in enumerate(plan_segs):
             key = (unit, "forward" if phase == "forward" else "backward")
             if key not in seen:
                 seen.add(key)
-                plan_segs[i] = (unit, phase, secs + eff.unit_overhead_s)
+                plan_segs[i] = (unit, phase, secs + eff.unit_overhead_s, args)
 
     # communication, per unit
     p_item = 4 if precision == "fp32" else 2
@@ -659,9 +689,10 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
              "no_shard": 1}[strategy]
     replicas = gpus // group if strategy == "hybrid_shard" else 1
 
-    def coll(kind, unit, nbytes, n):
-        return _Coll(kind, unit, collective_time(kind, nbytes, n, g, eff, gpus_per_node,
-                                                 network_gbps), nbytes)
+    def coll(kind, unit, nbytes, n, per_node=gpus_per_node):
+        return _Coll(kind, unit, collective_time(kind, nbytes, n, g, eff, per_node, network_gbps),
+                     nbytes, {"bytes": nbytes, "bytes_per_gpu": ring_bytes_per_gpu(kind, nbytes, n),
+                              "gpus": n})
 
     ag_fwd, ag_bwd, grads = {}, {}, {}
     for u in profile.units:
@@ -680,9 +711,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
         grad_full = trainable_shard_numel(u, group) * group
         gc = [coll("reduce_scatter", u.name, grad_full * r_item, group)] if group > 1 and grad_full else []
         if replicas > 1:
-            gshard = trainable_shard_numel(u, group)
-            gc.append(_Coll("all_reduce", u.name, collective_time(
-                "all_reduce", gshard * r_item, replicas, g, eff, 1, network_gbps), gshard * r_item))
+            gc.append(coll("all_reduce", u.name, trainable_shard_numel(u, group) * r_item,
+                           replicas, per_node=1))
         grads[u.name] = gc
 
     # the optimizer step: AdamW over this rank's fp32 shard, memory-bound
@@ -694,6 +724,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
         trained = sum(trainable_shard_numel(u, group) if strategy != "no_shard" else
                       trainable_shard_numel(u, 1) for u in profile.units)
         optimizer_s = optimizer_time(trained, po, g, eff)
+        opt_bytes = optimizer_bytes(trained, po)
         ag_bwd = reshard_all_gathers(ag_bwd, ag_fwd, profile.units, group, po, ag_item_bytes(
             precision), coll)
         if po.offload:
@@ -708,7 +739,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
         bwd_mode, bwd_depth = "fsdp2", prefetch
         fwd_depth = prefetch if forward_prefetch is None else forward_prefetch
     lanes = _schedule(plan_segs, profile.units, ag_fwd, ag_bwd, grads, fwd_depth, bwd_mode,
-                      bwd_depth, limit_all_gathers, optimizer_s)
+                      bwd_depth, limit_all_gathers, optimizer_s, {"bytes": opt_bytes})
     if po.grad_accum > 1:
         micro = _schedule(plan_segs, profile.units, ag_fwd, ag_bwd,
                           grads if po.accum_sync == "every" else {}, fwd_depth, bwd_mode,
