@@ -184,6 +184,8 @@ class EventRecorder:
         tracker._update_snap = self._update_snap
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+        if self._orig is None:  # released: the tracker's late frees are no longer recorded
+            return None
         if winfo.device.type == self.device_type:
             name = getattr(u_type, "name", str(u_type))
             if self.where is not None and name in ("ADD", "DEL", "SIZE"):

@@ -660,8 +660,15 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
             raise bad_value("shard_size", shard_size, f"a divisor of gpus ({gpus})")
     elif shard_size is not None:
         raise bad_value("shard_size", shard_size, "only with strategy hybrid_shard")
-    profile = trace(spec, 1 if strategy == "no_shard" else gpus, strategy, precision, ac, batch, seq,
-                    "cuda", shard_size if strategy == "hybrid_shard" else None, po)
+    # The planner's trace of this configuration (one fake step serves memory and time); under
+    # no_shard, the full_shard trace of one node: DDP computes what an FSDP rank computes, and the
+    # planner's 1-rank FSDP2 stand-in for DDP casts each parameter on its own, which DDP does not.
+    if strategy == "no_shard":
+        profile = trace(spec, min(gpus, gpus_per_node), "full_shard", precision, ac, batch, seq,
+                        "cuda", None, po)
+    else:
+        profile = trace(spec, gpus, strategy, precision, ac, batch, seq, "cuda",
+                        shard_size if strategy == "hybrid_shard" else None, po)
     notes = [f"GPU: {g.name}: {g.source}", *g.notes, _efficiency_note(g.name)]
     fp8_used = fp8 and "fp8" in g.peak_flops and precision != "fp32"
     if fp8 and not fp8_used:
