@@ -12,11 +12,12 @@ gate/up, a reduce-scatter after o and after down, instead of one all-reduce afte
 
 Everything here is torch's own ``torch.distributed.tensor.parallel.parallelize_module`` with a plan
 per model family (the plans of lesson 12, which imports them from here). 2-D parallelism (TP inside
-a group, FSDP across the groups, the mesh dims named "dp" and "tp") is ``prepare_2d``.
+a group, FSDP across the groups, the mesh dims named "dp" and "tp") is ``shard_2d``.
 
 For the planner (memory) and the time model:
 
-* ``prepare_2d`` builds a model on meta, splits it, shards it and materializes it as fake tensors;
+* ``shard_2d`` splits and shards a model (real or meta); ``prepare_2d`` builds one on meta, shards
+  it so and materializes it as fake tensors;
 * ``fake_group`` / ``fake_step_peak``: one training step of any ``nn.Module`` under the memory
   tracker on a fake process group;
 * ``tp_collectives_per_block``: the activation collectives TP adds to each block, with their bytes.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -44,6 +46,9 @@ from torch.distributed.tensor.parallel import (
 
 from utilities.errors import bad_value
 
+# The LM head's whole logits are ``to_local()`` of a replicated DTensor, a view: FSDP2 warns that an
+# in-place op on the root's output would skip its pre-backward hook. The step does none.
+HEAD_VIEW_WARNING = r"FSDP2-wrapped module \(FSDP\w+ForCausalLM\) returned a view tensor"
 TP_FAMILIES = ("llama",)  # the model families with a plan here
 T5_REFUSAL = ("llama (T5 has no TP plan here: its encoder-decoder blocks share a relative-position "
               "bias computed once per stack, and its cross-attention needs a plan of its own)")
@@ -194,16 +199,14 @@ def fake_group(world_size: int):
         dist.destroy_process_group()
 
 
-def prepare_2d(spec, mesh_2d: DeviceMesh, fake_mode, device: torch.device, precision: str = "bf16",
-               ac: str = "none", sequence_parallel: bool = True) -> nn.Module:
-    """The planner's ``_prepare`` for 2-D parallelism: build on meta, split with TP on
-    ``mesh_2d["tp"]``, checkpoint (``ac`` as the planner's), ``fully_shard`` each block and the
-    root on ``mesh_2d["dp"]``, then materialize as fake tensors on ``device``.
+def shard_2d(model: nn.Module, block_class: type[nn.Module], mesh_2d: DeviceMesh,
+             precision: str = "bf16", ac: str = "none", sequence_parallel: bool = True) -> nn.Module:
+    """2-D parallelism, in place: TP on ``mesh_2d["tp"]``, activation checkpointing (``ac`` as
+    the planner's: none, selective, every-2nd-block, full), then ``fully_shard`` of each block and
+    of the root on ``mesh_2d["dp"]`` with ``precision``'s mixed-precision policy.
 
     TP comes before checkpointing (the plan names the block's own submodules, which a checkpoint
-    wrapper would rename) and before FSDP (FSDP then shards TP's shards: 2-D DTensors). This
-    duplicates ``_prepare``'s few lines; it merges into ``utilities.measure.fake_step``'s prepare
-    when that module exists."""
+    wrapper would rename) and before FSDP (FSDP then shards TP's shards: 2-D DTensors)."""
     from torch.distributed.fsdp import fully_shard
 
     from utilities.activation_checkpointing import (
@@ -213,17 +216,25 @@ def prepare_2d(spec, mesh_2d: DeviceMesh, fake_mode, device: torch.device, preci
     )
     from utilities.precision import fsdp2_policy
 
-    model = spec.build(device="meta")
-    block = spec.block_class()
-    apply_tensor_parallel(model, block, mesh_2d["tp"], sequence_parallel)
+    apply_tensor_parallel(model, block_class, mesh_2d["tp"], sequence_parallel)
     if ac == "selective":
-        apply_op_selective_checkpointing(model, block)
+        apply_op_selective_checkpointing(model, block_class)
     elif ac != "none":
-        apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
+        apply_activation_checkpointing(model, block_class, every=1 if ac == "full" else 2)
     policy = fsdp2_policy(precision)
-    for unit in block_units(model, block):
+    for unit in block_units(model, block_class):
         fully_shard(unit, mesh=mesh_2d["dp"], mp_policy=policy)
     fully_shard(model, mesh=mesh_2d["dp"], mp_policy=policy)
+    return model
+
+
+def prepare_2d(spec, mesh_2d: DeviceMesh, fake_mode, device: torch.device, precision: str = "bf16",
+               ac: str = "none", sequence_parallel: bool = True) -> nn.Module:
+    """The planner's ``_prepare`` for 2-D parallelism: build on meta, ``shard_2d``, then
+    materialize as fake tensors on ``device``. It duplicates ``_prepare``'s few lines and merges
+    into ``utilities.measure.fake_step``'s prepare when that module exists."""
+    model = spec.build(device="meta")
+    shard_2d(model, spec.block_class(), mesh_2d, precision, ac, sequence_parallel)
     with fake_mode:
         model.to_empty(device=device)
     return model
@@ -252,9 +263,57 @@ def fake_step_peak(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
-    for tracked in (False, True):
-        with MemoryProbe(model, optimizer, device) if tracked else contextlib.nullcontext() as probe:
-            optimizer.zero_grad(set_to_none=True)
-            loss_of(model).backward()
-            optimizer.step()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=HEAD_VIEW_WARNING)
+        for tracked in (False, True):
+            with MemoryProbe(model, optimizer, device) if tracked else contextlib.nullcontext() as probe:
+                optimizer.zero_grad(set_to_none=True)
+                loss_of(model).backward()
+                optimizer.step()
     return probe.peak
+
+
+# -- what TP sends (for the time model) ------------------------------------------------------------
+
+def tp_collectives_per_block(spec, tp: int, batch: int, seq: int, precision: str = "bf16",
+                             sequence_parallel: bool = True) -> list[tuple[str, int, str]]:
+    """The collectives TP issues on the "tp" mesh for one transformer block in one training step,
+    as ``(kind, bytes, phase)``: ``kind`` "all_gather" / "reduce_scatter" / "all_reduce", ``bytes``
+    the whole tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer),
+    ``phase`` "forward" or "backward". ``batch`` is one TP group's (every rank of it sees the same
+    batch); activations travel in the compute dtype (``precision``'s parameter dtype).
+
+    The mechanism (Megatron-LM's, as ``llama_block_plan`` asks torch for it): the attention and the
+    MLP are each a column-wise split (q/k/v; gate/up) then a row-wise one (o; down). The
+    column-wise layers need the whole input and the row-wise one leaves partial sums:
+
+    * with sequence parallelism the stream between them is split along the sequence, so forward
+      all-gathers the sequence before the column-wise layers and reduce-scatters the partial sums
+      after the row-wise one, twice per block (attention, MLP); backward does the reverse
+      (all-gather of the output gradient into the row-wise layer, reduce-scatter of the partial
+      input gradients of the column-wise ones). The two norms' weights then see a shard of the
+      sequence each, so their gradients are partial sums too: one all-reduce of ``hidden``
+      elements per norm in backward (issued by FSDP2's post-backward in 2-D);
+    * without it the stream is whole on every rank: one all-reduce after each row-wise layer in
+      forward, one of the column-wise layers' summed input gradients in backward.
+
+    Every activation collective moves ``batch * seq * hidden`` elements. The root's (embedding,
+    final norm, LM head) are not a block's and are not listed.
+    """
+    from utilities.precision import get_precision
+
+    check_tensor_parallel(spec.config(), tp, sequence_parallel)
+    hidden = spec.config().hidden_size
+    elem = get_precision(precision).param.itemsize
+    stream = batch * seq * hidden * elem
+    if tp == 1:
+        return []
+    if not sequence_parallel:
+        return [("all_reduce", stream, phase) for phase in ("forward", "backward") for _ in range(2)]
+    # Per half (attention, then MLP): forward gathers then scatters; backward, the half's steps
+    # in reverse, gathers the row-wise layer's output gradient, then scatters the input's.
+    per_half = ("all_gather", "reduce_scatter")
+    forward = [(kind, stream, "forward") for _ in range(2) for kind in per_half]
+    backward = [(kind, stream, "backward") for _ in range(2) for kind in per_half]
+    norms = [("all_reduce", hidden * elem, "backward")] * 2
+    return forward + backward + norms
