@@ -35,95 +35,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
-from tp_helpers import FeedForward, check_llama_tp, ratios_vs_tp1, run_llama, run_mlp
+from tp_helpers import ratios_vs_tp1, run_llama, run_mlp
 
 from utilities import distributed as D
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.errors import UsageError, positive_int
+from utilities.measure.tensor_parallel import (
+    FeedForward,
+    apply_mlp_tensor_parallel,
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    llama_block_plan,
+    llama_root_plan,
+    mlp_plan,
+)
 from utilities.models import get_model_spec
 
-
 # -- the code this lesson teaches ---------------------------------------------------------------
-def mlp_tp_plan() -> dict[str, ParallelStyle]:
-    """w1 and w3 column-wise, w2 row-wise: one all-reduce per forward (at w2's output)."""
-    return {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
-
-
-def llama_tp_plan(sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The plan for one ``LlamaDecoderLayer``: attention heads and MLP columns split.
-
-    The default ``use_local_output=True`` hands plain local tensors to the block's own code, so
-    ``LlamaAttention`` sees only its local heads (transformers 5.x infers the head count from the
-    tensor: no attribute needs changing). With ``sequence_parallel`` the norms and the residual
-    stream are sharded along the sequence (dim 1): an all-gather before q/k/v and gate/up, a
-    reduce-scatter after o and down instead of an all-reduce.
-    """
-    if not sequence_parallel:
-        return {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
-        }
-    # The residual stream stays a DTensor sharded on the sequence from block to block.
-    to_seq = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-    return {
-        "input_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": to_seq,
-        "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": to_seq,
-    }
-
-
-def llama_model_sp_plan() -> dict[str, ParallelStyle]:
-    """Sequence parallelism outside the blocks: the embedding (split over the vocabulary) hands out
-    sequence shards, the final norm works on them, the head gathers them back into whole logits.
-    The embedding's output stays a DTensor so the model's own code (positions, rotary embeddings,
-    masks) still sees the whole sequence length."""
-    return {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                              use_local_output=False),
-        "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    }
+# The plans have one home, utilities.measure.tensor_parallel (the planner splits the same way):
+# mlp_plan()                      w1 and w3 column-wise, w2 row-wise: one all-reduce per forward
+# llama_block_plan(sp)            q/k/v and gate/up column-wise, o and down row-wise, per block;
+#                                 with sp the norms and the residual stream split on the sequence
+# llama_root_plan()               with sp: embedding and LM head split over the vocabulary
+mlp_tp_plan, llama_tp_plan, llama_model_sp_plan = mlp_plan, llama_block_plan, llama_root_plan
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Tensor-parallelize every decoder block of a Hugging Face Llama over ``tp_mesh``, in place.
     Without ``sequence_parallel`` embeddings, norms and the LM head stay whole on every rank."""
-    check_llama_tp(model.config, tp_mesh.size(), sequence_parallel)
-    if sequence_parallel:
-        parallelize_module(model, tp_mesh, llama_model_sp_plan())
-    for block in model.model.layers:
-        parallelize_module(block, tp_mesh, llama_tp_plan(sequence_parallel))
-    return model
+    return apply_tensor_parallel(model, type(model.model.layers[0]), tp_mesh, sequence_parallel)
 
 
 def apply_mlp_tp(mlp: FeedForward, tp_mesh: DeviceMesh) -> FeedForward:
     """Split a ``FeedForward`` in place over ``tp_mesh`` (a 1-D mesh); returns it."""
-    if mlp.w1.out_features % tp_mesh.size():
-        raise UsageError(f"MLP hidden size {mlp.w1.out_features} does not divide by tp={tp_mesh.size()}")
-    return parallelize_module(mlp, tp_mesh, mlp_tp_plan())
+    return apply_mlp_tensor_parallel(mlp, tp_mesh)
 
 
 def mesh_2d(device_type: str, dp: int, tp: int) -> DeviceMesh:
@@ -228,7 +173,7 @@ def main(args) -> None:
             kind, dp, tp = VARIANTS[name]
             dp = dp or world // tp
             if kind != "mlp" and tp > 1:
-                check_llama_tp(lesson.spec.config(), tp)
+                check_tensor_parallel(lesson.spec.config(), tp, sequence_parallel=False)
             if (tp > 1 or kind == "2d") and tp not in meshes:
                 meshes[tp] = mesh_2d(lesson.device.type, world // tp, tp)
             mesh = meshes.get(tp)

@@ -1,7 +1,5 @@
 """What lesson 12 measures around its tensor-parallel code (tensor_parallel.py holds the plans).
 
-* ``FeedForward``: the standalone SwiGLU MLP of Lightning's TP example, for the published figure;
-* ``check_llama_tp``: refuse a tp size that does not divide the heads (one line, not a traceback);
 * ``split_parameter_names`` / ``weight_bytes``: what each rank holds, split and replicated;
 * ``max_abs_diffs``: a split model against its unsplit twin after the same forward and backward;
 * ``data_parallel_loader``: data sharded over the dp ranks only (a TP group shares one batch);
@@ -18,43 +16,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from utilities.data import ReverseTask, batches, make_loader
-from utilities.errors import UsageError
 from utilities.measure import MemoryProbe, fmt_bytes
+from utilities.measure.tensor_parallel import FeedForward
 from utilities.training import TrainStats, sync, train
 
 PUBLISHED_GB = {1: 4.04, 2: 2.03, 4: 1.02, 8: 0.60}  # Lightning TP docs, FeedForward(8192, 8192)
-
-
-class FeedForward(nn.Module):
-    """A SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))`` (the shape of Lightning's TP example)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def check_llama_tp(config, tp: int, sequence_parallel: bool = False) -> None:
-    """Refuse a tp size that does not divide the heads, kv heads and MLP width (and, with sequence
-    parallelism, the vocabulary, which then splits the embedding and the head)."""
-    sizes = [("attention heads", config.num_attention_heads),
-             ("key/value heads", config.num_key_value_heads),
-             ("intermediate size", config.intermediate_size)]
-    if sequence_parallel:
-        sizes.append(("vocabulary", config.vocab_size))
-    for what, n in sizes:
-        if n % tp:
-            raise UsageError(f"tp={tp} does not divide the model's {what} ({n}); allowed: a tp "
-                             f"size that divides {n}")
 
 
 def split_parameter_names(model: nn.Module, tp_dim: str = "tp") -> set[str]:

@@ -1,0 +1,157 @@
+"""Tensor parallelism in the planner's fake trace (utilities.measure.tensor_parallel): it predicts
+Lightning's published TP memory table within 10%, a 2-D fake step books exactly what a real 2-rank
+gloo step of the same model holds, the collectives it lists per block are the ones torch issues,
+and what TP cannot split is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import REPO
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from utilities.errors import UsageError
+from utilities.measure import tensor_parallel as tp_lib
+from utilities.models import get_model_spec
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+PLANNER_RTOL = 0.10  # the planner's activations against a real CPU run (tests/test_plan_options.py)
+MODEL, BATCH, SEQ = "llama-tiny", 2, 64
+CPU = torch.device("cpu")
+
+
+def fake_batch(spec, batch: int, seq: int) -> dict:
+    ids = torch.randint(0, spec.config().vocab_size, (batch, seq))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def test_lightning_table_within_ten_percent():
+    """Lightning's FeedForward(8192, 8192): 4.04 / 2.03 / 1.02 / 0.60 GB on 1 / 2 / 4 / 8 GPUs,
+    from a fresh fake run; the tracker alone books AdamW's 20 bytes per parameter over tp
+    (weights, gradients, two moments, foreach's temporary) and the input."""
+    import tp_check
+
+    for tp in tp_check.PUBLISHED_GB:
+        row = tp_check.row(tp)
+        assert abs(row["ratio"] - 1) < 0.10, row
+        psi = 3 * tp_check.DIM * tp_check.HIDDEN
+        assert row["peak_bytes"]["total"] == pytest.approx(20 * psi / tp, rel=0.001), row
+
+
+@pytest.fixture(scope="module")
+def real_sp_step(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_plan") / "real.json"
+    subprocess.run([sys.executable, str(REPO / "tests" / "tp_plan_run.py"), str(out), MODEL,
+                    str(BATCH), str(SEQ), "1"], check=True, cwd=REPO, capture_output=True,
+                   timeout=300)
+    return json.loads(out.read_text())
+
+
+def fake_2d_peak(dp: int, tp: int, foreach: bool) -> dict:
+    spec = get_model_spec(MODEL)
+    with tp_lib.fake_group(dp * tp):
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model = tp_lib.prepare_2d(spec, mesh, fake_mode, CPU, "bf16", "none", True)
+        with fake_mode:
+            batch = fake_batch(spec, BATCH, SEQ)
+            return tp_lib.fake_step_peak(model, tp_lib.causal_lm_loss(batch), CPU, foreach)
+
+
+def test_fake_2d_step_books_what_a_real_gloo_step_holds(real_sp_step):
+    """dp=1 x tp=2 with sequence parallelism, bf16, on 2 gloo ranks for real and on a fake group:
+    parameters, gradients and AdamW state equal to the byte (at the peak and after the step),
+    activations and the total within the planner's tolerance."""
+    fake = fake_2d_peak(1, 2, foreach=False)
+    for c in ("parameters", "gradients", "optimizer"):
+        assert fake[c] == real_sp_step[c], c
+    assert fake["detail"]["resident_after_step"] == real_sp_step["detail"]["resident_after_step"]
+    for c in ("activations", "total"):
+        assert fake[c] == pytest.approx(real_sp_step[c], rel=PLANNER_RTOL), c
+
+
+def test_2d_states_are_a_full_shard_over_all_ranks():
+    """dp=2 x tp=2: what each rank keeps (weights, gradients, AdamW state) is 16 bytes per parameter
+    over the 4 ranks, as FSDP over 4 would keep (FSDP's padding of the small norms aside)."""
+    held = fake_2d_peak(2, 2, foreach=True)["detail"]["resident_after_step"]
+    psi = get_model_spec(MODEL).num_parameters
+    assert sum(held.values()) == pytest.approx(16 * psi / 4, rel=0.005), held
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the functional collectives (DTensor's, hence TP's; FSDP2 calls c10d's own ops) by
+    kind and bytes of the whole tensor (an all-gather's output, a reduce-scatter's input)."""
+
+    KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+             "all_reduce": "all_reduce"}
+
+    def __init__(self, tp: int):
+        super().__init__()
+        self.tp, self.seen = tp, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = self.KINDS.get(func.overloadpacket.__name__)
+        if func.namespace == "_c10d_functional" and kind:
+            t = args[0]
+            n = t.numel() * t.element_size() * (self.tp if kind == "all_gather" else 1)
+            self.seen[(kind, n)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def traced_collectives(layers: int, sequence_parallel: bool, tp: int = 2) -> dict[str, Counter]:
+    """The TP collectives of one fake 2-D (dp=2) forward and backward of llama-tiny cut to
+    ``layers`` blocks, by phase."""
+    spec = get_model_spec(MODEL)
+    config = spec.config()
+    config.num_hidden_layers = layers
+    spec = replace(spec, make_config=lambda: config)
+    counted = {}
+    with tp_lib.fake_group(2 * tp):
+        mesh = init_device_mesh("cpu", (2, tp), mesh_dim_names=("dp", "tp"))
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model = tp_lib.prepare_2d(spec, mesh, fake_mode, CPU, "bf16", "none", sequence_parallel)
+        with fake_mode:
+            batch = fake_batch(spec, BATCH, SEQ)
+            with CollectiveCounter(tp) as forward:
+                loss = model(**batch).loss
+            with CollectiveCounter(tp) as backward:
+                loss.backward()
+    counted["forward"], counted["backward"] = forward.seen, backward.seen
+    return counted
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+def test_collectives_per_block_are_what_torch_issues(sequence_parallel):
+    """Two blocks minus one block: the collectives one block adds, by phase, kind and bytes, equal
+    ``tp_collectives_per_block``'s list."""
+    one, two = traced_collectives(1, sequence_parallel), traced_collectives(2, sequence_parallel)
+    listed = tp_lib.tp_collectives_per_block(get_model_spec(MODEL), 2, BATCH, SEQ, "bf16",
+                                             sequence_parallel)
+    for phase in ("forward", "backward"):
+        block = two[phase] - one[phase]
+        root = one[phase] - block  # the embedding's, the final norm's and the head's
+        assert two[phase] == root + block + block, phase
+        assert block == Counter((k, n) for k, n, p in listed if p == phase), phase
+
+
+@pytest.mark.parametrize("model, tp, words", [
+    ("t5-tiny", 2, ["'t5'", "T5 has no TP plan"]),
+    ("llama-tiny", 3, ["tp 3", "attention heads (4)", "1, 2"]),
+    ("llama-8b", 16, ["tp 16", "key/value heads (8)", "1, 2, 4, 8"]),
+])
+def test_refuses_what_tp_cannot_split_in_one_line(model, tp, words):
+    with pytest.raises(UsageError) as e:
+        tp_lib.tp_collectives_per_block(get_model_spec(model), tp, 1, 64)
+    message = str(e.value)
+    assert "\n" not in message and "allowed:" in message
+    for w in words:
+        assert w in message, message

@@ -1,0 +1,319 @@
+"""Tensor parallelism (TP) for the course's models, and the pieces ``fsdp-course plan --tp`` needs.
+
+TP splits each big matrix of a block over the ``tp`` ranks of a group instead of gathering it whole
+(FSDP). A linear layer split column-wise (its output features) needs the whole input and gives a
+slice of the output; split row-wise (its input features) it takes that slice and gives a partial
+sum. q/k/v and gate/up column-wise, then o and down row-wise: each rank holds 1/tp of those
+weights and computes 1/tp of the heads and of the MLP width.
+
+With *sequence parallelism* (SP) the activations between those pairs (the norms, the residual
+stream) are split along the sequence too: an all-gather of the sequence before q/k/v and before
+gate/up, a reduce-scatter after o and after down, instead of one all-reduce after each pair.
+
+Everything here is torch's own ``torch.distributed.tensor.parallel.parallelize_module`` with a plan
+per model family (the plans of lesson 12, which imports them from here). 2-D parallelism (TP inside
+a group, FSDP across the groups, the mesh dims named "dp" and "tp") is ``shard_2d``.
+
+For the planner (memory) and the time model:
+
+* ``shard_2d`` splits and shards a model (real or meta); ``prepare_2d`` builds one on meta, shards
+  it so and materializes it as fake tensors;
+* ``fake_group`` / ``fake_step_peak``: one training step of any ``nn.Module`` under the memory
+  tracker on a fake process group;
+* ``tp_collectives_per_block``: the activation collectives TP adds to each block, with their bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from utilities.errors import bad_value
+
+# The LM head's whole logits are ``to_local()`` of a replicated DTensor, a view: FSDP2 warns that an
+# in-place op on the root's output would skip its pre-backward hook. The step does none.
+HEAD_VIEW_WARNING = r"FSDP2-wrapped module \(FSDP\w+ForCausalLM\) returned a view tensor"
+TP_FAMILIES = ("llama",)  # the model families with a plan here
+T5_REFUSAL = ("llama (T5 has no TP plan here: its encoder-decoder blocks share a relative-position "
+              "bias computed once per stack, and its cross-attention needs a plan of its own)")
+
+
+class FeedForward(nn.Module):
+    """A SwiGLU MLP ``w2(silu(w1(x)) * w3(x))`` without biases: the model of Lightning's TP
+    example (``FeedForward(8192, 8192)``), which lesson 12 and ``benchmarks/tp_check.py`` split."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# -- the plans -----------------------------------------------------------------------------------
+
+def mlp_plan() -> dict[str, ParallelStyle]:
+    """A SwiGLU MLP ``w2(silu(w1(x)) * w3(x))`` (Lightning's ``FeedForward``): w1 and w3
+    column-wise, w2 row-wise, so one all-reduce per forward, at w2's output."""
+    return {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+
+
+def llama_block_plan(sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """The plan of one Hugging Face ``LlamaDecoderLayer``: heads and MLP columns split.
+
+    The attention and the MLP each get their input as one replicated DTensor
+    (``PrepareModuleInput``): q/k/v (gate/up) share it, so the backward sums their three (two)
+    partial input gradients first and reduces them once, as Megatron's ``f`` does. q/k/v hand plain
+    local tensors to the block's own code, so ``LlamaAttention`` sees only its local heads
+    (transformers infers the head count from the tensor). With ``sequence_parallel`` the norms
+    and the residual stream stay sharded along the sequence (dim 1): the input is all-gathered
+    into the attention and the MLP, and o and down reduce-scatter their partial sums back into
+    sequence shards; without it the residual stream is whole on every rank and o and down
+    all-reduce.
+    """
+    stream = Shard(1) if sequence_parallel else Replicate()
+    whole_input = dict(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
+                       use_local_output=False)
+    back_to_stream = RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel)
+    plan: dict[str, ParallelStyle] = {
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": stream},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                        use_local_output=False),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": back_to_stream,
+        "mlp": PrepareModuleInput(**whole_input),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": back_to_stream,
+    }
+    if sequence_parallel:
+        plan["input_layernorm"] = SequenceParallel()
+        plan["post_attention_layernorm"] = SequenceParallel()
+    return plan
+
+
+def llama_root_plan() -> dict[str, ParallelStyle]:
+    """Sequence parallelism outside the blocks (as torchtitan's Llama does it): the embedding is
+    split over the vocabulary and hands out sequence shards, the final norm works on them, the LM
+    head gathers the sequence, is split over the vocabulary and gathers whole logits. The
+    embedding's output stays a DTensor so the model's own code (positions, rotary embeddings,
+    masks) still sees the whole sequence length. Without SP these stay whole on every rank."""
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
+# -- checking and applying ---------------------------------------------------------------------
+
+def model_family(model: nn.Module) -> str:
+    """The transformers ``model_type`` of ``model`` ("" for a module without a config)."""
+    return getattr(getattr(model, "config", None), "model_type", "") or ""
+
+
+def check_tensor_parallel(config, tp: int, sequence_parallel: bool = True) -> None:
+    """Refuse in one line a model TP cannot split: a family without a plan (T5 said by name), or
+    a ``tp`` that does not divide the heads, the key/value heads, the MLP width (and, with SP,
+    the vocabulary, which then splits the embedding and the head)."""
+    family = getattr(config, "model_type", "")
+    if family not in TP_FAMILIES:
+        raise bad_value("tensor-parallel model family", family,
+                        T5_REFUSAL if family == "t5" else ", ".join(TP_FAMILIES))
+    sizes = {"attention heads": config.num_attention_heads,
+             "key/value heads": config.num_key_value_heads,
+             "intermediate size": config.intermediate_size}
+    if sequence_parallel:
+        sizes["vocabulary"] = config.vocab_size
+    if tp < 1 or any(n % tp for n in sizes.values()):
+        common = math.gcd(*sizes.values())
+        divisors = [d for d in range(1, common + 1) if common % d == 0]
+        what = ", ".join(f"{k} ({v})" for k, v in sizes.items())
+        raise bad_value("tp", tp, f"a divisor of the model's {what}: "
+                                  + ", ".join(map(str, divisors)))
+
+
+def apply_tensor_parallel(model: nn.Module, block_class: type[nn.Module], tp_mesh: DeviceMesh,
+                          sequence_parallel: bool = True) -> nn.Module:
+    """Split every ``block_class`` of a Hugging Face Llama over ``tp_mesh`` (1-D), in place; with
+    ``sequence_parallel`` also the embedding, the final norm and the head. Call it before
+    activation checkpointing and ``fully_shard`` (the plan's names are the block's own)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise bad_value("tensor-parallel model", type(model).__name__,
+                        "a transformers model with a config (a plain MLP: apply_mlp_tensor_parallel)")
+    check_tensor_parallel(config, tp_mesh.size(), sequence_parallel)
+    if sequence_parallel:
+        parallelize_module(model, tp_mesh, llama_root_plan())
+    for block in [m for m in model.modules() if isinstance(m, block_class)]:
+        parallelize_module(block, tp_mesh, llama_block_plan(sequence_parallel))
+    return model
+
+
+def apply_mlp_tensor_parallel(mlp: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Split a SwiGLU ``FeedForward`` (w1, w2, w3) over ``tp_mesh`` (1-D) in place; returns it."""
+    hidden = mlp.w1.out_features
+    if hidden % tp_mesh.size():
+        raise bad_value("tp", tp_mesh.size(), f"a divisor of the MLP's hidden size ({hidden})")
+    return parallelize_module(mlp, tp_mesh, mlp_plan())
+
+
+# -- the fake world (to be merged into utilities.measure.fake_step) -----------------------------
+
+@contextlib.contextmanager
+def fake_group(world_size: int):
+    """A ``world_size``-rank fake process group seen from rank 0: every collective returns at
+    once with the shapes of a real job. (The planner's ``fake_world``; one of the two goes when
+    ``utilities.measure.fake_step`` holds the fake world.)"""
+    import torch.distributed as dist
+
+    from utilities.torch_internals import fake_store
+
+    if dist.is_initialized():
+        raise RuntimeError("a fake process group needs a process without one")
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_2d(model: nn.Module, block_class: type[nn.Module], mesh_2d: DeviceMesh,
+             precision: str = "bf16", ac: str = "none", sequence_parallel: bool = True) -> nn.Module:
+    """2-D parallelism, in place: TP on ``mesh_2d["tp"]``, activation checkpointing (``ac`` as
+    the planner's: none, selective, every-2nd-block, full), then ``fully_shard`` of each block and
+    of the root on ``mesh_2d["dp"]`` with ``precision``'s mixed-precision policy.
+
+    TP comes before checkpointing (the plan names the block's own submodules, which a checkpoint
+    wrapper would rename) and before FSDP (FSDP then shards TP's shards: 2-D DTensors)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from utilities.activation_checkpointing import (
+        apply_activation_checkpointing,
+        apply_op_selective_checkpointing,
+        block_units,
+    )
+    from utilities.precision import fsdp2_policy
+
+    apply_tensor_parallel(model, block_class, mesh_2d["tp"], sequence_parallel)
+    if ac == "selective":
+        apply_op_selective_checkpointing(model, block_class)
+    elif ac != "none":
+        apply_activation_checkpointing(model, block_class, every=1 if ac == "full" else 2)
+    policy = fsdp2_policy(precision)
+    for unit in block_units(model, block_class):
+        fully_shard(unit, mesh=mesh_2d["dp"], mp_policy=policy)
+    fully_shard(model, mesh=mesh_2d["dp"], mp_policy=policy)
+    return model
+
+
+def prepare_2d(spec, mesh_2d: DeviceMesh, fake_mode, device: torch.device, precision: str = "bf16",
+               ac: str = "none", sequence_parallel: bool = True) -> nn.Module:
+    """The planner's ``_prepare`` for 2-D parallelism: build on meta, ``shard_2d``, then
+    materialize as fake tensors on ``device``. It duplicates ``_prepare``'s few lines and merges
+    into ``utilities.measure.fake_step``'s prepare when that module exists."""
+    model = spec.build(device="meta")
+    shard_2d(model, spec.block_class(), mesh_2d, precision, ac, sequence_parallel)
+    with fake_mode:
+        model.to_empty(device=device)
+    return model
+
+
+def causal_lm_loss(batch: dict[str, torch.Tensor]) -> Callable[[nn.Module], torch.Tensor]:
+    """The loss of a causal LM on ``batch`` (input_ids, attention_mask, labels), as a function of
+    the model: what ``fake_step_peak`` and a real step both call."""
+    return lambda model: model(**batch).loss
+
+
+def fake_step_peak(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor],
+                   device: torch.device, foreach: bool) -> dict:
+    """The second of two training steps (forward, backward, AdamW step) under the lessons'
+    ``MemoryProbe`` (``FSDPMemTracker`` for an FSDP2 model, ``MemTracker`` otherwise): its peak in
+    the course's categories, with AdamW's state in place (the steady state ``train()`` measures).
+    ``foreach``: AdamW's path (torch's default: on for CUDA tensors), which a fake step on "cpu"
+    must be told. The same function measures a real step on real tensors.
+
+    The first step is untracked and complete, forward and backward included: with TP the
+    forward and backward run DTensor ops, and an op DTensor has not seen yet misses its
+    sharding-propagation cache, whose propagation then runs the op at its full, unsplit size on
+    the fake tensors, which the tracker would book (measured: 0.64 instead of 0.50 GB per rank
+    for Lightning's MLP at tp=8, a whole 8192 x 8192 fp32 weight more)."""
+    from utilities.measure.memory import MemoryProbe
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=HEAD_VIEW_WARNING)
+        for tracked in (False, True):
+            with MemoryProbe(model, optimizer, device) if tracked else contextlib.nullcontext() as probe:
+                optimizer.zero_grad(set_to_none=True)
+                loss_of(model).backward()
+                optimizer.step()
+    return probe.peak
+
+
+# -- what TP sends (for the time model) ------------------------------------------------------------
+
+def tp_collectives_per_block(spec, tp: int, batch: int, seq: int, precision: str = "bf16",
+                             sequence_parallel: bool = True) -> list[tuple[str, int, str]]:
+    """The collectives TP issues on the "tp" mesh for one transformer block in one training step,
+    as ``(kind, bytes, phase)``: ``kind`` "all_gather" / "reduce_scatter" / "all_reduce", ``bytes``
+    the whole tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer),
+    ``phase`` "forward" or "backward". ``batch`` is one TP group's (every rank of it sees the same
+    batch); activations travel in the compute dtype (``precision``'s parameter dtype).
+
+    The mechanism (Megatron-LM's, as ``llama_block_plan`` asks torch for it): the attention and the
+    MLP are each a column-wise split (q/k/v; gate/up) then a row-wise one (o; down). The
+    column-wise layers need the whole input and the row-wise one leaves partial sums:
+
+    * with sequence parallelism the stream between them is split along the sequence, so forward
+      all-gathers the sequence before the column-wise layers and reduce-scatters the partial sums
+      after the row-wise one, twice per block (attention, MLP); backward does the reverse
+      (all-gather of the output gradient into the row-wise layer, reduce-scatter of the partial
+      input gradients of the column-wise ones). The two norms' weights then see a shard of the
+      sequence each, so their gradients are partial sums too: one all-reduce of ``hidden``
+      elements per norm in backward (issued by FSDP2's post-backward in 2-D);
+    * without it the stream is whole on every rank: one all-reduce after each row-wise layer in
+      forward, one of the column-wise layers' summed input gradients in backward.
+
+    Every activation collective moves ``batch * seq * hidden`` elements. The root's (embedding,
+    final norm, LM head) are not a block's and are not listed.
+    """
+    from utilities.precision import get_precision
+
+    check_tensor_parallel(spec.config(), tp, sequence_parallel)
+    hidden = spec.config().hidden_size
+    elem = get_precision(precision).param.itemsize
+    stream = batch * seq * hidden * elem
+    if tp == 1:
+        return []
+    if not sequence_parallel:
+        return [("all_reduce", stream, phase) for phase in ("forward", "backward") for _ in range(2)]
+    # Per half (attention, then MLP): forward gathers then scatters; backward, the half's steps
+    # in reverse, gathers the row-wise layer's output gradient, then scatters the input's.
+    per_half = ("all_gather", "reduce_scatter")
+    forward = [(kind, stream, "forward") for _ in range(2) for kind in per_half]
+    backward = [(kind, stream, "backward") for _ in range(2) for kind in per_half]
+    norms = [("all_reduce", hidden * elem, "backward")] * 2
+    return forward + backward + norms
