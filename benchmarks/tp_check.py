@@ -64,9 +64,10 @@ def predict_peak(tp: int, dim: int = DIM, hidden: int = HIDDEN, batch: int = BAT
     from torch.distributed.device_mesh import init_device_mesh
 
     from utilities.measure import tensor_parallel as tp_lib
+    from utilities.measure.fake_step import fake_world
 
     device = torch.device("cpu")
-    world = tp_lib.fake_group(tp) if tp > 1 else contextlib.nullcontext()
+    world = fake_world(tp) if tp > 1 else contextlib.nullcontext()
     with world:
         model = tp_lib.FeedForward(dim, hidden).to("meta")
         if tp > 1:

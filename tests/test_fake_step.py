@@ -20,6 +20,8 @@ CASES = {
     "HSDP, fp32, accumulation": dict(world=16, strategy="hybrid_shard", precision="fp32", ac="none",
                                      batch=2, seq=128, shard_size=8,
                                      options=PlanOptions(grad_accum=2, accum_sync="last")),
+    "2-D, tp 2": dict(world=4, strategy="full_shard", precision="bf16", ac="none", batch=1,
+                      seq=128, tp=2),
     "block pairs, LoRA": dict(world=4, strategy="full_shard", precision="bf16",
                               ac="every-2nd-block", batch=1, seq=128,
                               options=PlanOptions(lora_rank=8)),

@@ -13,9 +13,9 @@ from conftest import cli_here
 from torch import nn
 
 from utilities.errors import UsageError
+from utilities.measure import fake_step
 from utilities.measure import planner as P
 from utilities.models import custom_model_spec, get_model_spec
-from utilities.measure import fake_step
 from utilities.torch_internals import clear_dtensor_sharding_cache
 
 # The 7.5B llama of the planner's overcount report: Psi = 7,501,778,944

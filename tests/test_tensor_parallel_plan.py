@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from utilities.errors import UsageError
 from utilities.measure import tensor_parallel as tp_lib
+from utilities.measure.fake_step import fake_batch, fake_world, prepare
 from utilities.models import get_model_spec
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -27,11 +28,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 PLANNER_RTOL = 0.10  # the planner's activations against a real CPU run (tests/test_plan_options.py)
 MODEL, BATCH, SEQ = "llama-tiny", 2, 64
 CPU = torch.device("cpu")
-
-
-def fake_batch(spec, batch: int, seq: int) -> dict:
-    ids = torch.randint(0, spec.config().vocab_size, (batch, seq))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
 def test_lightning_table_within_ten_percent():
@@ -58,12 +54,12 @@ def real_sp_step(tmp_path_factory):
 
 def fake_2d_peak(dp: int, tp: int, foreach: bool) -> dict:
     spec = get_model_spec(MODEL)
-    with tp_lib.fake_group(dp * tp):
+    with fake_world(dp * tp):
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = tp_lib.prepare_2d(spec, mesh, fake_mode, CPU, "bf16", "none", True)
+        model = prepare(spec, "full_shard", "bf16", "none", mesh, fake_mode, CPU, tp=tp)
         with fake_mode:
-            batch = fake_batch(spec, BATCH, SEQ)
+            batch = fake_batch(spec, BATCH, SEQ, CPU)
             return tp_lib.fake_step_peak(model, tp_lib.causal_lm_loss(batch), CPU, foreach)
 
 
@@ -115,12 +111,15 @@ def traced_collectives(layers: int, sequence_parallel: bool, tp: int = 2) -> dic
     config.num_hidden_layers = layers
     spec = replace(spec, make_config=lambda: config)
     counted = {}
-    with tp_lib.fake_group(2 * tp):
+    with fake_world(2 * tp):
         mesh = init_device_mesh("cpu", (2, tp), mesh_dim_names=("dp", "tp"))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = tp_lib.prepare_2d(spec, mesh, fake_mode, CPU, "bf16", "none", sequence_parallel)
+        model = spec.build(device="meta")
+        tp_lib.shard_2d(model, spec.block_class(), mesh, "bf16", "none", sequence_parallel)
         with fake_mode:
-            batch = fake_batch(spec, BATCH, SEQ)
+            model.to_empty(device=CPU)
+        with fake_mode:
+            batch = fake_batch(spec, BATCH, SEQ, CPU)
             with CollectiveCounter(tp) as forward:
                 loss = model(**batch).loss
             with CollectiveCounter(tp) as backward:
@@ -155,3 +154,36 @@ def test_refuses_what_tp_cannot_split_in_one_line(model, tp, words):
     assert "\n" not in message and "allowed:" in message
     for w in words:
         assert w in message, message
+
+
+def test_plan_tp_shards_states_over_every_gpu_and_splits_activations():
+    """``plan --tp``: a 2-D step keeps 16 bytes per parameter over all the GPUs (TP splits, FSDP
+    shards the splits), its activations shrink with tp, and the time model charges TP's own
+    collectives (traced, inside the group) on the compute lane."""
+    from utilities.measure import planner as P
+
+    one, two = (P.plan(MODEL, 4, 80 * 2**30, batch=BATCH, seq=SEQ, tp=tp) for tp in (1, 2))
+    assert sum(two.model_states.values()) == pytest.approx(sum(one.model_states.values()), rel=0.02)
+    assert two.peak_bytes["activations"] < one.peak_bytes["activations"]
+    assert two.tp == 2 and "across TP groups of 2" in P.format_plan(two)
+    step = P.predict_time(two, {})
+    assert any(e.args.get("tp_comm_s", 0) > 0 for e in step.timeline if e.unit != "root")
+    assert any("tensor parallelism: 2 GPUs per group" in a for a in step.assumptions)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tp", "3"], ["--tp 3", "a divisor of --gpus (8)"]),
+    (["--tp", "2", "--strategy", "hybrid_shard"], ["full_shard or shard_grad_op with --tp"]),
+    (["--tp", "2", "--seq", "64", "--model", "t5-tiny"], ["T5 has no TP plan"]),
+    (["--tp", "2", "--offload"], ["--offload"]),
+    (["--tp", "2", "--sweep"], ["not allowed with --sweep"]),
+])
+def test_plan_tp_refuses_in_one_line(flags, words):
+    from conftest import cli_here
+
+    r = cli_here("plan", "--model", MODEL, "--gpus", "8", *flags)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line, line
+    for w in words:
+        assert w in line, line

@@ -70,6 +70,33 @@ def check_step(gpus, strategy, precision, ac, batch, seq) -> None:
         raise bad_value("--seq", seq, "integers >= 1")
 
 
+def check_tp(spec, tp, gpus: int, strategy: str, options=None, gpus_per_node: int | None = None
+             ) -> None:
+    """Tensor parallelism's degree, as the planner and the time model take it: a divisor of the
+    GPUs (and of a node's, where TP runs over NVLink), with FSDP's full_shard or shard_grad_op
+    across the groups, a model TP can split (``tensor_parallel.check_tensor_parallel``), and
+    none of the plan options the 2-D step does not model (accumulation and bf16 parameters
+    are)."""
+    if not isinstance(tp, int) or tp < 1 or gpus % tp:
+        raise bad_value("--tp", tp, f"a divisor of --gpus ({gpus})")
+    if tp == 1:
+        return
+    if gpus_per_node is not None and gpus_per_node % tp:
+        raise bad_value("--tp", tp, f"a divisor of --gpus-per-node ({gpus_per_node}): TP runs "
+                        "inside a node, over NVLink")
+    if strategy not in ("full_shard", "shard_grad_op"):
+        raise bad_value("--strategy", strategy, "full_shard or shard_grad_op with --tp (FSDP2 "
+                        "across the TP groups)")
+    if options is not None and (options.offload or options.frozen
+                                or options.reshard_after_forward is not None):
+        raise bad_value("--tp", tp, "1 with --offload, --trainable, --lora-rank or "
+                        "--reshard-after-forward (the 2-D step plans accumulation and "
+                        "--param-dtype only)")
+    from utilities.measure.tensor_parallel import check_tensor_parallel
+
+    check_tensor_parallel(spec.config(), tp)
+
+
 # -- the fake world ------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -99,9 +126,10 @@ def fake_device(device_type: str) -> tuple[torch.device, list[str]]:
 
 
 def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, device: torch.device,
-            options=None):
-    """Build on meta, apply the options (bf16 storage, freezing, adapters), checkpoint, shard per
-    block, then materialize as fake tensors on ``device``."""
+            options=None, tp: int = 1):
+    """Build on meta, apply the options (bf16 storage, freezing, adapters), split the blocks over
+    the mesh's "tp" dim when ``tp`` > 1 (``tensor_parallel.shard_2d``: TP, checkpointing, FSDP2 on
+    "dp"), else checkpoint and shard per block, then materialize as fake tensors on ``device``."""
     from torch.distributed.fsdp import fully_shard
 
     from utilities.activation_checkpointing import (
@@ -116,14 +144,19 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
     model = spec.build(device="meta")
     block = spec.block_class()
     apply_to_model(model, [m for m in model.modules() if isinstance(m, block)], options)
-    if ac == "selective":
-        apply_op_selective_checkpointing(model, block)
-    elif ac != "none":
-        apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
-    opts = dict(mesh=mesh, mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))
-    for unit in block_units(model, block):
-        fully_shard(unit, **opts)
-    fully_shard(model, **opts)
+    if tp > 1:
+        from utilities.measure.tensor_parallel import shard_2d
+
+        shard_2d(model, block, mesh, precision, ac, **shard_kwargs(options, strategy))
+    else:
+        if ac == "selective":
+            apply_op_selective_checkpointing(model, block)
+        elif ac != "none":
+            apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
+        opts = dict(mesh=mesh, mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))
+        for unit in block_units(model, block):
+            fully_shard(unit, **opts)
+        fully_shard(model, **opts)
     with fake_mode:
         model.to_empty(device=device)
     return model
@@ -529,14 +562,16 @@ class MemoryEvents:
 # -- tracing -------------------------------------------------------------------------------------
 
 def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, seq: int,
-         device: torch.device, shard_size: int | None, options) -> tuple[StepTrace, _Samples]:
+         device: torch.device, shard_size: int | None, options, tp: int = 1
+         ) -> tuple[StepTrace, _Samples]:
     """One step of ``spec`` under both recorders: the ``StepTrace`` and the tracker's samples.
 
     The optimizer state is created by one untracked AdamW step on zero gradients: the same tensors
     a first real step would create, at no forward's cost. Both steps take the same ``foreach``: a
     tracked step that dispatches ops the untracked one did not misses DTensor's sharding-propagation
     cache, and propagation then runs those ops at their full (unsharded) size under the planner's
-    own FakeTensorMode, which the tracker books as optimizer state."""
+    own FakeTensorMode, which the tracker books as optimizer state. Under tensor parallelism the
+    forward and backward run DTensor ops too: one untracked forward and backward come first."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -549,6 +584,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
         traced_micro_batches,
         trainable_parameters,
     )
+    from utilities.measure.tensor_parallel import HEAD_VIEW_WARNING
     from utilities.torch_internals import fsdp_mem_tracker, global_peak_only, mod_tracker_of
 
     options = options or PlanOptions()
@@ -558,13 +594,16 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
         warnings.filterwarnings("ignore", message="Module is None")
         warnings.filterwarnings("ignore", message=T5_POSITION_BIAS_VIEW)
-        if shard_size:  # HSDP: replicate across the first dim, shard along the second
+        warnings.filterwarnings("ignore", message=HEAD_VIEW_WARNING)
+        if tp > 1:  # 2-D: FSDP2 across the "dp" dim, TP inside a group of tp ranks
+            mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        elif shard_size:  # HSDP: replicate across the first dim, shard along the second
             mesh = init_device_mesh(device.type, (world // shard_size, shard_size),
                                     mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh(device.type, (world,))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = prepare(spec, strategy, precision, ac, mesh, fake_mode, device, options)
+        model = prepare(spec, strategy, precision, ac, mesh, fake_mode, device, options, tp)
         root_name = type(model).__name__
         units: dict[str, UnitInfo] = {}
         tracker_names: dict[str, str] = {}
@@ -575,6 +614,9 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
             tracker_names[root_name + ("." + fqn if fqn else "")] = label
         with fake_mode:
             data = fake_batch(spec, batch, seq, device)
+            if tp > 1:
+                model(**data).loss.backward()
+                model.zero_grad(set_to_none=True)
             params = trainable_parameters(model)
             optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=adamw_foreach(device))
             for p in params:
@@ -634,9 +676,11 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
 
 def trace(spec, world: int, strategy: str = "full_shard", precision: str = "bf16",
           ac: str = "none", batch: int = 1, seq: int | None = None, device_type: str = "cuda",
-          shard_size: int | None = None, options=None, scale: bool = True) -> StepTrace:
+          shard_size: int | None = None, options=None, scale: bool = True, tp: int = 1
+          ) -> StepTrace:
     """One fake training step of ``spec`` (a ``ModelSpec`` or a course model's name) on ``world``
-    ranks, cached: the planner and the time model of one configuration share it. ``scale``: trace
+    ranks, cached: the planner and the time model of one configuration share it. ``tp``: tensor
+    parallelism inside groups of ``tp`` ranks, FSDP2 across them. ``scale``: trace
     a deep model at two small depths and scale (the module's docstring); False traces every
     block. Read it, do not change it (the cache hands the same object to every caller)."""
     from utilities.measure.plan_options import PlanOptions
@@ -644,14 +688,14 @@ def trace(spec, world: int, strategy: str = "full_shard", precision: str = "bf16
 
     spec = get_model_spec(spec) if isinstance(spec, str) else spec
     return _trace(spec, world, strategy, precision, ac, batch, seq or spec.default_seq_len,
-                  fake_device(device_type)[0].type, shard_size, options or PlanOptions(), scale)
+                  fake_device(device_type)[0].type, shard_size, options or PlanOptions(), scale, tp)
 
 
 @functools.lru_cache(maxsize=16)
 def _trace(spec, world, strategy, precision, ac, batch, seq, device_type, shard_size, options,
-           scale) -> StepTrace:
+           scale, tp) -> StepTrace:
     device = torch.device(device_type)
-    args = (world, strategy, precision, ac, batch, seq, device, shard_size, options)
+    args = (world, strategy, precision, ac, batch, seq, device, shard_size, options, tp)
     depths = scaled_depths(spec, ac, options) if scale else None
     if depths is None:
         step, _ = _run(spec, *args)

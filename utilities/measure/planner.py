@@ -38,6 +38,7 @@ from utilities.measure.fake_step import (
     PRECISIONS,
     STRATEGIES,
     check_step,
+    check_tp,
     fake_device,
     trace,
 )
@@ -154,6 +155,7 @@ class Plan:
     host: dict[str, Any] | None = None
     # the caching allocator's peak beside the tracker's (utilities.measure.allocator)
     reserved: dict[str, int] | None = None
+    tp: int = 1  # tensor parallelism inside groups of tp GPUs, FSDP2 across them
 
     @property
     def theory(self) -> dict[str, dict[str, int]]:
@@ -166,7 +168,7 @@ class Plan:
 def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_shard",
          precision: str = "bf16", ac: str = "none", batch: int = 1, seq: int | None = None,
          device_type: str = "cuda", shard_size: int | None = None,
-         options: PlanOptions | dict[str, Any] | None = None) -> Plan:
+         options: PlanOptions | dict[str, Any] | None = None, tp: int = 1) -> Plan:
     """Predict the per-rank peak of one training step by running it on fake tensors.
 
     ``hybrid_shard`` (HSDP) runs FSDP2 on a 2-D ``(gpus / shard_size, shard_size)`` mesh: shards
@@ -178,6 +180,7 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     shard_size = _shard_size(strategy, gpus, shard_size)
     o = as_options(options)
     check_options(o, strategy, precision, shard_size or gpus)
+    check_tp(spec, tp, gpus, strategy, o)
     seq = seq or spec.default_seq_len
     check_tokens(spec, batch, seq, precision, gpu_memory_bytes)
     warnings = [*spec.warnings, *context_warnings(spec, seq)]
@@ -204,8 +207,8 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
             budget_bytes=budget, fits=False, overflowing=_overflowing(floor, budget),
             method="lower bound: parameter shards + AdamW state alone exceed the budget "
                    "(activations not simulated)", notes=notes, warnings=warnings,
-            options=o.as_dict())
-    step = trace(spec, world, strategy, precision, ac, batch, seq, device.type, shard_size, o)
+            options=o.as_dict(), tp=tp)
+    step = trace(spec, world, strategy, precision, ac, batch, seq, device.type, shard_size, o, tp=tp)
     snap, states = dict(step.peak), dict(step.states)
     if step.traced_layers:
         notes.append(f"traced at {step.traced_layers[0]} and {step.traced_layers[1]} blocks and "
@@ -247,7 +250,7 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
         fits=fits, overflowing=None if cats["total"] <= budget else _overflowing(cats, budget),
         method="FSDPMemTracker on FakeTensorMode + fake process group", notes=notes,
         model_states=states, warnings=warnings, options=o.as_dict(), host=host,
-        reserved=reserved)
+        reserved=reserved, tp=tp)
 
 
 # the tracker's categories an offloaded rank keeps on the host
@@ -410,7 +413,8 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
                   precision: str = "bf16", ac: str = "none", seq: int | None = None,
                   device_type: str = "cuda", limit: int = 4096,
                   shard_size: int | None = None,
-                  options: PlanOptions | dict[str, Any] | None = None) -> tuple[int, Plan | None]:
+                  options: PlanOptions | dict[str, Any] | None = None,
+                  tp: int = 1) -> tuple[int, Plan | None]:
     """The largest per-rank batch that fits (0 when even batch 1 does not), and its plan.
 
     Memory grows about linearly with the batch (parameters and optimizer state are fixed,
@@ -424,7 +428,7 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
         try:
             extra = {} if options is None else {"options": options}
             return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
-                        shard_size, **extra)
+                        shard_size, tp=tp, **extra)
         except TooManyTokens as e:  # batch 1 is refused; a larger batch does not fit
             if b == 1:
                 raise
@@ -614,6 +618,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--shard-size", default=None,
                         help="hybrid_shard only: GPUs that shard among themselves, a divisor of "
                              f"--gpus (default {NODE_GPUS}, one node, or --gpus if fewer)")
+    parser.add_argument("--tp", default="1",
+                        help="tensor parallelism: GPUs per TP group (a divisor of --gpus and of a "
+                        "node's), FSDP2 across the groups (2-D, as torchtitan; Llama models); "
+                        "--batch is then one group's; default 1 (FSDP only)")
     parser.add_argument("--precision", default="bf16", help=f"one of {', '.join(PRECISIONS)}")
     parser.add_argument("--ac", default="none",
                         help="activation checkpointing: none; selective (op-level, as torchtitan: "
@@ -761,7 +769,7 @@ def predict_time(p: Plan, options: dict[str, Any]):
     return estimate_step_time(get_model_spec(p.model), p.gpus, p.strategy, p.precision, p.ac, p.batch,
                               p.seq, shard_size=p.shard_size,
                               plan_options=PlanOptions(**p.options) if p.options else None,
-                              **options)
+                              tp=p.tp, **options)
 
 
 def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
@@ -770,7 +778,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
     kw = dict(model=args.model, gpus=_int_arg("--gpus", args.gpus),
               gpu_memory_bytes=gpu_memory_bytes, strategy=args.strategy,
               precision=args.precision, ac=args.ac, seq=_int_arg("--seq", args.seq),
-              shard_size=_int_arg("--shard-size", args.shard_size))
+              shard_size=_int_arg("--shard-size", args.shard_size), tp=_int_arg("--tp", args.tp))
     batch = _int_arg("--batch", args.batch)
     get_model_spec(kw["model"])
     _check(kw["gpus"], kw["gpu_memory_bytes"], kw["strategy"], kw["precision"], kw["ac"], batch,
@@ -779,6 +787,8 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
     kw["options"] = options_from_args(args)
     check_options(kw["options"], kw["strategy"], kw["precision"],
                   _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"]) or kw["gpus"])
+    check_tp(get_model_spec(kw["model"]), kw["tp"], kw["gpus"], kw["strategy"], kw["options"],
+             _int_arg("--gpus-per-node", args.gpus_per_node) if options is not None else None)
     if args.max_batch:
         best, p = largest_batch(**kw)
     else:
@@ -813,7 +823,8 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
     theory = p.theory
     lines = [f"{p.model} ({p.parameters_total:,} parameters) on {p.gpus} x "
              f"{fmt_bytes(p.gpu_memory_bytes)}: {p.strategy}"
-             f"{f' (shard groups of {p.shard_size})' if p.shard_size else ''}, {p.precision}, "
+             f"{f' (shard groups of {p.shard_size})' if p.shard_size else ''}"
+             f"{f' across TP groups of {p.tp}' if p.tp > 1 else ''}, {p.precision}, "
              f"AC {p.ac}, batch {p.batch} x seq {p.seq} per rank",
              f"{'category':<13}{'peak per rank' if p.detail else 'at least':>14}{'share':>7}"
              f"{'FSDP2 formula':>15}{'ZeRO paper':>12}"]
@@ -933,6 +944,9 @@ def format_time(time: dict[str, Any]) -> str:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    if getattr(args, "tp", "1") not in ("1", 1):
+        raise UsageError(f"--tp {args.tp} is not allowed with --sweep (the sweep's strategies "
+                         "include no_shard); allowed: --tp with a single plan or --max-batch")
     if getattr(args, "trace", None):
         raise UsageError("--trace is not allowed with --sweep (one trace is one configuration); "
                          "allowed: --trace with a single plan")

@@ -65,6 +65,7 @@ from utilities.measure.fake_step import (
     Segment,
     UnitInfo,
     check_step,
+    check_tp,
     trace,
 )
 from utilities.text import rate_text
@@ -625,7 +626,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                        prefetch: int = 1, backward_prefetch: str | None = None,
                        forward_prefetch: int | None = None, limit_all_gathers: bool = False,
                        shard_size: int | None = None, tf32: bool = False,
-                       efficiencies: Efficiencies | None = None, plan_options=None) -> StepTime:
+                       efficiencies: Efficiencies | None = None, plan_options=None,
+                       tp: int = 1) -> StepTime:
     """Predict one training step of ``model`` (a name from ``utilities.models`` or a ``ModelSpec``)
     on ``gpus`` GPUs of kind ``gpu`` (``GPUS``), per-rank ``batch`` x ``seq`` tokens.
 
@@ -642,6 +644,9 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     PyTorch's default, and the course's, is the FP32 peak). ``plan_options``: the planner's
     ``PlanOptions`` (offload copies and the host optimizer, accumulation's micro-batches,
     reshard_after_forward's all-gathers, frozen parameters' gradients, bf16 parameters).
+    ``tp``: tensor parallelism inside groups of ``tp`` GPUs (2-D: FSDP across the groups); the
+    trace runs TP's own ops and collectives (``tensor_parallel.shard_2d``), which block the compute
+    lane; ``batch`` is one TP group's.
     """
     from utilities.measure.plan_options import PlanOptions
 
@@ -653,6 +658,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     eff = (efficiencies or CALIBRATED).for_gpu(g.name)
     _check(gpus, strategy, precision, ac, batch, seq, gpus_per_node, network_gbps, prefetch,
            backward_prefetch, forward_prefetch)
+    check_tp(spec, tp, gpus, strategy, po, gpus_per_node)
     seq = seq or spec.default_seq_len
     if strategy == "hybrid_shard":
         shard_size = shard_size or min(gpus, gpus_per_node)
@@ -660,15 +666,15 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
             raise bad_value("shard_size", shard_size, f"a divisor of gpus ({gpus})")
     elif shard_size is not None:
         raise bad_value("shard_size", shard_size, "only with strategy hybrid_shard")
-    # The planner's trace of this configuration (one fake step serves memory and time); under
-    # no_shard, the full_shard trace of one node: DDP computes what an FSDP rank computes, and the
-    # planner's 1-rank FSDP2 stand-in for DDP casts each parameter on its own, which DDP does not.
-    if strategy == "no_shard":
-        profile = trace(spec, min(gpus, gpus_per_node), "full_shard", precision, ac, batch, seq,
-                        "cuda", None, po)
-    else:
-        profile = trace(spec, gpus, strategy, precision, ac, batch, seq, "cuda",
-                        shard_size if strategy == "hybrid_shard" else None, po)
+    # Per-rank compute from one node's trace: for a plan of one node, the planner's own trace of
+    # this configuration (one fake step serves memory and time). Beyond a node only FSDP's
+    # copy-in (1/N of a unit) would change, so one trace serves every GPU count (a sweep). DDP
+    # (no_shard) computes what an FSDP rank computes: the full_shard trace (the planner's 1-rank
+    # stand-in for DDP casts each parameter on its own, which DDP does not); HSDP a shard group's.
+    node = min(gpus, gpus_per_node)
+    traced = strategy if strategy in ("full_shard", "shard_grad_op") else "full_shard"
+    world = min(node, shard_size) if strategy == "hybrid_shard" else node
+    profile = trace(spec, world, traced, precision, ac, batch, seq, "cuda", None, po, tp=tp)
     notes = [f"GPU: {g.name}: {g.source}", *g.notes, _efficiency_note(g.name)]
     fp8_used = fp8 and "fp8" in g.peak_flops and precision != "fp32"
     if fp8 and not fp8_used:
@@ -681,6 +687,9 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                                                 tf32),
                   {"flops": float(s.flops.sum()), "bytes": float(s.nbytes.sum()), "ops": len(s.kind)})
                  for s in profile.segments]
+    if tp > 1:
+        plan_segs = _with_tp_collectives(plan_segs, profile, tp, g, eff, gpus_per_node,
+                                         network_gbps)
     if copies and eff.unit_overhead_s:
         seen: set[tuple[str, str]] = set()
         for i, (unit, phase, secs, args) in enumerate(plan_segs):
@@ -692,8 +701,9 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     # communication, per unit
     p_item = 4 if precision == "fp32" else 2
     r_item = 4 if precision == "fp32" else 2
-    group = {"full_shard": gpus, "shard_grad_op": gpus, "hybrid_shard": shard_size or gpus,
-             "no_shard": 1}[strategy]
+    group = {"full_shard": gpus // tp, "shard_grad_op": gpus // tp,
+             "hybrid_shard": shard_size or gpus, "no_shard": 1}[strategy]
+    per_rank = group * tp  # a 2-D parameter: split over tp, then sharded over the group
     replicas = gpus // group if strategy == "hybrid_shard" else 1
 
     def coll(kind, unit, nbytes, n, per_node=gpus_per_node):
@@ -703,7 +713,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
 
     ag_fwd, ag_bwd, grads = {}, {}, {}
     for u in profile.units:
-        shard = u.shard_numel(group)
+        shard = u.shard_numel(per_rank)
         if strategy == "no_shard":
             grads[u.name] = [coll("all_reduce", u.name, u.numel * r_item, gpus)]
             continue
@@ -715,7 +725,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
             ag_fwd[u.name] = coll("all_gather", u.name, full * ag_item, group)
             if strategy != "shard_grad_op" and not u.is_root:
                 ag_bwd[u.name] = coll("all_gather", u.name, full * ag_item, group)
-        grad_full = trainable_shard_numel(u, group) * group
+        grad_full = trainable_shard_numel(u, per_rank) * group
         gc = [coll("reduce_scatter", u.name, grad_full * r_item, group)] if group > 1 and grad_full else []
         if replicas > 1:
             gc.append(coll("all_reduce", u.name, trainable_shard_numel(u, group) * r_item,
@@ -723,7 +733,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
         grads[u.name] = gc
 
     # the optimizer step: AdamW over this rank's fp32 shard, memory-bound
-    shard_total = sum(u.shard_numel(group) if strategy != "no_shard" else u.numel
+    shard_total = sum(u.shard_numel(per_rank) if strategy != "no_shard" else u.numel
                       for u in profile.units)
     opt_bytes = 32 * shard_total  # read param, grad, 2 moments; write param, 2 moments; the clip's read
     optimizer_s = opt_bytes / (g.hbm_bytes_per_s * eff.memory)
@@ -756,7 +766,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     compute_s = sum(e.end - e.start for e in lanes.events if e.lane == "compute")
     comm_s = sum(e.end - e.start for e in lanes.events if e.lane == "comm")
     step_s = max(e.end for e in lanes.events)
-    tps = batch * seq * po.grad_accum / step_s  # tokens per optimizer step / its time
+    tps = batch * seq * po.grad_accum / step_s / tp  # a TP group's tokens per step, per GPU
     mfu = tps * spec.flops_per_token(seq) / g.peak_flops["bf16"]
     per_unit: dict[str, dict[str, float]] = {}
     for e in lanes.events:
@@ -766,6 +776,12 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                           group, replicas, eff, g, bwd_mode, fwd_depth, bwd_depth,
                           limit_all_gathers, profile, tf32)
     notes += options_assumptions(po, g)
+    if tp > 1:
+        notes.append(f"tensor parallelism: {tp} GPUs per group (Megatron-style, sequence "
+                     "parallel, as torchtitan: q/k/v and gate/up split by columns, o and down by "
+                     "rows), FSDP2 across the groups; the collectives TP issued in the trace are "
+                     "timed inside the group and wait on the compute lane (no async TP); tokens/s "
+                     f"per GPU is a group's tokens / {tp}")
     return StepTime(
         model=spec.name, gpus=gpus, gpu=g.name, strategy=strategy, precision=precision, ac=ac,
         batch=batch, seq=seq, compile=compile, fp8=fp8_used, step_s=step_s, compute_s=compute_s,
@@ -854,6 +870,31 @@ def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network
                    "output layer and attention stay bf16")
     out.append("MFU: tokens/s/GPU x (6N + 12 x layers x heads x head_dim x seq) / the GPU's "
                "bf16 dense peak (the course's and torchtitan's convention)")
+    return out
+
+
+TP_COLLECTIVES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                  "all_reduce": "all_reduce"}  # the functional collectives DTensor (TP) issues
+
+
+def _with_tp_collectives(plan_segs, profile, tp, g, eff, gpus_per_node, network_gbps):
+    """``plan_segs`` with the TP collectives the trace recorded (DTensor's functional all-gathers,
+    reduce-scatters, all-reduces inside each tp group; FSDP2's own are c10d's) added to the
+    compute of the unit and phase that issued them: eager TP waits for them on the compute
+    stream."""
+    seconds: dict[tuple[str, str], float] = {}
+    for i, (op, unit, nbytes) in enumerate(profile.collectives):
+        kind = TP_COLLECTIVES.get(op)
+        if kind is None:
+            continue
+        total = nbytes * tp if kind == "all_gather" else nbytes  # the input is one rank's part
+        stage = "forward" if i < profile.backward_collectives_from else "backward"
+        seconds[(unit, stage)] = seconds.get((unit, stage), 0.0) + collective_time(
+            kind, total, tp, g, eff, gpus_per_node, network_gbps)
+    out = []
+    for unit, phase, secs, args in plan_segs:
+        extra = seconds.pop((unit, "forward" if phase == "forward" else "backward"), 0.0)
+        out.append((unit, phase, secs + extra, dict(args, tp_comm_s=extra) if extra else args))
     return out
 
 

@@ -16,10 +16,10 @@ a group, FSDP across the groups, the mesh dims named "dp" and "tp") is ``shard_2
 
 For the planner (memory) and the time model:
 
-* ``shard_2d`` splits and shards a model (real or meta); ``prepare_2d`` builds one on meta, shards
-  it so and materializes it as fake tensors;
-* ``fake_group`` / ``fake_step_peak``: one training step of any ``nn.Module`` under the memory
-  tracker on a fake process group;
+* ``shard_2d`` splits and shards a model (real or meta); the planner's fake step
+  (``fake_step.prepare`` with ``tp``) builds one on meta, shards it so and materializes it;
+* ``fake_step_peak``: one training step of any ``nn.Module`` under the memory tracker (on a fake
+  process group, ``fake_step.fake_world``, for Lightning's table);
 * ``tp_collectives_per_block``: the activation collectives TP adds to each block, with their bytes.
 """
 
@@ -179,31 +179,16 @@ def apply_mlp_tensor_parallel(mlp: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return parallelize_module(mlp, tp_mesh, mlp_plan())
 
 
-# -- the fake world (to be merged into utilities.measure.fake_step) -----------------------------
-
-@contextlib.contextmanager
-def fake_group(world_size: int):
-    """A ``world_size``-rank fake process group seen from rank 0: every collective returns at
-    once with the shapes of a real job. (The planner's ``fake_world``; one of the two goes when
-    ``utilities.measure.fake_step`` holds the fake world.)"""
-    import torch.distributed as dist
-
-    from utilities.torch_internals import fake_store
-
-    if dist.is_initialized():
-        raise RuntimeError("a fake process group needs a process without one")
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
+# -- 2-D parallelism ---------------------------------------------------------------------------
 
 def shard_2d(model: nn.Module, block_class: type[nn.Module], mesh_2d: DeviceMesh,
-             precision: str = "bf16", ac: str = "none", sequence_parallel: bool = True) -> nn.Module:
+             precision: str = "bf16", ac: str = "none", sequence_parallel: bool = True,
+             **fsdp_kwargs) -> nn.Module:
     """2-D parallelism, in place: TP on ``mesh_2d["tp"]``, activation checkpointing (``ac`` as
     the planner's: none, selective, every-2nd-block, full), then ``fully_shard`` of each block and
-    of the root on ``mesh_2d["dp"]`` with ``precision``'s mixed-precision policy.
+    of the root on ``mesh_2d["dp"]`` with ``precision``'s mixed-precision policy (and
+    ``fsdp_kwargs``, e.g. ``reshard_after_forward``). The planner's fake step
+    (``fake_step.prepare``) and a real 2-D run both call it.
 
     TP comes before checkpointing (the plan names the block's own submodules, which a checkpoint
     wrapper would rename) and before FSDP (FSDP then shards TP's shards: 2-D DTensors)."""
@@ -221,22 +206,10 @@ def shard_2d(model: nn.Module, block_class: type[nn.Module], mesh_2d: DeviceMesh
         apply_op_selective_checkpointing(model, block_class)
     elif ac != "none":
         apply_activation_checkpointing(model, block_class, every=1 if ac == "full" else 2)
-    policy = fsdp2_policy(precision)
+    opts = dict(mesh=mesh_2d["dp"], mp_policy=fsdp2_policy(precision), **fsdp_kwargs)
     for unit in block_units(model, block_class):
-        fully_shard(unit, mesh=mesh_2d["dp"], mp_policy=policy)
-    fully_shard(model, mesh=mesh_2d["dp"], mp_policy=policy)
-    return model
-
-
-def prepare_2d(spec, mesh_2d: DeviceMesh, fake_mode, device: torch.device, precision: str = "bf16",
-               ac: str = "none", sequence_parallel: bool = True) -> nn.Module:
-    """The planner's ``_prepare`` for 2-D parallelism: build on meta, ``shard_2d``, then
-    materialize as fake tensors on ``device``. It duplicates ``_prepare``'s few lines and merges
-    into ``utilities.measure.fake_step``'s prepare when that module exists."""
-    model = spec.build(device="meta")
-    shard_2d(model, spec.block_class(), mesh_2d, precision, ac, sequence_parallel)
-    with fake_mode:
-        model.to_empty(device=device)
+        fully_shard(unit, **opts)
+    fully_shard(model, **opts)
     return model
 
 
