@@ -67,6 +67,58 @@ class LightningDemoTransformer(nn.Module):
         return type("Out", (), {"loss": loss})()
 
 
+LIGHTNING_URL = "https://lightning.ai/docs/pytorch/latest/advanced/model_parallel/fsdp.html"
+LIGHTNING_SETUP = (
+    f"{LIGHTNING_URL} (docs/source-pytorch/advanced/model_parallel/fsdp.rst): "
+    "lightning.pytorch.demos.Transformer(vocab 33,278, nlayers 32, nhid 4096, ninp 1024, nhead 64), "
+    "WikiText2 block 35, DataLoader batch 1, fp32 (no precision plugin), torch.optim.Adam(lr=0.1), "
+    "FSDPStrategy(auto_wrap_policy={TransformerEncoderLayer, TransformerDecoderLayer}) = FSDP1 "
+    "with use_orig_params=True (Lightning's default on torch >= 2.0), FULL_SHARD, 2 x A100 40GB, "
+    "Lightning 2.1, PyTorch 2.1; it/s is the Trainer's progress bar (forward, backward, "
+    "optimizer step, logging). Not stated: the host CPU, its threads, pinned or not.")
+LIGHTNING_OFFLOAD_NOTE = (
+    "Not expressible, left as is (no constant tuned to it). Lightning's cpu_offload=True is FSDP1 "
+    "CPUOffload(offload_params=True): the host AdamW over each rank's ~0.5 B fp32 parameters "
+    "(torch.optim.Adam on CPU tensors, foreach=False), every flat shard copied H2D before each "
+    "forward and backward all-gather (pinned), each gradient shard D2H (pinned). 0.02 it/s is 50 s "
+    "a step; the plan's step is the published FSDP step plus ~4 GB of H2D and 2 GB of D2H over "
+    "PCIe Gen4 (~0.2 s) plus the host AdamW at the one-thread rate measured here (host_adamw "
+    "row, ~1.5 s). To take 50 s the host optimizer would have to run at ~0.01 G parameters/s, 30x "
+    "below one thread of this machine. The slowest path measured here, Adam (lr 0.1) over "
+    "gradients whose squares are fp32 subnormals, was 6x and 22x slower in two runs (2 threads, "
+    "a shared machine: subnormal_slowdown in the host_adamw row); were every parameter on it the "
+    "host step would be ~9-34 s. An untested hypothesis (Lightning's Adam at lr 0.1 could leave "
+    "moments subnormal), not a modelled one. Lightning's launcher is not torchrun "
+    "(no OMP_NUM_THREADS=1), so each rank's torch uses every core, the two oversubscribing one "
+    "host: how much that costs on their (unnamed) host is unmeasured here. PyTorch issue #74588 "
+    "(FSDP CPUOffload 3-10x slower, the CPU Adam step) reports the same mechanism at 3-10x, not "
+    "160x. Unverified without their machine: the published figure may include a first step's "
+    "state creation or a thread-starved host.")
+
+
+ACCELERATE_NOTE = (
+    "Setup confirmed in huggingface/accelerate at 16cb6eb (examples/torch_native_parallelism/"
+    "fsdp2_fp8.py and README.md): NousResearch/Hermes-3-Llama-3.1-8B from config in bf16, "
+    "FSDP2 per LlamaDecoderLayer, MixedPrecisionPolicy(param_dtype=reduce_dtype=output_dtype="
+    "bf16) from fsdp2_plugin.set_mixed_precision, batch 1, packed seq 8192 with shift_labels "
+    "(HF's ForCausalLMLoss: logits upcast to fp32, cross_entropy), no AC, torch.optim.AdamW, "
+    "TorchDynamoPlugin(inductor, use_regional_compilation=True) = each decoder layer compiled, "
+    "8x H100 SXM, ~8,000 (bf16) / ~10,000 (fp8) tokens/s/GPU; no memory figure is published. "
+    "The parameters stay bf16 only if the launch's mixed precision is 'no' (the README's "
+    "`accelerate launch` line, no accelerate config): otherwise fsdp2_prepare_model upcasts "
+    "them to fp32 masters (the param_dtype fp32 row). The plan traces the eager model: the "
+    "activations of 32 uncompiled layers dominate; inductor's partitioner recomputes pointwise "
+    "ops (RMSNorm's fp32 upcast, SiLU x up) in backward instead of saving them, which the "
+    "planner does not model. No double count found: the traced activations are 60 bytes per "
+    "token x hidden per layer, and a hand count of an eager HF Llama layer's saved tensors "
+    "(two RMSNorms ~6 each, q/k/v/out with repeat_kv ~12, MLP gate/silu/up/product ~28) is "
+    "~52-60. If compile saved only the norms' inputs and the MLP's gate and up (a labelled "
+    "estimate, not measured), ~22 of the 60 would go (~22 GiB): the bf16 row would fit the "
+    "budget. The fp32 logits (3.91 GiB) and their log_softmax are inside temporaries. "
+    "Allocated is under the 80 GB; reserved (cached blocks) over it does not mean "
+    "an OOM: on a failed cudaMalloc the allocator frees its unused cached blocks and retries.")
+
+
 def ratio(planned: float, published: float) -> float:
     return round(planned / published, 3)
 
@@ -94,7 +146,76 @@ def lightning(rows: list) -> None:
             "memory_ratio_reserved": ratio(p.reserved["reserved"] / MB, mb),
             "published_it_per_s": its, "planned_it_per_s": round(1 / t.step_s, 3),
             "speed_ratio": ratio(1 / t.step_s, its),
-            "host_per_node_GB": p.host and round(p.host["per_node_bytes"] / 1e9, 2)})
+            "host_per_node_GB": p.host and round(p.host["per_node_bytes"] / 1e9, 2),
+            "planned_host_adamw_s": round(t.optimizer_s, 3) if opts else None,
+            "note": LIGHTNING_OFFLOAD_NOTE if opts else LIGHTNING_SETUP})
+
+
+def _cpu_name() -> str:
+    import platform
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_adamw(rows: list, numel: int = 64 * 2**20, tensors: int = 64, steps: int = 3,
+               reps: int = 3) -> None:
+    """torch.optim.AdamW on CPU tensors, as FSDP's CPU offload runs it: ``numel`` parameters in
+    ``tensors`` equal tensors with their gradients, per dtype x threads x foreach, the median step
+    of ``steps`` after a first (state-creating) one, the fastest of ``reps`` builds (the machine
+    is shared: other load only slows a step down). Also Adam
+    with gradients whose squares are fp32 subnormals (|g| ~ 1e-20), a slow path on x86."""
+    import os
+    import statistics
+
+    def one(dtype, threads, foreach, gscale=1e-3, cls=torch.optim.AdamW, lr=1e-4):
+        torch.set_num_threads(threads)
+        per = numel // tensors
+        ps = [nn.Parameter(torch.randn(per).to(dtype)) for _ in range(tensors)]
+        for q in ps:
+            q.grad = (torch.randn(per) * gscale).to(dtype)
+        opt = cls(ps, lr=lr, foreach=foreach)
+        opt.step()
+        ts = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            opt.step()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    threads0 = torch.get_num_threads()
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for threads in sorted({1, os.cpu_count() or 1}):
+            for foreach in (False, True):
+                s = min(one(dtype, threads, foreach) for _ in range(reps))
+                cases.append({"dtype": str(dtype).removeprefix("torch."), "threads": threads,
+                              "foreach": foreach, "seconds_per_step": round(s, 4),
+                              "params_per_s": round(numel / s, -6)})
+    threads = os.cpu_count() or 1
+    normal = min(one(torch.float32, threads, False, 1e-3, torch.optim.Adam, 0.1)
+                               for _ in range(reps))
+    subnormal = min(one(torch.float32, threads, False, 1e-20, torch.optim.Adam, 0.1)
+                                  for _ in range(reps))
+    torch.set_num_threads(threads0)
+    rows.append({
+        "source": "measured here: torch.optim.AdamW on CPU tensors (the host optimizer of FSDP's "
+                  "CPU offload)",
+        "machine": f"{_cpu_name()}, {os.cpu_count()} logical CPUs (a shared KVM guest), "
+                   f"torch {torch.__version__}",
+        "parameters": numel, "tensors": tensors, "cases": cases,
+        "adam_lr0.1_fp32_threads": threads,
+        "adam_normal_grads_seconds": round(normal, 4),
+        "adam_subnormal_grad_squares_seconds": round(subnormal, 4),
+        "subnormal_slowdown": round(subnormal / normal, 2),
+        "note": "params_per_s = parameters / step (best of the builds). torchrun sets OMP_NUM_THREADS=1 per "
+                "process when --nproc-per-node > 1 (torch/distributed/run.py), so a rank's host "
+                "AdamW runs on one thread unless the user sets it; Lightning's own launcher "
+                "leaves torch's default (all cores per process, shared by the ranks)."})
 
 
 def deepspeed(rows: list) -> None:
@@ -138,7 +259,11 @@ def accelerate_and_torchtitan(rows: list) -> None:
             "planned_allocated_GiB": round(p.peak_bytes["total"] / GiB, 2),
             "planned_reserved_GiB": round(p.reserved["reserved"] / GiB, 2),
             "gpu_GiB": round(h100 / GiB, 2), "budget_GiB": round(p.budget_bytes / GiB, 2),
-            "fits_budget": p.fits, "fits_gpu": p.peak_bytes["total"] <= h100})
+            "fits_budget": p.fits, "fits_gpu": p.peak_bytes["total"] <= h100,
+            "planned_activations_GiB": round(p.peak_bytes["activations"] / GiB, 2),
+            "planned_temporaries_GiB": round(p.peak_bytes["temporaries"] / GiB, 2),
+            "logits_fp32_GiB": round(128256 * 8192 * 4 / GiB, 2),
+            "note": ACCELERATE_NOTE})
     h96 = 96 * 10**9
     got = {}
     for n in (8, 128):
@@ -158,12 +283,26 @@ def accelerate_and_torchtitan(rows: list) -> None:
         "planned_reserved_drop_GiB": round(r8 - r128, 2), "drop_ratio": ratio(r8 - r128, drop)})
 
 
-def main() -> int:
+PARTS = {"host_adamw": host_adamw, "lightning": lightning, "deepspeed": deepspeed,
+         "accelerate_and_torchtitan": accelerate_and_torchtitan}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", choices=list(PARTS),
+                    help="run these parts and print their rows; results/ is not written")
+    args = ap.parse_args(argv)
     t = time.perf_counter()
     rows: list = []
-    for part in (lightning, deepspeed, accelerate_and_torchtitan):
-        part(rows)
-        print(json.dumps(rows[-1]), flush=True)
+    for name in args.only or PARTS:
+        before = len(rows)
+        PARTS[name](rows)
+        for row in rows[before:]:
+            print(json.dumps(row), flush=True)
+    if args.only:
+        return 0
     data = {"benchmark": "plan_options_check", "torch": torch.__version__,
             "seconds": round(time.perf_counter() - t, 1), "rows": rows}
     OUT.write_text(json.dumps(data, indent=2) + "\n")

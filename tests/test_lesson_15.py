@@ -71,6 +71,17 @@ def test_the_fixed_resume_is_exact(results):
     assert v["mistake_error"] is not None or v["mistake_max_abs_loss_diff"] > 1e-4
 
 
+def test_memory_shows_the_plans_reserved_beside_allocated(results):
+    """Mistake 12 reports what nvidia-smi / an OOM would: the step replayed through plan's caching
+    allocator model, whose reserved peak is whole segments (multiples of 2 MiB) above the rounded
+    allocated peak, itself at least the tracker's."""
+    v = variant(results, "memory-vs-rss")
+    assert v["tracker_peak_bytes"] <= v["allocator_allocated_bytes"] < v["allocator_reserved_bytes"]
+    assert v["allocator_reserved_bytes"] % (2 << 20) == 0
+    assert v["reserved_to_allocated_ratio"] > 1
+    assert "reserved" in v["fix"]
+
+
 def test_readme_table_is_reproduced_by_the_quick_run(results):
     from conftest import assert_readme_table_is_reproduced
 

@@ -67,6 +67,25 @@ def test_offload_leaves_what_is_gathered_and_the_activations():
     assert any("PCIe" in a and "host CPU" in a for a in t1.assumptions)
 
 
+def test_offload_host_optimizer_is_the_measured_one_thread_rate():
+    """--offload's optimizer step is the rank's trainable shard at the host AdamW rate of one thread
+    (torchrun's OMP_NUM_THREADS=1), fp32 and bf16 parameters each at their own rate, and those
+    rates are the ones benchmarks/plan_options_check.py measured and committed."""
+    from utilities.measure.step_time import HOST_ADAMW_PARAMS_PER_S
+
+    psi = tiny().parameters_total
+    for dtype in ("fp32", "bf16"):
+        t = estimate_step_time(MODEL, 16, batch=2, seq=64,
+                               plan_options=PlanOptions(offload=True, param_dtype=dtype))
+        assert t.optimizer_s == pytest.approx(psi / 16 / HOST_ADAMW_PARAMS_PER_S[dtype], rel=0.05)
+    bench = json.loads((REPO / "benchmarks" / "results" / "plan_options_check.json").read_text())
+    row = next(r for r in bench["rows"] if r["source"].startswith("measured here"))
+    one = {c["dtype"]: c["params_per_s"] for c in row["cases"]
+           if c["threads"] == 1 and not c["foreach"]}
+    assert HOST_ADAMW_PARAMS_PER_S["fp32"] == pytest.approx(one["float32"], rel=0.10)
+    assert HOST_ADAMW_PARAMS_PER_S["bf16"] == pytest.approx(one["bfloat16"], rel=0.10)
+
+
 def test_accumulation_holds_sharded_or_unsharded_gradients():
     """every: the fp32 gradient shards (4 B / param / N) stay between micro-batches; last: the
     unsharded bf16 gradients of the whole model (2 B / param), as set_requires_gradient_sync(False)

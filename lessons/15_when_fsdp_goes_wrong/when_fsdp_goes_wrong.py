@@ -709,14 +709,40 @@ class Failures:
         parts = sum(peak[k] for k in ("parameters", "gradients", "optimizer", "activations"))
         other = sum(v for k, v in peak["detail"].items() if k in ("buffers", "temporaries", "all_gather",
                                                                    "reduce_scatter", "inputs", "other"))
+        cached = allocator_model(model, optimizer, data, self.lesson.device)
         return dict(process_rss_bytes=rss, rss_before_model_bytes=rss_before,
                     tracker_peak_bytes=peak["total"], tracker_categories_bytes=parts + other,
                     rss_to_tracker_ratio=round(rss / peak["total"], 1),
-                    measure="RSS vs tracker peak; categories vs peak",
+                    allocator_allocated_bytes=cached["allocated"],
+                    allocator_reserved_bytes=cached["reserved"],
+                    reserved_to_allocated_ratio=round(cached["reserved"] / cached["allocated"], 2),
+                    measure="RSS vs tracker peak; categories vs peak; reserved (allocator model)",
                     mistake=f"{fmt_bytes(rss)} vs {fmt_bytes(peak['total'])}",
-                    fix=f"{fmt_bytes(parts + other)} of {fmt_bytes(peak['total'])}",
+                    fix=f"{fmt_bytes(parts + other)} of {fmt_bytes(peak['total'])}, "
+                        f"reserved {fmt_bytes(cached['reserved'])}",
                     symptom_shown=rss > 10 * peak["total"],
-                    fix_works=abs(parts + other - peak["total"]) <= 0.01 * peak["total"])
+                    fix_works=abs(parts + other - peak["total"]) <= 0.01 * peak["total"]
+                    and peak["total"] <= cached["allocated"] <= cached["reserved"])
+
+
+def allocator_model(model: nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor],
+                    device: torch.device) -> dict[str, int]:
+    """One more step, its allocations and frees recorded by the memory tracker and replayed through
+    the model of CUDA's caching allocator that ``fsdp-course plan`` reports as ``reserved``
+    (``utilities.measure.allocator.reserved_peak``): what the step allocates at its peak, rounded
+    to the allocator's 512-byte blocks, and what the allocator reserves (its cached segments:
+    what ``torch.cuda.memory_reserved``, ``nvidia-smi`` less the CUDA context, torchtitan's memory
+    column and an out-of-memory message report)."""
+    from utilities.measure.allocator import EventRecorder, reserved_peak
+    from utilities.measure.memory import TrackerHooks
+    from utilities.torch_internals import fsdp_mem_tracker
+
+    tracker = fsdp_mem_tracker()(model, optimizer)
+    recorder = EventRecorder(tracker, device.type)
+    with TrackerHooks(), tracker:
+        start = len(recorder.events)
+        train_losses(model, optimizer, data, 1)
+    return reserved_peak(recorder.events[:start], recorder.events[start:])
 
 
 class _Collectives(TorchDispatchMode):
@@ -801,8 +827,9 @@ VARIANTS: dict[str, Callable[[Failures], dict]] = {
 NOTES = ("symptom shown / fix works: the mistake's measured symptom is there, and the fix's measure "
          "is where it should be, on every rank (each test of tests/test_lesson_15.py asserts one pair).",
          "mistake / fix: the two values of the measure, from this run.")
-CPU_NOTE = ("CPU run: memory from torch.distributed._tools trackers; a GPU adds allocated vs "
-            "reserved vs nvidia-smi (memory-vs-rss) and NCCL's own timeouts (skipped-collective).")
+CPU_NOTE = ("CPU run: memory from torch.distributed._tools trackers, reserved from plan's model of "
+            "CUDA's caching allocator; a GPU measures allocated vs reserved vs nvidia-smi "
+            "(memory-vs-rss) and NCCL's own timeouts (skipped-collective).")
 
 
 def takeaway(results: dict) -> str:

@@ -521,10 +521,17 @@ def _schedule(plan_segs, units, ag_fwd, ag_bwd, grad_colls, fwd_depth, bwd_mode,
 PCIE_BYTES_PER_S = {"h100": 64e9, "h100-96gb": 64e9, "h200": 64e9, "a100-80gb": 32e9,
                     "a100-40gb": 32e9, "l4": 32e9}
 PCIE_SOURCE = "PCIe Gen5 x16 (H100, H200) / Gen4 x16 (A100, L4): 64 / 32 GB/s each way per GPU"
-# AdamW on the host: torch.optim.AdamW over the rank's offloaded fp32 shard, memory-bound at this
-# share of a node's DRAM bandwidth per GPU (a 2-socket node: ~300 GB/s for 8 GPUs; eager CPU
-# kernels reach about a third of it).
-HOST_ADAMW_BYTES_PER_S = 12e9
+# AdamW on the host, parameters per second per rank: torch.optim.AdamW (foreach=False, the default
+# for CPU tensors) on ONE thread, because torchrun sets OMP_NUM_THREADS=1 for each process when
+# --nproc-per-node > 1 (torch/distributed/run.py). Measured, not assumed: 64 M parameters in 64
+# tensors, the best of 3 builds' median step, AMD EPYC (Zen 5) KVM guest, torch 2.13
+# (benchmarks/plan_options_check.py --only host_adamw: fp32 0.325-0.34 G/s, bf16 0.80 G/s). A host
+# with more threads per rank (OMP_NUM_THREADS set) is faster until the node's DRAM bandwidth binds.
+HOST_ADAMW_PARAMS_PER_S = {"fp32": 0.33e9, "bf16": 0.80e9}
+HOST_ADAMW_SOURCE = ("torch.optim.AdamW on one CPU thread per rank (torchrun's OMP_NUM_THREADS=1), "
+                     "measured on an AMD EPYC (Zen 5) core, torch 2.13: "
+                     + ", ".join(f"{k} {v / 1e9:.2f} G parameters/s"
+                                 for k, v in HOST_ADAMW_PARAMS_PER_S.items()))
 
 
 def trainable_shard_numel(u: UnitInfo, n: int) -> int:
@@ -546,9 +553,9 @@ def optimizer_bytes(trained_shard: int, po) -> int:
 
 def optimizer_time(trained_shard: int, po, g: GPU, eff: Efficiencies) -> float:
     """AdamW over the trainable shard: on the GPU at HBM speed (``optimizer_bytes``), or with
-    --offload on the host (``HOST_ADAMW_BYTES_PER_S``)."""
+    --offload on the host CPU, one thread per rank (``HOST_ADAMW_PARAMS_PER_S``)."""
     if po.offload:
-        return optimizer_bytes(trained_shard, po) / HOST_ADAMW_BYTES_PER_S
+        return trained_shard / HOST_ADAMW_PARAMS_PER_S[po.param_dtype or "fp32"]
     return optimizer_bytes(trained_shard, po) / (g.hbm_bytes_per_s * eff.memory)
 
 
@@ -600,9 +607,8 @@ def options_assumptions(po, g: GPU) -> list[str]:
     if po.offload:
         out.append(f"--offload: host-device copies over {PCIE_SOURCE} (catalogue, theoretical), "
                    "each unit's shard before each all-gather and each gradient shard after its "
-                   "reduce-scatter, on the communication lane; AdamW on the host CPU at "
-                   f"{HOST_ADAMW_BYTES_PER_S / 1e9:.0f} GB/s per GPU (an assumption: a 2-socket "
-                   "node's DRAM shared by 8 GPUs, eager CPU kernels)")
+                   "reduce-scatter, on the communication lane; AdamW on the host CPU: "
+                   f"{HOST_ADAMW_SOURCE}")
     if po.grad_accum > 1:
         out.append(f"--grad-accum {po.grad_accum}: {po.grad_accum - 1} micro-batch(es) without the "
                    "optimizer, then a full step; " + (
