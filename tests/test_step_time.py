@@ -378,7 +378,7 @@ def test_trace_slices_carry_the_bytes_and_flops_the_time_model_charged(strategy,
     slices carry the traced segments' FLOPs, bytes and op count (all of them, once), the optimizer
     its 32 bytes per shard parameter."""
     t = st.estimate_step_time("llama-tiny", gpus, strategy, batch=2, seq=64)
-    prof = st.trace_step("llama-tiny", "bf16", "none", 2, 64, world=8)
+    prof = trace("llama-tiny", 8, "full_shard", "bf16", "none", 2, 64)  # the one node traced
     units = {u.name: u for u in prof.units}
     priced = {"all_gather": lambda u: u.shard_numel(8) * 8 * 2,
               "reduce_scatter": lambda u: u.shard_numel(8) * 8 * 2,
