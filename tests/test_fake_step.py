@@ -73,7 +73,7 @@ def test_blocks_that_differ_are_traced_whole():
     """Freezing the first blocks first (``--trainable``) makes blocks differ: no scaling; nor for a
     shallow model or one with two stacks (T5)."""
     spec = get_model_spec("llama-1b")
-    assert fake_step.scaled_depths(spec, "none") == (5, 6)
+    assert fake_step.scaled_depths(spec, "none") == (5, 6)  # one trace; the second for a check
     assert fake_step.scaled_depths(spec, "every-2nd-block") == (6, 8)
     assert fake_step.scaled_depths(spec, "none", PlanOptions(trainable=0.5)) is None
     assert fake_step.scaled_depths(get_model_spec("llama-tiny"), "none") is None

@@ -162,7 +162,7 @@ def reserved_peak(before: list[tuple[str, int, int]], step: list[tuple[str, int,
                 if key in handles:
                     a.free(handles.pop(key))
                 handles[key] = a.malloc(nbytes)
-            elif key in handles:
+            elif kind == "free" and key in handles:
                 a.free(handles.pop(key))
         per_step.append((a.peak_allocated, a.peak_reserved))
         left = handles
@@ -178,6 +178,9 @@ class EventRecorder:
         self.events: list[tuple[str, int, int]] = []
         self.where = where  # a callable naming where the step is; its answer kept per event
         self.places: list[Any] = []
+        # with ``where``: the tracker's category of each event's tensor, and its category changes
+        # as ("ref", key, 0) events (what a replay of the tracker's categories needs)
+        self.categories: list[str | None] = []
         self.kinds: dict[int, str] = {}  # key -> the tracker's category when it was allocated
         self.device_type = device_type
         self._orig = tracker._update_snap
@@ -188,9 +191,12 @@ class EventRecorder:
             return None
         if winfo.device.type == self.device_type:
             name = getattr(u_type, "name", str(u_type))
-            if self.where is not None and name in ("ADD", "DEL", "SIZE"):
-                self.places.append(self.where())
             key = id(winfo)
+            if self.where is not None:
+                self.places.append(self.where())
+                self.categories.append(str(getattr(winfo.reftype, "value", winfo.reftype)))
+                if name == "REF":
+                    self.events.append(("ref", key, 0))
             if name == "ADD":
                 self.kinds.setdefault(key, str(getattr(winfo.reftype, "value", winfo.reftype)))
                 self.events.append(("alloc", key, winfo.size * winfo.element_size))
@@ -200,7 +206,16 @@ class EventRecorder:
                 self.kinds.setdefault(key, str(getattr(winfo.reftype, "value", winfo.reftype)))
                 nbytes = winfo.size * winfo.element_size
                 self.events.append(("alloc", key, nbytes) if nbytes else ("free", key, 0))
+            elif self.where is not None and name != "REF":  # an update kind this torch adds
+                self.places.pop()
+                self.categories.pop()
         return self._orig(u_type, winfo, old_mem_consumed, old_reftype)
+
+    def mark(self, place: Any) -> None:
+        """A point where the tracker takes a sample of its totals (``("sample", 0, 0)``)."""
+        self.events.append(("sample", 0, 0))
+        self.places.append(place)
+        self.categories.append(None)
 
     def release(self) -> None:
         """Let go of the tracker (and with it the model) once the step is recorded."""

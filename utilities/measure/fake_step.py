@@ -10,20 +10,21 @@ two recorders on the same ops:
 * ``OpRecorder``: every ATen op's kind, FLOPs and bytes, the FSDP unit running it and the phase
   (what ``step_time`` turns into seconds).
 
-A transformer's middle blocks are identical, so a model of L blocks is traced at two small depths
-(``SCALED_DEPTHS``: the first two blocks, the last two, and one or two middle ones) and scaled:
+A transformer's middle blocks are identical, so a model of L blocks is traced at a small depth
+(``scaled_depths``: the first two blocks, one middle block, the last two) and extended:
 
-* memory: each sample the tracker takes (after every op and at every module boundary) is a
-  linear function of L (the blocks before and after it add the same bytes each), so the samples of
-  the two depths, matched run by run (a run: consecutive samples in one unit's one phase), are
-  extended to L and the peak is the largest; the middle blocks' own runs lie between their
-  neighbours' and are left out. Where the runs of the two depths do not match (a model whose blocks
-  differ), the whole model is traced.
-* time: the middle block's op segments and its unit are repeated to fill L blocks.
+* memory: each allocation, free, category change and tracker sample belongs to the block whose
+  work made it; the middle block's events are repeated L - 4 times, each copy's references to
+  its neighbours' tensors pointed at the neighbouring copies (``_extended_events``), and the
+  extended stream is replayed: the tracker's peak by category (``MemoryEvents.peak``, which on the
+  traced depth itself must give the tracker's own peak) and the caching allocator's reserved
+  memory. Under block-pair checkpointing, or AdamW's foreach (its temporaries span every block),
+  two depths are traced and every sample is extended linearly from them (the allocator's replay
+  too, approximately).
+* time: the middle block's op segments, collectives and unit are repeated to fill L blocks.
 
-``tests/test_fake_step.py`` checks the scaled trace against the full one, to the byte and to the
-microsecond. The reserved-memory replay of a scaled trace is scaled linearly (the allocator's
-segment reuse is not exactly linear; the plan says so).
+Where the blocks turn out not to be alike, the whole model is traced. ``tests/test_fake_step.py``
+checks the scaled trace against the full one, to the byte and to the microsecond.
 """
 
 from __future__ import annotations
@@ -222,6 +223,21 @@ def _resident(model, optimizer, device_type: str) -> list[tuple[str, int, str]]:
             out += [(unit_label(fqn), _tensor_bytes(v), "OptState")
                     for v in optimizer.state.get(p, {}).values()
                     if isinstance(v, torch.Tensor) and v.device.type == device_type]
+    return out
+
+
+def _unit_states(model, optimizer) -> dict[str, dict[str, int]]:
+    """What each unit's own parameters hold after the step (``memory.census``, unit by unit)."""
+    from utilities.measure.memory import _tensor_bytes
+
+    out = {}
+    for fqn, own in _unit_parameters(model):
+        opt = sum(_tensor_bytes(v) for p in own for v in optimizer.state.get(p, {}).values()
+                  if isinstance(v, torch.Tensor))
+        out[unit_label(fqn)] = {"parameters": sum(_tensor_bytes(p) for p in own),
+                                "gradients": sum(_tensor_bytes(p.grad) for p in own
+                                                 if p.grad is not None),
+                                "optimizer": opt}
     return out
 
 
@@ -483,6 +499,7 @@ class _Samples:
         self.keys: tuple | None = None  # the tracker's categories, in its order ("Total" last)
         self.runs: list[tuple[tuple[str, str], list[tuple[int, ...]]]] = []
         self.event_places: list[tuple[str, str]] = []  # (unit, phase) of each memory event
+        self.recorder = None  # the allocation recorder, told where each sample falls
 
     def __call__(self, current: dict) -> None:
         for dev, snap in current.items():
@@ -491,6 +508,8 @@ class _Samples:
             if self.keys is None:
                 self.keys = tuple(snap)
             where = (self.ops.unit(), self.ops.phase())
+            if self.recorder is not None:
+                self.recorder.mark(where)
             if not self.runs or self.runs[-1][0] != where:
                 self.runs.append((where, []))
             self.runs[-1][1].append(tuple(snap.get(k, 0) for k in self.keys))
@@ -523,6 +542,7 @@ class StepTrace:
     layers: int | None = None  # blocks in the model
     traced_layers: tuple[int, ...] = ()  # the depths traced, when scaled from smaller ones
     memory_events: MemoryEvents | None = field(default=None, repr=False)
+    unit_states: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     reserved_scaled_linearly: bool = False  # the replay could not be extended block by block
 
     def reserved(self, without: frozenset[str] = frozenset()) -> dict[str, int] | None:
@@ -533,15 +553,17 @@ class StepTrace:
 
 @dataclass
 class MemoryEvents:
-    """What the allocator model replays: ``resident`` (unit, bytes, category) allocated before the
-    step (parameter shards, buffers, then the optimizer state, unit by unit), ``step`` the step's
-    ``("alloc" | "free", key, bytes)`` events, ``kinds`` each key's tracker category; or, where a
-    scaled trace could not be extended event by event, two traced depths and the factor between
-    them (``linear``)."""
+    """The step's memory, as a replay needs it: ``resident`` (unit, bytes, category) held before
+    the step (parameter shards and buffers, then the optimizer state, unit by unit), ``step`` its
+    ``(kind, key, bytes, category)`` events in order ("alloc", "free", "ref": a tensor changes
+    category, "sample": the tracker takes its totals), ``kinds`` each key's category when it was
+    allocated; or, where a scaled trace could not be extended event by event, two traced depths
+    and the factor between them (``linear``)."""
 
     resident: list[tuple[str, int, str]] = field(default_factory=list)
-    step: list[tuple[str, Any, int]] = field(default_factory=list)
+    step: list[tuple[str, Any, int, str | None]] = field(default_factory=list)
     kinds: dict[Any, str] = field(default_factory=dict)
+    device_type: str = "cpu"
     linear: tuple[MemoryEvents, MemoryEvents, float] | None = None
 
     def reserved(self, without: frozenset[str] = frozenset()) -> dict[str, int] | None:
@@ -555,8 +577,38 @@ class MemoryEvents:
             return {k: int(round(a[k] + factor * (b[k] - a[k]))) for k in a}
         before = [("alloc", ("resident", i), n) for i, (_, n, kind) in enumerate(self.resident)
                   if kind not in without]
-        step = [e for e in self.step if self.kinds.get(e[1]) not in without]
+        step = [(kind, key, n) for kind, key, n, _ in self.step if kind in ("alloc", "free")
+                and self.kinds.get(key) not in without]
         return reserved_peak(before, step) if step else None
+
+    def peak(self) -> dict[str, int]:
+        """The tracker's peak snapshot (bytes by category, and "Total"), replayed: each tensor
+        counts its bytes (rounded up to 512 on CUDA, as the tracker rounds) in its category, and
+        the peak is the first sample with the largest total."""
+        unit = 512 if self.device_type == "cuda" else 1
+        cur: dict[str, int] = {}
+        live: dict[Any, tuple[str, int]] = {}
+        for _, n, category in self.resident:
+            cur[category] = cur.get(category, 0) + -(-n // unit) * unit
+        total = best = sum(cur.values())
+        snap = dict(cur)
+        for kind, key, n, category in self.step:
+            if kind == "sample":
+                if total > best:
+                    best, snap = total, dict(cur)
+                continue
+            old = live.pop(key, None) if kind != "ref" else live.get(key)
+            if old is not None:
+                cur[old[0]] -= old[1]
+                total -= old[1]
+            if kind == "alloc" or (kind == "ref" and old is not None):
+                size = -(-n // unit) * unit if kind == "alloc" else old[1]
+                live[key] = (category, size)
+                cur[category] = cur.get(category, 0) + size
+                total += size
+        snap = {k: v for k, v in snap.items() if v}
+        snap["Total"] = best
+        return snap
 
 
 # -- tracing -------------------------------------------------------------------------------------
@@ -635,6 +687,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
             samples = _Samples(ops, device.type)
             global_peak_only(tracker, observe=samples)
             recorder = EventRecorder(tracker, device.type, where=lambda: (ops.unit(), ops.phase()))
+            samples.recorder = recorder
 
             with ops.mode, TrackerHooks(), tracker:  # the hooks go, so the model can be collected
                 start = len(recorder.events)
@@ -652,6 +705,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
             states = {k: int(held[k]) for k in ("parameters", "gradients", "optimizer")}
             shard = largest_unit_shard(model)
             resident = _resident(model, optimizer, device.type)
+            unit_states = _unit_states(model, optimizer)
     segments = _segments(ops.rows)
     order: list[str] = []
     for s in segments:
@@ -659,7 +713,9 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
             order.append(s.unit)
     order += [u for u in units if u not in order]
     recorder.release()
-    memory = MemoryEvents(resident=resident, step=recorder.events[start:], kinds=recorder.kinds)
+    memory = MemoryEvents(resident=resident, kinds=recorder.kinds, device_type=device.type,
+                          step=[(*e, c) for e, c in zip(recorder.events[start:],
+                                                        recorder.categories[start:])])
     places = recorder.places[start:]
     del model, optimizer
     samples.keys = tuple(str(getattr(k, "value", k)) for k in samples.keys or ())
@@ -669,7 +725,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
                      collectives=list(ops.collectives), trace_s=time.perf_counter() - t0,
                      backward_collectives_from=(len(ops.collectives) if ops.backward_collectives_from
                                                 is None else ops.backward_collectives_from),
-                     memory_events=memory)
+                     memory_events=memory, unit_states=unit_states)
     samples.event_places = places
     return step, samples
 
@@ -698,19 +754,24 @@ def _trace(spec, world, strategy, precision, ac, batch, seq, device_type, shard_
     args = (world, strategy, precision, ac, batch, seq, device, shard_size, options, tp)
     depths = scaled_depths(spec, ac, options) if scale else None
     if depths is None:
-        step, _ = _run(spec, *args)
-        step.layers = _layers(spec)
-        return step
+        return _whole(spec, args)
     t0 = time.perf_counter()
-    (small, small_samples), (large, large_samples) = (
-        _run(_with_layers(spec, n), *args) for n in depths)
-    scaled = _scale(spec, small, small_samples, large, large_samples, depths, device_type)
+    small, small_samples = _run(_with_layers(spec, depths[0]), *args)
+    if depths[1] - depths[0] == 1 and not adamw_foreach(device):
+        scaled = _extended(spec, small, small_samples, depths[0])
+    else:  # block pairs, or AdamW's foreach (its temporaries span every block): two depths
+        large, large_samples = _run(_with_layers(spec, depths[1]), *args)
+        scaled = _scale(spec, small, small_samples, large, large_samples, depths)
     if scaled is None:  # the blocks are not alike: trace them all
-        step, _ = _run(spec, *args)
-        step.layers = _layers(spec)
-        return step
+        return _whole(spec, args)
     scaled.trace_s = time.perf_counter() - t0
     return scaled
+
+
+def _whole(spec, args) -> StepTrace:
+    step, _ = _run(spec, *args)
+    step.layers = _layers(spec)
+    return step
 
 
 # -- scaling a deep model from two small depths ------------------------------------------------------
@@ -862,21 +923,17 @@ def _renamed(seq, name_of, backward_from, index, prefix, depth, layers, p):
     return out
 
 
-def _scale(spec, small: StepTrace, small_samples: _Samples, large: StepTrace,
-           large_samples: _Samples, depths: tuple[int, int], device_type: str) -> StepTrace | None:
+def _repeated(spec, small: StepTrace, depth: int, p: int, **memory) -> StepTrace | None:
+    """The deep model's ``StepTrace`` from the trace at ``depth`` blocks (its middle: one period of
+    ``p`` blocks): op segments, collectives and units with the middle repeated and renamed, and
+    the memory given (``peak``, ``states``, ``memory_events``). None unless the blocks are named
+    ``prefix0``, ``prefix1``, ... in order."""
+    named = _block_index(small.units)
+    if named is None:
+        return None
     layers = _layers(spec)
-    p = depths[1] - depths[0]
-    named_small, named_large = _block_index(small.units), _block_index(large.units)
-    if named_small is None or named_large is None:
-        return None
-    prefix, index = named_small
-    factor = (layers - depths[0]) / p
-    peak = _scaled_peak(small_samples, large_samples, index, named_large[1], depths, factor)
-    if peak is None:
-        return None
-    states = {k: int(round(small.states[k] + factor * (large.states[k] - small.states[k])))
-              for k in small.states}
-    where = (index, prefix, depths[0], layers, p)
+    prefix, index = named
+    where = (index, prefix, depth, layers, p)
     backward = next((i for i, s in enumerate(small.segments) if s.phase != "forward"),
                     len(small.segments))
     segments = [dataclasses.replace(s, unit=name) for s, name in _renamed(
@@ -885,29 +942,68 @@ def _scale(spec, small: StepTrace, small_samples: _Samples, large: StepTrace,
         small.collectives, lambda c: c[1], small.backward_collectives_from, *where)]
     units = [dataclasses.replace(u, name=name) for u, name in _renamed(
         small.units, lambda u: u.name, len(small.units), *where)]
-    memory = _extended_events(small.memory_events, small_samples.event_places, index, depths[0],
-                              layers) if p == 1 and not adamw_foreach(torch.device(device_type)) else None
-    if memory is None:
-        memory = MemoryEvents(linear=(small.memory_events, large.memory_events, factor))
-    return StepTrace(model=spec.name, precision=large.precision, ac=large.ac, batch=large.batch,
-                     seq=large.seq, world=large.world, peak=peak, states=states,
-                     largest_unit_shard=large.largest_unit_shard, segments=segments, units=units,
-                     collectives=collectives, trace_s=0.0, layers=layers, traced_layers=depths,
-                     backward_collectives_from=len(_renamed(
+    return StepTrace(model=spec.name, precision=small.precision, ac=small.ac, batch=small.batch,
+                     seq=small.seq, world=small.world, largest_unit_shard=small.largest_unit_shard,
+                     segments=segments, units=units, collectives=collectives, trace_s=0.0,
+                     layers=layers, backward_collectives_from=len(_renamed(
                          small.collectives[:small.backward_collectives_from], lambda c: c[1],
-                         small.backward_collectives_from, *where)),
-                     memory_events=memory, reserved_scaled_linearly=memory.linear is not None)
+                         small.backward_collectives_from, *where)), **memory)
+
+
+def _extended(spec, small: StepTrace, samples: _Samples, depth: int) -> StepTrace | None:
+    """A deep model from one trace at ``depth`` blocks: its memory events extended block by block
+    (``_extended_events``) and replayed for the peak, each unit's states summed, its ops repeated.
+    None where the replay of the trace itself is not the tracker's peak, or the blocks differ."""
+    named = _block_index(small.units)
+    if named is None or small.memory_events.peak() != {k: v for k, v in small.peak.items() if v}:
+        return None
+    index = named[1]
+    events = _extended_events(small.memory_events, samples.event_places, index, depth,
+                              _layers(spec))
+    if events is None:
+        return None
+    copies = _layers(spec) - 2 * EDGE_BLOCKS
+    states = {k: 0 for k in small.states}
+    for unit, held in small.unit_states.items():
+        for k in states:
+            states[k] += held[k] * (copies if _role(unit, index, depth) == "middle" else 1)
+    peak = dict.fromkeys(small.peak, 0)  # the tracker's categories, zeros included
+    peak.update(events.peak())
+    return _repeated(spec, small, depth, 1, peak=peak, states=states, memory_events=events,
+                     traced_layers=(depth,))
+
+
+def _scale(spec, small: StepTrace, small_samples: _Samples, large: StepTrace,
+           large_samples: _Samples, depths: tuple[int, int]) -> StepTrace | None:
+    """A deep model from two traces: each memory sample extended linearly (``_scaled_peak``), the
+    states and the allocator's replay too; the ops of the smaller repeated."""
+    p = depths[1] - depths[0]
+    named_small, named_large = _block_index(small.units), _block_index(large.units)
+    if named_small is None or named_large is None:
+        return None
+    factor = (_layers(spec) - depths[0]) / p
+    peak = _scaled_peak(small_samples, large_samples, named_small[1], named_large[1], depths,
+                        factor)
+    if peak is None:
+        return None
+    states = {k: int(round(small.states[k] + factor * (large.states[k] - small.states[k])))
+              for k in small.states}
+    return _repeated(spec, small, depths[0], p, peak=peak, states=states, traced_layers=depths,
+                     memory_events=MemoryEvents(linear=(small.memory_events, large.memory_events,
+                                                        factor)),
+                     reserved_scaled_linearly=True)
 
 
 def _extended_events(events: MemoryEvents, places, index, depth: int, layers: int
                      ) -> MemoryEvents | None:
-    """The allocator's events of the step at ``depth`` blocks extended to ``layers``: the middle
-    block's events repeated, once per middle block of the deep model.
+    """The memory events of the step at ``depth`` blocks extended to ``layers``: the middle
+    block's events (allocations, frees, category changes, the tracker's samples) repeated, once
+    per middle block of the deep model.
 
     Each allocation belongs to the block whose work made it (the root's work between two blocks
     belongs with the block before it) and is known by its rank among that block's allocations, so
-    the same allocation of another block is found: an event of the n-th middle copy that frees
-    what the block before made refers to copy n - 1's (block 1's for the first), what the block
+    the same allocation of another block is found: an event of the n-th middle copy that refers
+    to what the block before made refers to copy n - 1's (block 1's for the first), what the block
     after made to copy n + 1's; an event outside the middle refers to the copy beside it. None
     where the blocks' allocations differ."""
     units = [u for u, _ in places]
@@ -916,16 +1012,18 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, layers: in
     owner: dict[Any, tuple[Any, int]] = {}  # key -> (block, rank) of its current allocation
     count: dict[Any, int] = {}
     sizes: dict[Any, list[int]] = {}
-    tagged = []
-    for (kind, key, n), role in zip(events.step, roles):
+    tagged = []  # (kind, identity, bytes, category, the identity an alloc replaces)
+    for (kind, key, n, category), role in zip(events.step, roles):
         if kind == "alloc":
             previous = owner.get(key)
             rank = count[role] = count.get(role, -1) + 1
             sizes.setdefault(role, []).append(n)
             owner[key] = (role, rank)
-            tagged.append(("alloc", (role, rank), n, previous))
-        else:
-            tagged.append(("free", owner.pop(key, None), 0, None))
+            tagged.append(("alloc", (role, rank), n, category, previous))
+        elif kind == "free":
+            tagged.append(("free", owner.pop(key, None), 0, category, None))
+        else:  # "ref" (of a live allocation) or "sample"
+            tagged.append((kind, owner.get(key) if kind == "ref" else None, 0, category, None))
     if not (sizes.get(1) == sizes.get("middle") == sizes.get(-2)):
         return None
     copies = layers - 2 * EDGE_BLOCKS
@@ -933,8 +1031,6 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, layers: in
     def mapped(ident, copy, side):
         """The deep model's name of allocation ``ident`` as seen from ``copy`` of the middle
         (None: outside it, on ``side`` 0 = before the middle, 1 = after)."""
-        if ident is None:
-            return None
         block, rank = ident
         if copy is None:
             return ("middle", rank, 0 if side == 0 else copies - 1) if block == "middle" else ident
@@ -946,23 +1042,26 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, layers: in
             return ident if copy == copies - 1 else ("middle", rank, copy + 1)
         return ident
 
-    kinds = {}
-    for (_, key, _), (kind, ident, _, _) in zip(events.step, tagged):
+    first_kind = {}
+    for (_, key, _, _), (kind, ident, _, _, _) in zip(events.step, tagged):
         if kind == "alloc":
-            kinds[ident] = events.kinds.get(key)
+            first_kind.setdefault(ident, events.kinds.get(key))
+    kinds: dict[Any, str | None] = {}
 
     def emit(out, i, copy, side):
-        kind, ident, n, previous = tagged[i]
-        if kind == "alloc":
+        kind, ident, n, category, previous = tagged[i]
+        if kind == "sample":
+            out.append(("sample", None, 0, None))
+        elif kind == "alloc":
             if previous is not None:  # re-allocated in place: the old block goes first
-                out.append(("free", mapped(previous, copy, side), 0))
+                out.append(("free", mapped(previous, copy, side), 0, category))
             name = ("middle", ident[1], copy) if copy is not None else ident
-            out.append(("alloc", name, n))
-            kinds[name] = kinds.get(ident)
+            out.append(("alloc", name, n, category))
+            kinds.setdefault(name, first_kind.get(ident))
         elif ident is not None:
-            out.append(("free", mapped(ident, copy, side), 0))
+            out.append((kind, mapped(ident, copy, side), 0, category))
 
-    step: list[tuple[str, Any, int]] = []
+    step: list[tuple[str, Any, int, str | None]] = []
     side, i = 0, 0
     while i < len(tagged):
         if roles[i] != "middle":
@@ -991,4 +1090,4 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, layers: in
         else:
             resident.append(events.resident[i])
         i = j
-    return MemoryEvents(resident=resident, step=step, kinds=kinds)
+    return MemoryEvents(resident=resident, step=step, kinds=kinds, device_type=events.device_type)

@@ -211,10 +211,11 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     step = trace(spec, world, strategy, precision, ac, batch, seq, device.type, shard_size, o, tp=tp)
     snap, states = dict(step.peak), dict(step.states)
     if step.traced_layers:
-        notes.append(f"traced at {step.traced_layers[0]} and {step.traced_layers[1]} blocks and "
-                     f"scaled to {step.layers}: the middle blocks are alike (the reserved memory's "
-                     + ("replay is scaled linearly)" if step.reserved_scaled_linearly else
-                        "replay repeats the middle block's allocations)"))
+        depths = " and ".join(map(str, step.traced_layers))
+        notes.append(f"traced at {depths} blocks and scaled to {step.layers}: the middle blocks "
+                     "are alike, " + ("the memory samples and the reserved memory's replay are "
+                                      "extended linearly" if step.reserved_scaled_linearly else
+                                      "the middle block's allocations repeated"))
     cats = categorize(snap)
     detail = cats.pop("detail")
     if strategy == "no_shard":
