@@ -1,14 +1,17 @@
-"""Planner speed: how long `fsdp-course plan` takes on this machine for the three things engineers
-ask of it. A llama-8b plan (8 GPUs, bf16, op-level selective AC, batch 2 x 8192), the largest batch
-that fits (`--max-batch`: traced steps counted), and a sweep of 6 GPU counts x 3 strategies
-(`--sweep`: traced steps counted; the others re-sharded by arithmetic, checked against a trace of
-the largest count). Wall-clock seconds, one process, caches warm after the first plan (the first
-plan's time, imports included, is reported apart). `--tiny`: llama-tiny, for the tests.
+"""Planner speed: how long `fsdp-course plan` makes an engineer wait, timed from a shell the way
+they run it (a fresh `python -m utilities plan ...` process each time, imports included, memory
+and step time both): a llama-8b plan (8 GPUs, bf16, op-level selective AC, batch 2 x 8192), the
+largest batch that fits (`--max-batch`) and a sweep of 6 GPU counts x 3 strategies (`--sweep`).
+Wall-clock seconds of each command, beside the goal, the machine's cores and its load average
+when the command started (other work on the machine slows it). `--tiny`: llama-tiny, for the tests.
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,20 +24,48 @@ NAME = "planner_speed"
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "benchmarks" / "README.md"
 README_BLOCK = re.compile(r"(<!-- planner-speed:start -->\n)(.*?)(<!-- planner-speed:end -->)", re.S)
+GOALS_S = {"plan": 6.0, "max_batch": 10.0, "sweep": 10.0}  # what a user should wait, at most
+EXTRA = {"plan": [], "max_batch": ["--max-batch"], "sweep": ["--sweep"]}
+
+
+def command(what: str, model: str, seq: int) -> list[str]:
+    """The `fsdp-course plan` command line for one measurement (as `python -m utilities`)."""
+    return ["plan", "--model", model, "--gpus", "8", "--batch", "2", "--seq", str(seq), "--ac",
+            "selective", "--gpu-memory", "80GiB", *EXTRA[what]]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def timed(args: list[str]) -> dict:
+    """One command in a fresh process: its wall seconds and the 1-minute load average before."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "utilities", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    seconds = time.perf_counter() - t
+    if done.returncode != 0:
+        raise SystemExit(f"`fsdp-course {' '.join(args)}` failed: {done.stderr.strip()[-400:]}")
+    return {"s": round(seconds, 2), "load_before": None if load is None else round(load, 2)}
 
 
 def render(data: dict) -> str:
     """The README's lines about the planner's speed, from the result file (never typed by hand)."""
-    c = data["config"]
+    m = data["machine"]
+    rows = "".join(
+        f"| `{' '.join(['fsdp-course', *command(what, data['model'], data['config']['seq'])])}` | "
+        f"{r['s']} | {GOALS_S[what]:g} | {r['load_before']} |\n" for what, r in data["runs"].items())
     return (f"_Rendered from `results/planner_speed-cpu.json`: `python benchmarks/planner_speed.py` on "
-            f"{data['device_name']} ({data['date'][:10]}, torch {data['torch']}), {data['model']}, "
-            f"{c['strategy']}, {c['precision']}, AC {c['ac']}, batch {c['batch']} x {c['seq']}._\n\n"
-            f"| what | seconds | traced steps |\n|---|---|---|\n"
-            f"| one plan (memory) | {data['plan_s']} (first in the process {data['first_plan_s']}) | 1 |\n"
-            f"| `--max-batch` (answer: batch {data['max_batch']['largest_batch']}) | "
-            f"{data['max_batch']['s']} | {data['max_batch']['traced_steps']} |\n"
-            f"| `--sweep`, {data['sweep']['configurations']} configurations | {data['sweep']['s']} | "
-            f"{data['sweep']['traced_steps']} |\n")
+            f"{m['cpu']} ({m['cores']} cores; {data['date'][:10]}, torch {data['torch']}); each "
+            f"command a fresh process, imports included, memory and step time._\n\n"
+            f"| command | seconds | goal | load before |\n|---|---|---|---|\n" + rows)
 
 
 def write_readme(data: dict) -> bool:
@@ -52,52 +83,19 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    import utilities.measure.planner as planner
-
     args = parse_args(argv)
     device = pick_device(args.device)
     model = args.model or ("llama-tiny" if args.tiny else "llama-8b")
     seq = 64 if args.tiny else 8192
-    memory = planner.parse_memory("80GiB")
-    config = dict(strategy="full_shard", precision="bf16", ac="selective", seq=seq)
     data = metadata(NAME, device, args)
-    data.update(model=model, config=dict(config, gpus=8, batch=2, gpu_memory="80GiB"))
-    config = dict(config, device_type=device.type)
-
-    traced = []
-    real_plan = planner.plan
-
-    def counted(*a, **k):
-        traced.append(1)
-        return real_plan(*a, **k)
-
-    planner.plan = counted
-    try:
-        t = time.perf_counter()
-        real_plan(model, 8, memory, batch=2, **config)
-        data["first_plan_s"] = round(time.perf_counter() - t, 2)
-        t = time.perf_counter()
-        real_plan(model, 8, memory, batch=2, **config)
-        data["plan_s"] = round(time.perf_counter() - t, 2)
-
-        traced.clear()
-        t = time.perf_counter()
-        best, _ = planner.largest_batch(model, 8, memory, **config)
-        data["max_batch"] = {"s": round(time.perf_counter() - t, 2), "traced_steps": len(traced),
-                             "largest_batch": best}
-
-        traced.clear()
-        t = time.perf_counter()
-        plans = planner.sweep(model, gpu_memory_bytes=memory, precision="bf16", ac="selective",
-                              batch=2, seq=seq, device_type=device.type)
-        data["sweep"] = {"s": round(time.perf_counter() - t, 2), "traced_steps": len(traced),
-                         "configurations": len(plans), "methods": sorted({p.method for p in plans})}
-    finally:
-        planner.plan = real_plan
-    print(f"{model}: plan {data['plan_s']} s (first {data['first_plan_s']} s); --max-batch "
-          f"{data['max_batch']['s']} s in {data['max_batch']['traced_steps']} traced steps "
-          f"(batch {data['max_batch']['largest_batch']}); sweep of {len(plans)} configurations "
-          f"{data['sweep']['s']} s in {data['sweep']['traced_steps']} traced steps")
+    data.update(model=model, config=dict(strategy="full_shard", precision="bf16", ac="selective",
+                                         seq=seq, gpus=8, batch=2, gpu_memory="80GiB"),
+                machine={"cpu": cpu_model(), "cores": os.cpu_count()}, goals_s=GOALS_S)
+    timed(["plan", "--model", "llama-tiny", "--seq", "64", "--no-time"])  # files into the OS cache
+    data["runs"] = {what: timed(command(what, model, seq)) for what in GOALS_S}
+    for what, r in data["runs"].items():
+        print(f"{what}: {r['s']} s (goal {GOALS_S[what]:g} s; load average {r['load_before']} "
+              f"on {data['machine']['cores']} cores)")
     path = save(data, output_path(NAME, device, args.out))
     if not args.tiny and not args.out and write_readme(data):
         print(f"{README.relative_to(REPO)}: planner speed re-rendered ({path.name})")
