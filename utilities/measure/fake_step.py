@@ -268,6 +268,7 @@ class UnitInfo:
     shapes: list[tuple[int, ...]]
     is_root: bool
     trainable: list[bool] | None = None  # per shape: requires_grad (None: all train)
+    fqn: str = ""  # the module's fully qualified name, as FSDP2's profiler labels show it
 
     @property
     def numel(self) -> int:
@@ -662,7 +663,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
         for fqn, own in _unit_parameters(model):
             label = unit_label(fqn)
             units[label] = UnitInfo(label, [tuple(p.shape) for p in own], is_root=not fqn,
-                                    trainable=[p.requires_grad for p in own])
+                                    trainable=[p.requires_grad for p in own], fqn=fqn)
             tracker_names[root_name + ("." + fqn if fqn else "")] = label
         with fake_mode:
             data = fake_batch(spec, batch, seq, device)
@@ -940,8 +941,9 @@ def _repeated(spec, small: StepTrace, depth: int, p: int, **memory) -> StepTrace
         small.segments, lambda s: s.unit, backward, *where)]
     collectives = [(c[0], name, c[2]) for c, name in _renamed(
         small.collectives, lambda c: c[1], small.backward_collectives_from, *where)]
-    units = [dataclasses.replace(u, name=name) for u, name in _renamed(
-        small.units, lambda u: u.name, len(small.units), *where)]
+    units = [dataclasses.replace(u, name=name, fqn=re.sub(r"\d+$", _BLOCK.match(name).group(2), u.fqn)
+                                 if _BLOCK.match(name) else u.fqn)
+             for u, name in _renamed(small.units, lambda u: u.name, len(small.units), *where)]
     return StepTrace(model=spec.name, precision=small.precision, ac=small.ac, batch=small.batch,
                      seq=small.seq, world=small.world, largest_unit_shard=small.largest_unit_shard,
                      segments=segments, units=units, collectives=collectives, trace_s=0.0,

@@ -355,6 +355,7 @@ class StepTime:
     timeline: list[Event] = field(default_factory=list)
     per_unit: dict[str, dict[str, float]] = field(default_factory=dict)
     trace_s: float = 0.0
+    unit_fqns: dict[str, str] = field(default_factory=dict)  # unit -> its module's name in torch
 
     def as_dict(self, timeline: bool = False) -> dict[str, Any]:
         """The summary the CLI's ``--json`` carries (``timeline=True`` adds the events, with their
@@ -378,12 +379,13 @@ TRACE_NAMES = {"all_gather": "FSDP::all_gather", "reduce_scatter": "FSDP::post_b
                "all_reduce": "FSDP::post_backward_reduce", "optimizer": "Optimizer.step#AdamW.step"}
 
 
-def trace_name(e: Event) -> str:
-    """The slice name of ``e`` in the predicted Chrome trace (``TRACE_NAMES``)."""
+def trace_name(e: Event, fqns: dict[str, str] | None = None) -> str:
+    """The slice name of ``e`` in the predicted Chrome trace (``TRACE_NAMES``), its unit named as
+    FSDP2 names it (the module's fully qualified name, ``fqns``: "model.layers.3")."""
     name = TRACE_NAMES.get(e.phase, e.phase)
     if e.unit == "all" or (e.unit == "root" and name.startswith("FSDP::")):
         return name
-    return f"{name} ({e.unit})"
+    return f"{name} ({(fqns or {}).get(e.unit) or e.unit})"
 
 
 def chrome_trace(step: StepTime, title: str = "") -> dict[str, Any]:
@@ -402,7 +404,8 @@ def chrome_trace(step: StepTime, title: str = "") -> dict[str, Any]:
         {"ph": "M", "pid": 0, "tid": lanes["comm"], "name": "thread_name",
          "args": {"name": "communication"}}]
     for e in step.timeline:
-        events.append({"ph": "X", "pid": 0, "tid": lanes.get(e.lane, 1), "name": trace_name(e),
+        events.append({"ph": "X", "pid": 0, "tid": lanes.get(e.lane, 1),
+                       "name": trace_name(e, step.unit_fqns),
                        "cat": e.lane, "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
                        "args": {"unit": e.unit, "phase": e.phase, **e.args}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
@@ -793,7 +796,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
         batch=batch, seq=seq, compile=compile, fp8=fp8_used, step_s=step_s, compute_s=compute_s,
         comm_s=comm_s, exposed_comm_s=step_s - compute_s, optimizer_s=optimizer_s,
         tokens_per_s_per_gpu=tps, mfu=mfu, assumptions=notes, timeline=lanes.events,
-        per_unit=per_unit, trace_s=profile.trace_s)
+        per_unit=per_unit, trace_s=profile.trace_s,
+        unit_fqns={u.name: u.fqn for u in profile.units if u.fqn})
 
 
 def _efficiency_note(name: str) -> str:
