@@ -961,7 +961,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     plans = sweep(args.model, gpu_memory_bytes=gpu_memory_bytes, precision=args.precision, ac=args.ac,
                   batch=batch, seq=seq, options=o)
     if options is not None:
-        for p in plans:  # one trace serves every count and strategy (the time model caches it)
+        for p in plans:  # one node's trace per strategy serves every count (it is cached)
             p.time = predict_time(p, options).as_dict()
     if getattr(args, "json", False):
         print(json.dumps([p.as_dict() for p in plans], indent=2))

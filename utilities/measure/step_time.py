@@ -12,8 +12,9 @@ timeline. Three parts, each stated in ``StepTime.assumptions``:
    formulas; attention as FlashAttention does it), the bytes it reads and writes, and the FSDP unit
    running it (``ModTracker``). Each op takes the roofline time
    ``max(flops / (peak x efficiency), bytes / (HBM bandwidth x efficiency))`` on the chosen GPU
-   (``GPUS``), with one set of efficiencies (``CALIBRATED``). Per-rank compute does not depend on
-   the number of GPUs or the sharding strategy, so one trace serves them all (it is cached).
+   (``GPUS``), with one set of efficiencies (``CALIBRATED``). Per-rank compute is one node's trace
+   of the strategy (beyond a node only FSDP's 1/N copy-in would change), cached: a plan of one
+   node reads the very trace its memory came from, and a sweep traces once per strategy.
 2. **Communication, from the shards.** Per unit: the all-gather of its parameters in the mixed
    precision policy's parameter dtype, the reduce-scatter of its gradients in the reduce dtype
    (plus the all-reduce across replicas under hybrid_shard, or the gradients' all-reduce under
