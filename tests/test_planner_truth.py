@@ -200,7 +200,7 @@ def test_max_batch_takes_three_traced_steps_on_a_line(monkeypatch):
     base = P.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 1, 64, "cpu")
     traced = []
 
-    def linear_plan(model, gpus, memory, strategy, precision, ac, batch, *rest):
+    def linear_plan(model, gpus, memory, strategy, precision, ac, batch, *rest, **options):
         traced.append(batch)
         total = 2**30 + 3 * 2**30 * batch
         budget = int(memory * 0.9)

@@ -13,14 +13,19 @@ default):
 * a request takes the smallest cached free block that holds it (best fit), split when the rest
   is worth keeping (512 B small, over 1 MiB large); a freed block merges with free neighbours of
   its segment and stays cached: segments are never given back (no ``empty_cache``);
+* one pool per CUDA stream: a block freed on one stream is reused only by requests on that stream
+  (segments belong to the stream that took them). FSDP2 allocates its all-gather outputs on its
+  all-gather stream and its reduce-scatter buffers on its reduce-scatter stream; ``streams``
+  names each allocation's stream (the planner: by the tracker's category, "All Gather" and
+  "Reduce Scatter", everything else on the compute stream);
 * the step is replayed twice: the second starts with what the first left cached (the gradient
   blocks ``zero_grad(set_to_none=True)`` freed, the logits', the activations'), as every step
   after the first does; the reserved peak is the larger.
 
-What it leaves out, said in the plan: one pool per CUDA stream (FSDP2 allocates its all-gather
-outputs on its own stream, so their blocks are cached apart from the compute stream's), the CUDA
-context and NCCL's own buffers (outside the allocator), ``max_split_size_mb`` and
-``garbage_collection_threshold`` (off by default).
+What it leaves out, said in the plan: FSDP2's all-gather copy-in buffers (on their own stream,
+booked by the tracker with the compute stream's temporaries), the CUDA context and NCCL's own
+buffers (outside the allocator), ``max_split_size_mb`` and ``garbage_collection_threshold`` (off
+by default).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class _Block:
     size: int
     free: bool
     small: bool
+    stream: int = 0
     prev: _Block | None = None
     next: _Block | None = None
 
@@ -68,7 +74,7 @@ class CachingAllocator:
     has allocated and reserved (now and at the peak)."""
 
     def __init__(self):
-        self.pools: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small?
+        self.pools: dict[tuple[int, bool], list[tuple[int, int, int]]] = {}  # (stream, small?)
         self.free_blocks: dict[tuple[int, int, int], _Block] = {}
         self.live: dict[int, _Block] = {}
         self.allocated = self.reserved = 0
@@ -78,20 +84,20 @@ class CachingAllocator:
 
     def _insert_free(self, b: _Block, small: bool) -> None:
         b.free = True
-        bisect.insort(self.pools[small], b.key())
+        bisect.insort(self.pools.setdefault((b.stream, small), []), b.key())
         self.free_blocks[b.key()] = b
 
     def _remove_free(self, b: _Block, small: bool) -> None:
-        pool = self.pools[small]
+        pool = self.pools[(b.stream, small)]
         i = bisect.bisect_left(pool, b.key())
         del pool[i]
         del self.free_blocks[b.key()]
         b.free = False
 
-    def malloc(self, nbytes: int) -> int:
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
         size = round_size(nbytes)
         small = size <= SMALL
-        pool = self.pools[small]
+        pool = self.pools.get((stream, small), [])
         i = bisect.bisect_left(pool, (size, -1, -1))
         if i < len(pool):
             b = self.free_blocks[pool[i]]
@@ -101,10 +107,10 @@ class CachingAllocator:
             self.segments += 1
             self.reserved += seg
             self.peak_reserved = max(self.peak_reserved, self.reserved)
-            b = _Block(self.segments, 0, seg, False, small)
+            b = _Block(self.segments, 0, seg, False, small, stream)
         rest = b.size - size
         if rest >= ROUND if small else rest > SMALL:
-            tail = _Block(b.seg, b.offset + size, rest, True, small, prev=b, next=b.next)
+            tail = _Block(b.seg, b.offset + size, rest, True, small, b.stream, prev=b, next=b.next)
             if b.next is not None:
                 b.next.prev = tail
             b.next, b.size = tail, size
@@ -137,12 +143,14 @@ class CachingAllocator:
 
 
 def reserved_peak(before: list[tuple[str, int, int]], step: list[tuple[str, int, int]],
-                  steps: int = 2) -> dict[str, int]:
+                  steps: int = 2, streams: dict[Any, int] | None = None) -> dict[str, int]:
     """Replay a step through ``CachingAllocator``: ``before`` (``("alloc", key, bytes)`` /
     ``("free", key, 0)``) is what the rank holds when the step starts, ``step`` the step,
     replayed ``steps`` times; what a step leaves allocated (its gradients) is freed before the
-    next, as ``zero_grad(set_to_none=True)`` does, and stays cached. The allocated and reserved
-    peaks, the first step's reserved peak, and the segments taken."""
+    next, as ``zero_grad(set_to_none=True)`` does, and stays cached. ``streams``: the stream of an
+    allocation by key (default 0, the compute stream). The allocated and reserved peaks, the first
+    step's reserved peak, and the segments taken."""
+    streams = streams or {}
     a = CachingAllocator()
     held: dict[int, int] = {}
     for kind, key, nbytes in before:
@@ -161,7 +169,7 @@ def reserved_peak(before: list[tuple[str, int, int]], step: list[tuple[str, int,
             if kind == "alloc":
                 if key in handles:
                     a.free(handles.pop(key))
-                handles[key] = a.malloc(nbytes)
+                handles[key] = a.malloc(nbytes, streams.get(key, 0))
             elif kind == "free" and key in handles:
                 a.free(handles.pop(key))
         per_step.append((a.peak_allocated, a.peak_reserved))

@@ -552,6 +552,11 @@ class StepTrace:
         return self.memory_events.reserved(without) if self.memory_events else None
 
 
+# FSDP2's own CUDA streams, by the tracker's category of what is allocated on them (the all-gather
+# outputs on the all-gather stream, the reduce-scatter's buffers on its stream); the rest: 0
+STREAMS = {"All Gather": 1, "Reduce Scatter": 2}
+
+
 @dataclass
 class MemoryEvents:
     """The step's memory, as a replay needs it: ``resident`` (unit, bytes, category) held before
@@ -580,7 +585,8 @@ class MemoryEvents:
                   if kind not in without]
         step = [(kind, key, n) for kind, key, n, _ in self.step if kind in ("alloc", "free")
                 and self.kinds.get(key) not in without]
-        return reserved_peak(before, step) if step else None
+        streams = {key: STREAMS[kind] for key, kind in self.kinds.items() if kind in STREAMS}
+        return reserved_peak(before, step, streams=streams) if step else None
 
     def peak(self) -> dict[str, int]:
         """The tracker's peak snapshot (bytes by category, and "Total"), replayed: each tensor
