@@ -6,7 +6,15 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import REPO, flag_error, notebook_results, run_lesson, variant
+from conftest import (
+    REPO,
+    assert_help_lists,
+    assert_prediction_is_the_readmes,
+    flag_error,
+    notebook_results,
+    run_lesson,
+    variant,
+)
 
 sys.path.insert(0, str(REPO / "lessons" / "12_tensor_parallel"))  # the lesson's own helpers
 
@@ -23,7 +31,7 @@ def results(tmp_path_factory):
 def results4(tmp_path_factory):
     # The one extra launch: 4 gloo ranks on CPU, for tp=4 and a real 2 x 2 (dp, tp) mesh.
     out = tmp_path_factory.mktemp("lesson12_4ranks")
-    return run_lesson("12", out, "--variants", "tp4-mlp,dp2xtp2-2d", nproc=4)
+    return run_lesson("12", out, "--variants", "tp4-mlp,dp2xtp2-2d", "--predict-on", "none", nproc=4)
 
 
 def test_quick_run_has_the_variants(results):
@@ -130,3 +138,42 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     from conftest import assert_readme_table_is_reproduced
 
     assert_readme_table_is_reproduced("12", results)
+
+
+def test_lesson_help_explains_every_flag():
+    assert_help_lists("12", ("--variants", "--mlp-dim", "--predict-on", "--predict-model",
+                             "--predict-batch", "--predict-seq", "--device", "--quick"))
+
+
+def test_a_prediction_model_tp_cannot_split_is_one_line_exit_2():
+    line = flag_error("12", "--predict-model", "t5-tiny")
+    assert "--predict-model" in line and "llama-8b" in line
+
+
+def test_prediction_holds_the_global_batch_and_tp_blocks_the_compute(results):
+    """FSDP2 alone and 2-D with TP over 2, 4, 8 GPUs of one node, each TP group taking tp x the
+    per-GPU batch (the same tokens per step); TP's collectives sit on the compute lane (their
+    time in the compute slices' ``tp_comm_s``), FSDP's shrink with the TP degree, and each
+    variant carries the planner's peak per GPU."""
+    predicted = results["predicted"]
+    assert predicted["gpus"] == 8 and predicted["model"] == "llama-8b" and predicted["ac"] == "selective"
+    names = [v["name"] for v in predicted["variants"]]
+    assert names == ["fsdp-only", "2d-tp2", "2d-tp4", "2d-tp8"]
+    by = {v["name"]: v for v in predicted["variants"]}
+    assert "batch" not in by["fsdp-only"]
+    for tp in (2, 4, 8):
+        assert by[f"2d-tp{tp}"]["batch"] == tp * predicted["batch"]
+    tokens = predicted["batch"] * predicted["seq"] * predicted["gpus"]  # per step, every variant
+    for name, v in by.items():
+        tp = int(name[5:]) if name.startswith("2d-tp") else 1
+        assert v["tokens_per_s_per_gpu"] == pytest.approx(tokens / v["step_s"] / predicted["gpus"])
+        tp_comm = sum(e["args"].get("tp_comm_s", 0.0) for e in v["timeline"])
+        assert (tp_comm > 0) == (tp > 1), name
+        assert all(e["lane"] == "compute" for e in v["timeline"] if "tp_comm_s" in e["args"])
+        assert v["peak_bytes"] > 0 and v["fits"], name
+    comm = [by[n]["comm_s"] for n in names]
+    assert comm == sorted(comm, reverse=True)  # each GPU gathers 1/tp of a block
+
+
+def test_readme_prediction_is_the_runs(results):
+    assert_prediction_is_the_readmes("12", results, "predicted_1x8xh100.json")

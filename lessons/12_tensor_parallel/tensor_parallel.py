@@ -23,6 +23,11 @@ they are), and the loss curve.
 
 A variant needing another number of ranks than the run has is skipped, with a note: tpN-mlp needs
 a multiple of N ranks, tpN-llama[-sp] (N > 1) exactly N, dpAxtpB-2d exactly A*B.
+
+The run ends with a PREDICTION on a cluster (the step-time model, not a measurement): llama-8b on
+one node of 8 H100 with FSDP2 alone and 2-D with TP over 2, 4 and 8 GPUs, the same global batch in
+each (a TP group of N GPUs takes N times the per-GPU batch), with the planner's peak per GPU
+(`fsdp-course plan --tp N` for the same configurations).
 """
 
 from __future__ import annotations
@@ -40,6 +45,13 @@ from tp_helpers import ratios_vs_tp1, run_llama, run_mlp
 from utilities import distributed as D
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.errors import UsageError, positive_int
+from utilities.measure.planner import plan
+from utilities.measure.step_time import (
+    add_prediction_arguments,
+    get_gpu,
+    parse_cluster,
+    predict_from_arguments,
+)
 from utilities.measure.tensor_parallel import (
     FeedForward,
     apply_mlp_tensor_parallel,
@@ -110,6 +122,54 @@ NOTES = (
 )
 CPU_NOTE = "CPU run: memory from torch.distributed._tools trackers; step times on gloo are only indicative."
 
+# -- the prediction on a cluster ---------------------------------------------------------------------
+PREDICT_MODEL, PREDICT_BATCH, PREDICT_SEQ, PREDICT_ON = "llama-8b", 1, 2048, "1x8xh100"
+PREDICT_AC = "selective"  # op-level selective checkpointing, as torchtitan's 8B runs
+PREDICT_TP = (1, 2, 4, 8)
+PREDICT_NOTE = ("The prediction on a cluster is `fsdp-course plan --tp N`'s time model and planner: "
+                "TP's collectives timed inside a node on the compute lane (no async TP), sequence "
+                "parallel, FSDP2 across the TP groups; the same global batch in every variant.")
+
+
+def prediction_knobs(model: str, batch: int, gpus_per_node: int) -> dict[str, dict]:
+    """The predicted variants as the step-time model takes them: FSDP2 alone (tp 1) and 2-D with
+    TP over 2, 4 and 8 GPUs of one node (those that divide it and that ``model`` can split). The
+    global batch stays the same: each of the GPUs / N TP groups takes N x ``batch`` sequences
+    (``estimate_step_time``'s ``batch`` is a TP group's), so every variant trains the same tokens
+    per step and tokens/s per GPU compares like with like."""
+    config = get_model_spec(model).config()
+
+    def splits(tp: int) -> bool:
+        try:
+            check_tensor_parallel(config, tp)
+        except UsageError:
+            return False
+        return gpus_per_node % tp == 0
+
+    return {("fsdp-only" if tp == 1 else f"2d-tp{tp}"): ({"tp": tp, "batch": batch * tp} if tp > 1
+                                                        else {})
+            for tp in PREDICT_TP if tp == 1 or splits(tp)}
+
+
+def predict(args) -> dict | None:
+    """The ``predicted`` block (rank 0, before the group; None elsewhere or with --predict-on
+    none), each variant with the planner's peak per GPU for the same configuration (the same
+    cached fake step: ``fsdp-course plan --model M --gpus G --tp N --batch B --ac selective``)."""
+    if args.predict_on == "none":
+        return None
+    cluster = parse_cluster(args.predict_on)
+    knobs = prediction_knobs(args.predict_model, args.predict_batch, cluster.gpus_per_node)
+    block = predict_from_arguments(args, knobs, ac=PREDICT_AC, seq=args.predict_seq)
+    if block is None:
+        return None
+    memory = get_gpu(cluster.gpu).memory_bytes
+    for row in block["variants"]:
+        k = knobs[row["name"]]
+        p = plan(block["model"], cluster.gpus, memory, ac=PREDICT_AC, seq=block["seq"],
+                 batch=k.get("batch", block["batch"]), tp=k.get("tp", 1))
+        row.update(peak_bytes=p.peak_bytes["total"], fits=p.fits)
+    return block
+
 
 def parse_args(argv=None):
     p = lesson_parser(__doc__)
@@ -119,7 +179,17 @@ def parse_args(argv=None):
                      "GPU as published, 1024 on CPU, 512 with --quick)")
     mlp.add_argument("--mlp-hidden", type=positive_int,
                      help="FeedForward hidden width (default: equal to --mlp-dim, as published)")
+    predict_flags = add_prediction_arguments(
+        p, PREDICT_MODEL, PREDICT_BATCH, PREDICT_ON,
+        batch_help="sequences per GPU per step to predict for (the same global batch in every "
+                   "variant: a TP group of N GPUs takes N times this)",
+        model_help="a Llama: TP splits its heads")
+    predict_flags.add_argument("--predict-seq", type=positive_int, default=PREDICT_SEQ,
+                               help=f"sequence length to predict for (default {PREDICT_SEQ})")
     args = p.parse(argv)
+    if args.predict_on != "none" and get_model_spec(args.predict_model).family != "llama":
+        p.exit(2, f"error: --predict-model {args.predict_model!r} is not allowed: the prediction "
+                  "splits Llama attention heads; allowed: llama-tiny, llama-1b, llama-8b\n")
     if args.model is not None and get_model_spec(args.model).family != "llama":
         p.exit(2, f"error: --model {args.model!r} is not allowed: this lesson splits Llama attention "
                   "heads; allowed: llama-tiny, llama-1b, llama-8b\n")
@@ -155,8 +225,9 @@ def takeaway(results: dict) -> str:
 
 
 def main(args) -> None:
-    with Lesson("12", args, settings={"tolerance": TOLERANCE}, notes=NOTES, cpu_note=CPU_NOTE,
-                takeaway=takeaway) as lesson:
+    predicted = predict(args)  # rank 0, before the group: the model traces on a fake group of its own
+    with Lesson("12", args, settings={"tolerance": TOLERANCE}, notes=(*NOTES, PREDICT_NOTE),
+                cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         if lesson.spec.family != "llama":
             raise UsageError(f"--model {lesson.spec.name!r} is not allowed: this lesson splits Llama "
                              "attention heads; allowed: llama-tiny, llama-1b, llama-8b")
@@ -188,6 +259,7 @@ def main(args) -> None:
         lesson.results.extend_variants(ratios_vs_tp1(lesson.results.data["variants"]))
         if skipped:
             lesson.results.note(f"skipped (need another number of ranks than {world}): {', '.join(skipped)}")
+        lesson.results.predicted(predicted)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from utilities.course.catalog import LESSONS
 from utilities.errors import UsageError
 from utilities.measure.results import idle_category_notes, markdown_table
 from utilities.measure.results import load as load_results
-from utilities.measure.step_time import predicted_rows
+from utilities.measure.step_time import predicted_batch_text, predicted_rows
 from utilities.text import markdown, markdown_escape
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,7 +219,7 @@ def render_predicted(block: dict[str, Any], source: str) -> str:
     """The markdown of a lesson's ``predicted`` block: what it is, then the table the lesson prints."""
     block = inert(block)
     return (f"_PREDICTED by the course's step-time model, not measured: rendered from [`{source}`]"
-            f"({source}), {block['model']} at batch {block['batch']} x {block['seq']} per GPU, "
+            f"({source}), {block['model']} at {predicted_batch_text(block)}, "
             f"{block['precision']}, on {block['cluster']}._\n\n{markdown(predicted_rows(block))}\n")
 
 

@@ -75,7 +75,7 @@ __all__ = ["CALIBRATED", "Cluster", "Efficiencies", "Event", "GPU", "GPUS", "Ste
            "add_prediction_arguments", "check_prediction_arguments", "collective_time",
            "chrome_trace", "draw_timelines", "estimate_step_time", "format_predicted", "format_step_time",
            "get_gpu", "parse_cluster", "predict_from_arguments", "predict_variants",
-           "predicted_rows", "ring_bytes_per_gpu", "sweep"]
+           "predicted_batch_text", "predicted_rows", "ring_bytes_per_gpu", "sweep"]
 
 BACKWARD_PREFETCH = ("backward_pre", "backward_post", "none")
 
@@ -1000,12 +1000,16 @@ def parse_cluster(text: str, flag: str = "--predict-on") -> Cluster:
     return Cluster(nodes, per_node, gpu)
 
 
+DEFAULT_MODEL_HELP = "the lesson's GPU size"
+
+
 def add_prediction_arguments(parser: argparse.ArgumentParser, model: str, batch: int,
-                             cluster: str = "2x8xh100") -> None:
+                             cluster: str = "2x8xh100", batch_help: str | None = None,
+                             model_help: str | None = None) -> argparse._ArgumentGroup:
     """``--predict-on``, ``--predict-model`` and ``--predict-batch``: after a script's
     measurements, this model's prediction of its variants on a cluster (what a knob does to time
     where there is an interconnect), for ``model`` at ``batch`` per GPU unless the flags say
-    otherwise (``predict_from_arguments``)."""
+    otherwise (``predict_from_arguments``). Returns the flags' group, for a lesson's own."""
     from utilities.errors import positive_int
 
     g = parser.add_argument_group("prediction on a cluster (a model, not a measurement)")
@@ -1013,9 +1017,11 @@ def add_prediction_arguments(parser: argparse.ArgumentParser, model: str, batch:
                    help=f"cluster to predict the variants' step time on: {CLUSTER_FORMAT}; "
                         f"'none' to skip (default {cluster})")
     g.add_argument("--predict-model", default=model,
-                   help=f"model to predict for (default {model}, the lesson's GPU size)")
+                   help=f"model to predict for (default {model}, "
+                        f"{model_help or DEFAULT_MODEL_HELP})")
     g.add_argument("--predict-batch", type=positive_int, default=batch,
-                   help=f"per-GPU batch to predict for (default {batch})")
+                   help=f"{batch_help or 'per-GPU batch to predict for'} (default {batch})")
+    return g
 
 
 def check_prediction_arguments(args: argparse.Namespace) -> None:
@@ -1044,16 +1050,19 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
                      seq: int | None = None) -> dict[str, Any]:
     """A lesson's ``predicted`` block: each variant's knobs (``estimate_step_time`` keywords) on
     ``cluster``, with its step time, exposed communication, tokens/s per GPU and timeline. One
-    trace serves every variant. A prediction, not a measurement: the block says so."""
+    trace serves every variant. A prediction, not a measurement: the block says so. A variant's
+    knobs may carry its own ``batch`` (with ``tp``, a TP group's): its row records it."""
     from utilities.models import get_model_spec
 
     seq = seq or get_model_spec(model).default_seq_len
     rows = []
     for name, knobs in variants.items():
-        t = estimate_step_time(model, cluster.gpus, precision=precision, ac=ac, batch=batch, seq=seq,
-                               gpu=cluster.gpu, gpus_per_node=cluster.gpus_per_node,
-                               network_gbps=cluster.network_gbps, **knobs)
-        rows.append({"name": name, "step_s": t.step_s, "compute_s": t.compute_s, "comm_s": t.comm_s,
+        kw = {"precision": precision, "ac": ac, "batch": batch, "seq": seq, **knobs}
+        t = estimate_step_time(model, cluster.gpus, gpu=cluster.gpu,
+                               gpus_per_node=cluster.gpus_per_node,
+                               network_gbps=cluster.network_gbps, **kw)
+        rows.append({"name": name, **({"batch": knobs["batch"]} if "batch" in knobs else {}),
+                     "step_s": t.step_s, "compute_s": t.compute_s, "comm_s": t.comm_s,
                      "exposed_comm_s": t.exposed_comm_s,
                      "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "mfu": t.mfu,
                      "timeline": [asdict(e) for e in t.timeline]})
@@ -1065,21 +1074,50 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
 
 def predicted_rows(block: dict[str, Any]) -> list[list[str]]:
     """The prediction's table, a header and a row per variant: what the lesson prints under its
-    measurements and its README renders (``utilities.course.readme_tables``)."""
+    measurements and its README renders (``utilities.course.readme_tables``). Where variants carry
+    their own batch (a TP group's) it is a column; where they carry the planner's peak
+    (``peak_bytes``, ``fits``), so is the memory per GPU."""
     ms = lambda seconds: f"{seconds * 1e3:.1f}ms"  # noqa: E731
-    return [["variant", "step", "comm", "exposed", "tokens/s/GPU"],
-            *[[v["name"], ms(v["step_s"]), ms(v["comm_s"]), ms(v["exposed_comm_s"]),
-               f"{v['tokens_per_s_per_gpu']:,.0f}"] for v in block["variants"]]]
+    variants = block["variants"]
+    own_batch = any("batch" in v for v in variants)
+    memory = bool(variants) and all("peak_bytes" in v for v in variants)
+
+    def peak(v: dict[str, Any]) -> list[str]:
+        if not memory:
+            return []
+        return [f"{v['peak_bytes'] / 2**30:.1f} GiB" + ("" if v.get("fits", True) else " (no fit)")]
+
+    return [["variant", *(["batch"] if own_batch else []), "step", "comm", "exposed",
+             "tokens/s/GPU", *(["peak/GPU"] if memory else [])],
+            *[[v["name"], *([str(v.get("batch", block["batch"]))] if own_batch else []),
+               ms(v["step_s"]), ms(v["comm_s"]), ms(v["exposed_comm_s"]),
+               f"{v['tokens_per_s_per_gpu']:,.0f}", *peak(v)] for v in variants]]
+
+
+def predicted_batch_text(block: dict[str, Any]) -> str:
+    """The block's batch as its title says it: per GPU, and, where variants carry their own (a
+    TP group's), where the table gives it."""
+    text = f"batch {block['batch']} x {block['seq']} per GPU"
+    if any("batch" in v for v in block["variants"]):
+        text += " (a variant with its own batch, a TP group's, says it in the batch column)"
+    return text
 
 
 def format_predicted(block: dict[str, Any]) -> str:
     """The prediction as a table under the lesson's measurements (80 columns)."""
     import textwrap
 
-    title = (f"PREDICTED (the step-time model, not a measurement): {block['model']}, batch "
-             f"{block['batch']} x {block['seq']} per GPU, on {block['cluster']}")
-    rows = [f"{name[:22]:<22}{step:>10}{comm:>10}{exposed:>10}{tokens:>14}"
-            for name, step, comm, exposed, tokens in predicted_rows(block)]
+    title = (f"PREDICTED (the step-time model, not a measurement): {block['model']}, "
+             f"{predicted_batch_text(block)}, on {block['cluster']}")
+    table = predicted_rows(block)
+    if len(table[0]) == 5:
+        rows = [f"{name[:22]:<22}{step:>10}{comm:>10}{exposed:>10}{tokens:>14}"
+                for name, step, comm, exposed, tokens in table]
+    else:  # a batch or memory column: the names get the width they need
+        width = min(22, max(len(r[0]) for r in table) + 2)
+        rows = [f"{r[0][:width]:<{width}}" + "".join(f"{c:>{14 if h == 'tokens/s/GPU' else 10}}"
+                                                    for h, c in zip(table[0][1:], r[1:]))
+                for r in table]
     return "\n".join([*textwrap.wrap(title, 80), *rows])
 
 
