@@ -585,7 +585,8 @@ class MemoryEvents:
                   if kind not in without]
         step = [(kind, key, n) for kind, key, n, _ in self.step if kind in ("alloc", "free")
                 and self.kinds.get(key) not in without]
-        streams = {key: STREAMS[kind] for key, kind in self.kinds.items() if kind in STREAMS}
+        streams = {key: STREAMS[category] for _, key, _, category in self.step
+                   if category in STREAMS}  # booked as such when allocated, or right after
         return reserved_peak(before, step, streams=streams) if step else None
 
     def peak(self) -> dict[str, int]:
