@@ -34,6 +34,17 @@ RESULTS_DIR = REPO / "benchmarks" / "results"
 NO_GPU = "not yet measured: no GPU in this task"
 
 
+def cpu_name() -> str:
+    """This machine's CPU model ("model name" in /proc/cpuinfo where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

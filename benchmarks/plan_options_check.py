@@ -30,6 +30,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402 (the benchmarks' own helpers, beside this file)
 
 OUT = Path(__file__).resolve().parent / "results" / "plan_options_check.json"
 GiB, MB = 2**30, 10**6
@@ -151,17 +154,6 @@ def lightning(rows: list) -> None:
             "note": LIGHTNING_OFFLOAD_NOTE if opts else LIGHTNING_SETUP})
 
 
-def _cpu_name() -> str:
-    import platform
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def host_adamw(rows: list, numel: int = 64 * 2**20, tensors: int = 64, steps: int = 3,
                reps: int = 3) -> None:
     """torch.optim.AdamW on CPU tensors, as FSDP's CPU offload runs it: ``numel`` parameters in
@@ -205,7 +197,7 @@ def host_adamw(rows: list, numel: int = 64 * 2**20, tensors: int = 64, steps: in
     rows.append({
         "source": "measured here: torch.optim.AdamW on CPU tensors (the host optimizer of FSDP's "
                   "CPU offload)",
-        "machine": f"{_cpu_name()}, {os.cpu_count()} logical CPUs (a shared KVM guest), "
+        "machine": f"{common.cpu_name()}, {os.cpu_count()} logical CPUs (a shared KVM guest), "
                    f"torch {torch.__version__}",
         "parameters": numel, "tensors": tensors, "cases": cases,
         "adam_lr0.1_fp32_threads": threads,

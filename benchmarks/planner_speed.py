@@ -9,7 +9,6 @@ when the command started (other work on the machine slows it). `--tiny`: llama-t
 from __future__ import annotations
 
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import base_parser, metadata, output_path, pick_device, save
+from common import base_parser, cpu_name, metadata, output_path, pick_device, save
 
 NAME = "planner_speed"
 REPO = Path(__file__).resolve().parents[1]
@@ -32,16 +31,6 @@ def command(what: str, model: str, seq: int) -> list[str]:
     """The `fsdp-course plan` command line for one measurement (as `python -m utilities`)."""
     return ["plan", "--model", model, "--gpus", "8", "--batch", "2", "--seq", str(seq), "--ac",
             "selective", "--gpu-memory", "80GiB", *EXTRA[what]]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def timed(args: list[str]) -> dict:
@@ -90,7 +79,7 @@ def main(argv=None) -> int:
     data = metadata(NAME, device, args)
     data.update(model=model, config=dict(strategy="full_shard", precision="bf16", ac="selective",
                                          seq=seq, gpus=8, batch=2, gpu_memory="80GiB"),
-                machine={"cpu": cpu_model(), "cores": os.cpu_count()}, goals_s=GOALS_S)
+                machine={"cpu": cpu_name(), "cores": os.cpu_count()}, goals_s=GOALS_S)
     timed(["plan", "--model", "llama-tiny", "--seq", "64", "--no-time"])  # files into the OS cache
     data["runs"] = {what: timed(command(what, model, seq)) for what in GOALS_S}
     for what, r in data["runs"].items():

@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from conftest import free_port  # noqa: E402 (this script runs from tests/, beside conftest)
+
 
 def step_peak(model_name: str, batch: int, seq: int, options: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
@@ -79,12 +81,8 @@ def worker(rank: int, world: int, port: int, out: str, model: str, batch: int, s
 
 
 def main(argv: list[str]) -> None:
-    import socket
-
     out, model, batch, seq, configs = argv[0], argv[1], int(argv[2]), int(argv[3]), json.loads(argv[4])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(worker, args=(2, port, out, model, batch, seq, configs), nprocs=2, join=True)
 
 

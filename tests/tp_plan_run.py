@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -19,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conftest import free_port  # noqa: E402 (this script runs from tests/, beside conftest)
 
 
 def measured_peak(model_name: str, batch: int, seq: int, sequence_parallel: bool) -> dict:
@@ -53,9 +54,7 @@ def worker(rank: int, world: int, port: int, out: str, model: str, batch: int, s
 
 def main(argv: list[str]) -> None:
     out, model, batch, seq, sp = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4] == "1"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(worker, args=(2, port, out, model, batch, seq, sp), nprocs=2, join=True)
 
 
