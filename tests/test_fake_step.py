@@ -74,7 +74,7 @@ def test_blocks_that_differ_are_traced_whole():
     shallow model or one with two stacks (T5)."""
     spec = get_model_spec("llama-1b")
     assert fake_step.scaled_depths(spec, "none") == (5, 6)  # one trace; the second for a check
-    assert fake_step.scaled_depths(spec, "every-2nd-block") == (6, 8)
+    assert fake_step.scaled_depths(spec, "every-2nd-block") == (10, 12)
     assert fake_step.scaled_depths(spec, "none", PlanOptions(trainable=0.5)) is None
     assert fake_step.scaled_depths(get_model_spec("llama-tiny"), "none") is None
     assert fake_step.scaled_depths(get_model_spec("t5-base"), "none") is None
@@ -90,3 +90,19 @@ def test_the_planner_and_the_time_model_share_one_trace():
     planner.predict_time(p, {})
     info = fake_step._trace.cache_info()
     assert (info.misses, info.hits) == (1, 1)
+
+
+def test_foreach_adamw_scales_from_two_depths(monkeypatch):
+    """The path a GPU host takes (AdamW's foreach, whose temporaries span every block), on CPU:
+    two depths traced, every sample extended linearly; the peak and the states to the byte, the
+    allocator's replay (extended linearly too) within 3%."""
+    monkeypatch.setattr(fake_step, "adamw_foreach", lambda device: True)
+    fake_step._trace.cache_clear()
+    spec = get_model_spec("llama-1b")
+    kw = dict(strategy="full_shard", precision="bf16", ac="none", batch=1, seq=128)
+    scaled = fake_step.trace(spec, 4, scale=True, **kw)
+    full = fake_step.trace(spec, 4, scale=False, **kw)
+    fake_step._trace.cache_clear()
+    assert scaled.traced_layers == (5, 6) and scaled.reserved_scaled_linearly
+    assert scaled.peak == full.peak and scaled.states == full.states
+    assert scaled.reserved()["reserved"] == pytest.approx(full.reserved()["reserved"], rel=0.03)

@@ -362,8 +362,8 @@ def test_plan_trace_is_a_chrome_trace_whose_slices_add_up_to_the_predicted_step(
     compute = sum(e["dur"] for e in slices if e["cat"] == "compute")
     assert compute == pytest.approx(time["compute_s"] * 1e6, abs=1)
     names = {e["name"] for e in slices}
-    assert {"FSDP::all_gather (layers.0)", "FSDP::post_backward_reduce (layers.0)",
-            "FSDP::all_gather", "forward (layers.0)", "Optimizer.step#AdamW.step"} <= names
+    assert {"FSDP::all_gather (model.layers.0)", "FSDP::post_backward_reduce (model.layers.0)",
+            "FSDP::all_gather", "forward (model.layers.0)", "Optimizer.step#AdamW.step"} <= names
     for flags, says in ((["--no-time"], "--trace is not allowed with --no-time"),
                         (["--sweep"], "--trace is not allowed with --sweep")):
         bad = cli_here("plan", "--model", "llama-tiny", "--trace", str(tmp_path / "x.json"), *flags)

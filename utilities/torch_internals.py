@@ -31,6 +31,7 @@ SUPPORTED = "torch 2.6 to 2.14"
 
 PRIVATE_MODULES = {
     "torch._subclasses.fake_tensor": "FakeTensorMode: the planner's and time model's tensors without storage",
+    "torch._guards": "active_fake_mode: the time model skips DTensor's sharding propagation ops",
     "torch.distributed._tools": "the memory trackers' package (mod_tracker's hook registration)",
     "torch.distributed._tools.mem_tracker": "MemTracker: memory by category for FSDP1 and plain models",
     "torch.distributed._tools.fsdp2_mem_tracker": "FSDPMemTracker: memory by category for FSDP2",

@@ -562,13 +562,11 @@ class MemoryEvents:
     """The step's memory, as a replay needs it: ``resident`` (unit, bytes, category) held before
     the step (parameter shards and buffers, then the optimizer state, unit by unit), ``step`` its
     ``(kind, key, bytes, category)`` events in order ("alloc", "free", "ref": a tensor changes
-    category, "sample": the tracker takes its totals), ``kinds`` each key's category when it was
-    allocated; or, where a scaled trace could not be extended event by event, two traced depths
-    and the factor between them (``linear``)."""
+    category, "sample": the tracker takes its totals); or, where a scaled trace could not be
+    extended event by event, two traced depths and the factor between them (``linear``)."""
 
     resident: list[tuple[str, int, str]] = field(default_factory=list)
     step: list[tuple[str, Any, int, str | None]] = field(default_factory=list)
-    kinds: dict[Any, str] = field(default_factory=dict)
     device_type: str = "cpu"
     linear: tuple[MemoryEvents, MemoryEvents, float] | None = None
 
@@ -583,10 +581,22 @@ class MemoryEvents:
             return {k: int(round(a[k] + factor * (b[k] - a[k]))) for k in a}
         before = [("alloc", ("resident", i), n) for i, (_, n, kind) in enumerate(self.resident)
                   if kind not in without]
-        step = [(kind, key, n) for kind, key, n, _ in self.step if kind in ("alloc", "free")
-                and self.kinds.get(key) not in without]
-        streams = {key: STREAMS[category] for _, key, _, category in self.step
-                   if category in STREAMS}  # booked as such when allocated, or right after
+        # each allocation by its own name (a tracker's key is reused once its tensor is gone),
+        # left out when its category then is in ``without``, on the stream its category says
+        step: list[tuple[str, Any, int]] = []
+        streams: dict[Any, int] = {}
+        live: dict[Any, Any] = {}
+        for count, (kind, key, n, category) in enumerate(self.step):
+            if kind == "alloc":
+                if key in live:
+                    step.append(("free", live.pop(key), 0))
+                live[key] = (key, count)
+                if category not in without:
+                    step.append(("alloc", live[key], n))
+            elif kind == "free" and key in live:
+                step.append(("free", live.pop(key), 0))
+            if category in STREAMS and key in live:  # booked as such when allocated or just after
+                streams[live[key]] = STREAMS[category]
         return reserved_peak(before, step, streams=streams) if step else None
 
     def peak(self) -> dict[str, int]:
@@ -721,7 +731,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
             order.append(s.unit)
     order += [u for u in units if u not in order]
     recorder.release()
-    memory = MemoryEvents(resident=resident, kinds=recorder.kinds, device_type=device.type,
+    memory = MemoryEvents(resident=resident, device_type=device.type,
                           step=[(*e, c) for e, c in zip(recorder.events[start:],
                                                         recorder.categories[start:])])
     places = recorder.places[start:]
@@ -765,9 +775,9 @@ def _trace(spec, world, strategy, precision, ac, batch, seq, device_type, shard_
         return _whole(spec, args)
     t0 = time.perf_counter()
     small, small_samples = _run(_with_layers(spec, depths[0]), *args)
-    if depths[1] - depths[0] == 1 and not adamw_foreach(device):
-        scaled = _extended(spec, small, small_samples, depths[0])
-    else:  # block pairs, or AdamW's foreach (its temporaries span every block): two depths
+    if not adamw_foreach(device):
+        scaled = _extended(spec, small, small_samples, depths[0], depths[1] - depths[0])
+    else:  # AdamW's foreach: its temporaries span every block; two depths, extended linearly
         large, large_samples = _run(_with_layers(spec, depths[1]), *args)
         scaled = _scale(spec, small, small_samples, large, large_samples, depths)
     if scaled is None:  # the blocks are not alike: trace them all
@@ -799,17 +809,24 @@ def _period(ac: str) -> int:
 
 
 def scaled_depths(spec, ac: str, options=None) -> tuple[int, int] | None:
-    """The two depths a model is traced at, or None when it is traced whole: a shallow model, one
-    with several stacks, a freezing that differs block by block (``--trainable``), or an odd
-    number of middle blocks under block-pair checkpointing."""
+    """The depth a model is traced at and the next one (traced too where the events cannot be
+    extended: AdamW's foreach), or None when it is traced whole: a shallow model, one with
+    several stacks, a freezing that differs block by block (``--trainable``), or an odd number
+    of blocks under block-pair checkpointing. A depth is two periods of blocks at each end and
+    one in the middle (a period: one block, or two under block-pair checkpointing)."""
     layers = _layers(spec)
     p = _period(ac)
     if layers is None or (options is not None and options.trainable is not None):
         return None
-    small = 2 * EDGE_BLOCKS + p
-    if layers <= small + p or (layers - 2 * EDGE_BLOCKS) % p:
+    small = (2 * EDGE_BLOCKS + 1) * p
+    if layers <= small + p or layers % p:
         return None
     return small, small + p
+
+
+def _periods(index: dict[str, int], p: int) -> dict[str, int]:
+    """Each block unit's period (blocks ``p`` at a time), for ``_role``."""
+    return {unit: i // p for unit, i in index.items()}
 
 
 def _with_layers(spec, n: int):
@@ -842,7 +859,8 @@ def _block_index(units: list[UnitInfo]) -> tuple[str, dict[str, int]] | None:
 
 def _role(unit: str, index: dict[str, int], depth: int) -> int | str:
     """A unit's place, the same at any depth: "root", 0 and 1 (the first blocks), -2 and -1 (the
-    last), or "middle"."""
+    last), or "middle". ``index`` and ``depth`` count blocks, or periods of blocks
+    (``_periods``)."""
     if unit not in index:
         return "root"
     i = index[unit]
@@ -912,10 +930,10 @@ def _renamed(seq, name_of, backward_from, index, prefix, depth, layers, p):
         if unit not in index:
             return unit
         i = index[unit]
-        return f"{prefix}{i + shift if i < depth - EDGE_BLOCKS else i + layers - depth}"
+        return f"{prefix}{i + shift if i < depth - EDGE_BLOCKS * p else i + layers - depth}"
 
-    copies = (layers - 2 * EDGE_BLOCKS) // p
-    roles = _roles([name_of(x) for x in seq], index, depth)
+    copies = (layers - 2 * EDGE_BLOCKS * p) // p
+    roles = _roles([name_of(x) for x in seq], _periods(index, p), depth // p)
     out, i = [], 0
     while i < len(seq):
         if roles[i] != "middle":
@@ -959,26 +977,26 @@ def _repeated(spec, small: StepTrace, depth: int, p: int, **memory) -> StepTrace
                          small.backward_collectives_from, *where)), **memory)
 
 
-def _extended(spec, small: StepTrace, samples: _Samples, depth: int) -> StepTrace | None:
+def _extended(spec, small: StepTrace, samples: _Samples, depth: int, p: int) -> StepTrace | None:
     """A deep model from one trace at ``depth`` blocks: its memory events extended block by block
     (``_extended_events``) and replayed for the peak, each unit's states summed, its ops repeated.
     None where the replay of the trace itself is not the tracker's peak, or the blocks differ."""
     named = _block_index(small.units)
     if named is None or small.memory_events.peak() != {k: v for k, v in small.peak.items() if v}:
         return None
-    index = named[1]
-    events = _extended_events(small.memory_events, samples.event_places, index, depth,
-                              _layers(spec))
+    periods = _periods(named[1], p)
+    copies = (_layers(spec) - 2 * EDGE_BLOCKS * p) // p
+    events = _extended_events(small.memory_events, samples.event_places, periods, depth // p,
+                              copies)
     if events is None:
         return None
-    copies = _layers(spec) - 2 * EDGE_BLOCKS
     states = {k: 0 for k in small.states}
     for unit, held in small.unit_states.items():
         for k in states:
-            states[k] += held[k] * (copies if _role(unit, index, depth) == "middle" else 1)
+            states[k] += held[k] * (copies if _role(unit, periods, depth // p) == "middle" else 1)
     peak = dict.fromkeys(small.peak, 0)  # the tracker's categories, zeros included
     peak.update(events.peak())
-    return _repeated(spec, small, depth, 1, peak=peak, states=states, memory_events=events,
+    return _repeated(spec, small, depth, p, peak=peak, states=states, memory_events=events,
                      traced_layers=(depth,))
 
 
@@ -991,8 +1009,8 @@ def _scale(spec, small: StepTrace, small_samples: _Samples, large: StepTrace,
     if named_small is None or named_large is None:
         return None
     factor = (_layers(spec) - depths[0]) / p
-    peak = _scaled_peak(small_samples, large_samples, named_small[1], named_large[1], depths,
-                        factor)
+    peak = _scaled_peak(small_samples, large_samples, _periods(named_small[1], p),
+                        _periods(named_large[1], p), (depths[0] // p, depths[1] // p), factor)
     if peak is None:
         return None
     states = {k: int(round(small.states[k] + factor * (large.states[k] - small.states[k])))
@@ -1003,11 +1021,12 @@ def _scale(spec, small: StepTrace, small_samples: _Samples, large: StepTrace,
                      reserved_scaled_linearly=True)
 
 
-def _extended_events(events: MemoryEvents, places, index, depth: int, layers: int
+def _extended_events(events: MemoryEvents, places, index, depth: int, copies: int
                      ) -> MemoryEvents | None:
-    """The memory events of the step at ``depth`` blocks extended to ``layers``: the middle
-    block's events (allocations, frees, category changes, the tracker's samples) repeated, once
-    per middle block of the deep model.
+    """The memory events of the step at ``depth`` periods of blocks (``index``: each block's
+    period) extended to a deep model: the middle period's events (allocations, frees, category
+    changes, the tracker's samples) repeated ``copies`` times, once per middle period of the
+    deep model.
 
     Each allocation belongs to the block whose work made it (the root's work between two blocks
     belongs with the block before it) and is known by its rank among that block's allocations, so
@@ -1035,7 +1054,6 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, layers: in
             tagged.append((kind, owner.get(key) if kind == "ref" else None, 0, category, None))
     if not (sizes.get(1) == sizes.get("middle") == sizes.get(-2)):
         return None
-    copies = layers - 2 * EDGE_BLOCKS
 
     def mapped(ident, copy, side):
         """The deep model's name of allocation ``ident`` as seen from ``copy`` of the middle
@@ -1051,12 +1069,6 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, layers: in
             return ident if copy == copies - 1 else ("middle", rank, copy + 1)
         return ident
 
-    first_kind = {}
-    for (_, key, _, _), (kind, ident, _, _, _) in zip(events.step, tagged):
-        if kind == "alloc":
-            first_kind.setdefault(ident, events.kinds.get(key))
-    kinds: dict[Any, str | None] = {}
-
     def emit(out, i, copy, side):
         kind, ident, n, category, previous = tagged[i]
         if kind == "sample":
@@ -1066,7 +1078,6 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, layers: in
                 out.append(("free", mapped(previous, copy, side), 0, category))
             name = ("middle", ident[1], copy) if copy is not None else ident
             out.append(("alloc", name, n, category))
-            kinds.setdefault(name, first_kind.get(ident))
         elif ident is not None:
             out.append((kind, mapped(ident, copy, side), 0, category))
 
@@ -1090,13 +1101,14 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, layers: in
                 emit(step, k, copy, None)
         i = j
     resident, i = [], 0
-    while i < len(events.resident):  # a middle unit's entries: repeated as a group
+    while i < len(events.resident):  # the middle period's entries: repeated as a group
         j = i + 1
         if _role(events.resident[i][0], index, depth) == "middle":
-            while j < len(events.resident) and events.resident[j][0] == events.resident[i][0]:
+            while j < len(events.resident) and _role(events.resident[j][0], index,
+                                                     depth) == "middle":
                 j += 1
             resident += events.resident[i:j] * copies
         else:
             resident.append(events.resident[i])
         i = j
-    return MemoryEvents(resident=resident, step=step, kinds=kinds, device_type=events.device_type)
+    return MemoryEvents(resident=resident, step=step, device_type=events.device_type)
