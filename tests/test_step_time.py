@@ -324,6 +324,13 @@ def test_calibration_twin_measures_saves_and_is_used(tmp_path):
                                       "memory": st.CALIBRATED.memory})
     (tmp_path / "slow.json").write_text(json.dumps(slow))
     assert C.load_efficiencies(tmp_path / "slow.json").matmul == pytest.approx(st.CALIBRATED.matmul / 2)
+    # measured on an H200: the H200 takes it as measured, the other parts by their fraction over it
+    (tmp_path / "h200.json").write_text(json.dumps(dict(slow, gpu="h200")))
+    on_h200 = C.load_efficiencies(tmp_path / "h200.json")
+    h200_tensor = st.CALIBRATED.part("h200")["tensor"]
+    assert on_h200.for_gpu("h200").matmul == pytest.approx(st.CALIBRATED.matmul / 2)
+    assert on_h200.for_gpu("h100").matmul == pytest.approx(st.CALIBRATED.matmul / 2 / h200_tensor)
+    assert on_h200.for_gpu("a100-40gb").attention == st.CALIBRATED.for_gpu("a100-40gb").attention
     kw = dict(model="llama-1b", gpus=8, batch=2, seq=2048)  # GEMM-bound enough to show it
     base = st.estimate_step_time(**kw)
     calibrated = st.estimate_step_time(**kw, efficiencies=C.load_efficiencies(tmp_path / "slow.json"))

@@ -119,4 +119,18 @@ def load_efficiencies(path: str | Path):
     if not all(0 < v <= 1.5 for v in values.values()):
         raise UsageError(f"--calibration {str(path)!r} is not allowed: efficiencies {values} outside "
                          "(0, 1.5]; allowed: a file `fsdp-course plan --calibrate` wrote")
-    return with_efficiencies(CALIBRATED, **values)
+    return with_efficiencies(CALIBRATED, **values, per_gpu=rebased_parts(data.get("gpu")))
+
+
+def rebased_parts(measured_on: str | None) -> dict[str, dict[str, float]]:
+    """``CALIBRATED.per_gpu`` for efficiencies measured on ``measured_on``: that part takes them as
+    measured (its own tensor-core fraction is in the measurement); every other part scales them
+    by its fraction over the measured part's (its other fields as before)."""
+    from utilities.measure.step_time import CALIBRATED, GPUS
+
+    parts = {name: CALIBRATED.part(name) for name in GPUS}
+    base = parts.get(measured_on, {}).get("tensor", 1.0)
+    out = {name: dict(over, tensor=over.get("tensor", 1.0) / base) for name, over in parts.items()}
+    if measured_on in out:
+        out[measured_on] = {}
+    return out

@@ -157,11 +157,15 @@ class Efficiencies:
     per_gpu: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
+    def part(self, name: str) -> dict[str, float]:
+        """``per_gpu``'s entry for part ``name`` (an extrapolated part's: its source part's)."""
+        return dict(self.per_gpu.get(name, self.per_gpu.get(_EXTRAPOLATED_FROM.get(name, ""), {})))
+
     def for_gpu(self, name: str) -> Efficiencies:
         """The efficiencies on one GPU part. ``per_gpu[name]["tensor"]`` scales the tensor-core
         fractions (matmul, attention, fp8_matmul: the clock and power the part sustains against
         the reference H100 SXM's); its other keys replace fields outright."""
-        over = dict(self.per_gpu.get(name, self.per_gpu.get(_EXTRAPOLATED_FROM.get(name, ""), {})))
+        over = self.part(name)
         if not over:
             return self
         t = over.pop("tensor", 1.0)
