@@ -36,6 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from utilities.measure.planner import CUBLAS_HANDLES as WORKSPACES  # noqa: E402
+from utilities.measure.planner import CUBLAS_WORKSPACE_BYTES as CUBLAS_WORKSPACE  # noqa: E402
+
 OUT = Path(__file__).resolve().parent / "results" / "tp_check.json"
 SOURCE_URL = "https://lightning.ai/docs/pytorch/stable/advanced/model_parallel/tp.html"
 SOURCE_FILE = "Lightning-AI/pytorch-lightning: docs/source-pytorch/advanced/model_parallel/tp.rst"
@@ -43,8 +46,6 @@ PUBLISHED_GB = {1: 4.04, 2: 2.03, 4: 1.02, 8: 0.60}
 DIM = HIDDEN = 8192
 BATCH = 8  # RandomDataset(8192, 64) in a DataLoader of batch_size=8
 GB = 10**9  # the docs divide by 1e9
-WORKSPACES = 2  # cuBLAS handles with a workspace: the forward's thread and the autograd thread
-CUBLAS_WORKSPACE = {"sm90": 32 * 2**20, "before_sm90": 8 * 2**20 + 128 * 2**10}
 SETUP = {
     "model": "FeedForward(8192, 8192): w2(silu(w1(x)) * w3(x)), no biases",
     "plan": {"w1": "ColwiseParallel()", "w2": "RowwiseParallel()", "w3": "ColwiseParallel()"},

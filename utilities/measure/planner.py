@@ -59,6 +59,7 @@ CATEGORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "tempor
 # tensors such as the logits and the loss's softmax over the vocabulary; the all-gather and
 # reduce-scatter buffers; module buffers and the inputs).
 TEMPORARY_PARTS = {"temporaries": "autograd temporaries (logits, loss)",
+                   "cublas_workspaces": "cuBLAS workspaces",
                    "all_gather": "all-gather buffers", "reduce_scatter": "reduce-scatter buffers",
                    "buffers": "module buffers", "inputs": "inputs"}
 
@@ -232,9 +233,15 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     offloaded = set()
     if o.offload:
         host, offloaded = _offload(cats, detail, states, step.largest_unit_shard, gpus, o, notes)
+    workspaces = 0
+    if device_type == "cuda":  # a GPU's step: cuBLAS's workspaces, which no tracker sees
+        workspaces, note = cublas_workspaces()
+        cats["total"] += workspaces
+        detail["cublas_workspaces"] = workspaces
+        notes.append(note)
     known = sum(cats[c] for c in ("parameters", "gradients", "optimizer", "activations"))
     cats["temporaries"] = max(0, cats["total"] - known)
-    reserved = _reserved(step, offloaded, cats["total"])
+    reserved = _reserved(step, offloaded, cats["total"], workspaces)
     fits = cats["total"] <= budget and (host is None or host["fits"])
     if o.grad_accum > 1:
         notes.append(f"--grad-accum {o.grad_accum} --accum-sync {o.accum_sync}: two micro-batches "
@@ -290,13 +297,39 @@ def _offload(cats: dict[str, int], detail: dict[str, int], states: dict[str, int
     return host, set(OFFLOADED)
 
 
-def _reserved(step, offloaded: set[str], allocated: int) -> dict[str, int] | None:
-    """The caching allocator's reserved peak for the traced step (``allocator.reserved_peak``)."""
+def _reserved(step, offloaded: set[str], allocated: int, workspaces: int = 0
+              ) -> dict[str, int] | None:
+    """The caching allocator's reserved peak for the traced step (``allocator.reserved_peak``),
+    plus the cuBLAS workspaces (a segment each, allocated once, kept)."""
     r = step.reserved(frozenset(offloaded))
     if r is None:
         return None
+    for k in ("allocated", "reserved", "first_step_reserved"):
+        r[k] += workspaces
     r["tracker_allocated"] = int(allocated)
     return r
+
+
+# torch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG unset: ":4096:8" on sm90 and
+# later, ":4096:2:16:8" before), one handle for the forward's thread and one for autograd's
+CUBLAS_WORKSPACE_BYTES = {"sm90": 4096 * 2**10 * 8, "before_sm90": 4096 * 2**10 * 2 + 16 * 2**10 * 8}
+CUBLAS_HANDLES = 2
+
+
+def cublas_workspaces() -> tuple[int, str]:
+    """Bytes of the cuBLAS workspaces a GPU step allocates through the caching allocator
+    (``max_memory_allocated`` counts them, the memory trackers do not), and the plan's note: this
+    GPU's generation, or Hopper's where there is none here (the planner's default GPU)."""
+    if torch.cuda.is_available():
+        kind = "sm90" if torch.cuda.get_device_capability(0)[0] >= 9 else "before_sm90"
+        where = f"this GPU ({kind})"
+    else:
+        kind, where = "sm90", "Hopper's (no GPU here; the default GPU, an H100)"
+    each = CUBLAS_WORKSPACE_BYTES[kind]
+    return CUBLAS_HANDLES * each, (
+        f"cuBLAS workspaces: {CUBLAS_HANDLES} x {fmt_bytes(each)}, {where}, one for the forward's "
+        "thread and one for autograd's, in temporaries: max_memory_allocated counts them, the "
+        "trackers do not (on an H200 the lessons' measured peaks were the tracker's plus 64 MiB)")
 
 
 # The largest memory of one GPU the planner knows (an H200's); no step needing more can run.
