@@ -320,11 +320,13 @@ def cublas_workspaces() -> tuple[int, str]:
     """Bytes of the cuBLAS workspaces a GPU step allocates through the caching allocator
     (``max_memory_allocated`` counts them, the memory trackers do not), and the plan's note: this
     GPU's generation, or Hopper's where there is none here (the planner's default GPU)."""
+    kind, where = "sm90", "Hopper's (no GPU here; the default GPU, an H100)"
     if torch.cuda.is_available():
-        kind = "sm90" if torch.cuda.get_device_capability(0)[0] >= 9 else "before_sm90"
-        where = f"this GPU ({kind})"
-    else:
-        kind, where = "sm90", "Hopper's (no GPU here; the default GPU, an H100)"
+        try:
+            kind = "sm90" if torch.cuda.get_device_capability(0)[0] >= 9 else "before_sm90"
+            where = f"this GPU ({kind})"
+        except (RuntimeError, AssertionError):  # a CUDA runtime that cannot name its GPU
+            pass
     each = CUBLAS_WORKSPACE_BYTES[kind]
     return CUBLAS_HANDLES * each, (
         f"cuBLAS workspaces: {CUBLAS_HANDLES} x {fmt_bytes(each)}, {where}, one for the forward's "
