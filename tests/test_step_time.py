@@ -331,6 +331,13 @@ def test_calibration_twin_measures_saves_and_is_used(tmp_path):
     assert on_h200.for_gpu("h200").matmul == pytest.approx(st.CALIBRATED.matmul / 2)
     assert on_h200.for_gpu("h100").matmul == pytest.approx(st.CALIBRATED.matmul / 2 / h200_tensor)
     assert on_h200.for_gpu("a100-40gb").attention == st.CALIBRATED.for_gpu("a100-40gb").attention
+    # --calibrate without --gpu names the part from GPU 0 (the CPU twin: the names torch reports)
+    parts = {("NVIDIA H200", 141): "h200", ("NVIDIA H100 80GB HBM3", 79.6): "h100",
+             ("NVIDIA H100", 94.5): "h100-96gb", ("NVIDIA A100-SXM4-80GB", 79.2): "a100-80gb",
+             ("NVIDIA A100-SXM4-40GB", 39.4): "a100-40gb", ("NVIDIA L4", 22.5): "l4",
+             ("NVIDIA GeForce RTX 4090", 24): None}
+    for (name, gib), part in parts.items():
+        assert C.catalogue_part(name, int(gib * 2**30)) == part, name
     kw = dict(model="llama-1b", gpus=8, batch=2, seq=2048)  # GEMM-bound enough to show it
     base = st.estimate_step_time(**kw)
     calibrated = st.estimate_step_time(**kw, efficiencies=C.load_efficiencies(tmp_path / "slow.json"))

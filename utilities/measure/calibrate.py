@@ -83,8 +83,25 @@ def measure(gpu, device: torch.device, sizes: dict[str, int] | None = None) -> d
     }
 
 
+def catalogue_part(device_name: str, memory_bytes: int) -> str | None:
+    """The step-time catalogue's part for a GPU as torch names it (``get_device_name``) with its
+    memory, or None for one the catalogue does not hold (then ``--gpu`` names it)."""
+    name = device_name.upper()
+    if "H200" in name:
+        return "h200"
+    if "H100" in name:
+        return "h100-96gb" if memory_bytes > 90 * 2**30 else "h100"
+    if "A100" in name:
+        return "a100-80gb" if memory_bytes > 60 * 2**30 else "a100-40gb"
+    if name.endswith(" L4") or " L4 " in name:
+        return "l4"
+    return None
+
+
 def calibrate(gpu_name: str | None, out: str | Path, device: torch.device | None = None) -> dict[str, Any]:
-    """Measure on this machine's GPU 0 and save to ``out``; one line without a GPU."""
+    """Measure on this machine's GPU 0 and save to ``out``; one line without a GPU. ``gpu_name``:
+    the catalogue part measured (default: GPU 0's, ``catalogue_part``; an H100's where the
+    catalogue has none)."""
     from utilities.measure.step_time import get_gpu
 
     if device is None:
@@ -93,6 +110,9 @@ def calibrate(gpu_name: str | None, out: str | Path, device: torch.device | None
                              "plan uses the committed efficiencies (benchmarks/results/"
                              "time_model_check.json)")
         device = torch.device("cuda", 0)
+    if gpu_name is None and device.type == "cuda":
+        gpu_name = catalogue_part(torch.cuda.get_device_name(device),
+                                  torch.cuda.get_device_properties(device).total_memory)
     result = measure(get_gpu(gpu_name or "h100"), device)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

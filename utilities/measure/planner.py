@@ -679,8 +679,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="predict the step time with Float8 linears and FP8 all-gathers")
     parser.add_argument("--calibrate", action="store_true",
                         help="on a GPU: measure the time model's efficiencies (a bf16 matmul, "
-                        "attention, a memory-bound op; under a minute) and save them to "
-                        "--calibration (default calibration.json), then stop")
+                        "attention, a memory-bound op; under a minute) on GPU 0 (its part named "
+                        "from the GPU, or --gpu) and save them to --calibration (default "
+                        "calibration.json), then stop")
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="predict with the efficiencies a --calibrate run saved in FILE "
                         "(default: the committed ones, fitted on published figures)")
