@@ -29,7 +29,7 @@ from torch import nn
 
 from utilities import distributed as D
 from utilities.course.catalog import LESSONS
-from utilities.course.gc_at_exit import freeze_what_lives_until_exit
+from utilities.course.gc_at_exit import end_rank_now, freeze_what_lives_until_exit
 from utilities.course.launch import checking_flags
 from utilities.data import ReverseTask, batches, make_loader
 from utilities.errors import (
@@ -202,6 +202,8 @@ class Lesson:
                 print(f"\nresults written to {path}", flush=True)
         finally:
             D.teardown()
+        if exc_type is None:
+            end_rank_now()
         return False
 
     def takeaway_line(self, data: dict[str, Any]) -> str:
