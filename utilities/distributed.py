@@ -354,6 +354,10 @@ def exit_on_error(exc: BaseException) -> None:
     if world_size() > 1:
         sys.stderr.flush()
         sys.stdout.flush()
+        if not is_main():  # torchrun stops every rank once one exits: rank 0's line goes first
+            import time
+
+            time.sleep(1.0)
         os._exit(2)
     teardown()
     raise SystemExit(2)
