@@ -128,13 +128,29 @@ def traced_collectives(layers: int, sequence_parallel: bool, tp: int = 2) -> dic
     return counted
 
 
+def megatron_collectives_per_block(hidden: int, sequence_parallel: bool) -> list[tuple[str, int, str]]:
+    """What Megatron-style TP sends for one block in a bf16 step, as (kind, bytes, phase). The
+    attention and the MLP are each a column-wise split (q/k/v; gate/up) then a row-wise one (o;
+    down): with sequence parallelism forward all-gathers the sequence before the column-wise
+    layers and reduce-scatters the row-wise one's partial sums, twice per block, backward the
+    same kinds again, and each norm's weight gradient (a partial sum over sequence shards) is
+    all-reduced; without it one all-reduce per half in forward and one in backward. Every
+    activation collective moves batch x seq x hidden elements."""
+    stream = BATCH * SEQ * hidden * 2
+    if not sequence_parallel:
+        return [("all_reduce", stream, phase) for phase in ("forward", "backward") for _ in range(2)]
+    halves = [(kind, stream, phase) for phase in ("forward", "backward") for _ in range(2)
+              for kind in ("all_gather", "reduce_scatter")]
+    return halves + [("all_reduce", hidden * 2, "backward")] * 2
+
+
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
 def test_collectives_per_block_are_what_torch_issues(sequence_parallel):
-    """Two blocks minus one block: the collectives one block adds, by phase, kind and bytes, equal
-    ``tp_collectives_per_block``'s list."""
+    """Two blocks minus one block: the collectives one block adds, by phase, kind and bytes, are
+    Megatron's (``megatron_collectives_per_block``)."""
     one, two = traced_collectives(1, sequence_parallel), traced_collectives(2, sequence_parallel)
-    listed = tp_lib.tp_collectives_per_block(get_model_spec(MODEL), 2, BATCH, SEQ, "bf16",
-                                             sequence_parallel)
+    listed = megatron_collectives_per_block(get_model_spec(MODEL).config().hidden_size,
+                                            sequence_parallel)
     for phase in ("forward", "backward"):
         block = two[phase] - one[phase]
         root = one[phase] - block  # the embedding's, the final norm's and the head's
@@ -149,7 +165,7 @@ def test_collectives_per_block_are_what_torch_issues(sequence_parallel):
 ])
 def test_refuses_what_tp_cannot_split_in_one_line(model, tp, words):
     with pytest.raises(UsageError) as e:
-        tp_lib.tp_collectives_per_block(get_model_spec(model), tp, 1, 64)
+        tp_lib.check_tensor_parallel(get_model_spec(model).config(), tp)
     message = str(e.value)
     assert "\n" not in message and "allowed:" in message
     for w in words:

@@ -189,7 +189,6 @@ class EventRecorder:
         # with ``where``: the tracker's category of each event's tensor, and its category changes
         # as ("ref", key, 0) events (what a replay of the tracker's categories needs)
         self.categories: list[str | None] = []
-        self.kinds: dict[int, str] = {}  # key -> the tracker's category when it was allocated
         self.device_type = device_type
         self._orig = tracker._update_snap
         tracker._update_snap = self._update_snap
@@ -206,12 +205,10 @@ class EventRecorder:
                 if name == "REF":
                     self.events.append(("ref", key, 0))
             if name == "ADD":
-                self.kinds.setdefault(key, str(getattr(winfo.reftype, "value", winfo.reftype)))
                 self.events.append(("alloc", key, winfo.size * winfo.element_size))
             elif name == "DEL":
                 self.events.append(("free", key, 0))
             elif name == "SIZE":  # FSDP2 frees and re-allocates by resizing the storage
-                self.kinds.setdefault(key, str(getattr(winfo.reftype, "value", winfo.reftype)))
                 nbytes = winfo.size * winfo.element_size
                 self.events.append(("alloc", key, nbytes) if nbytes else ("free", key, 0))
             elif self.where is not None and name != "REF":  # an update kind this torch adds
@@ -228,7 +225,3 @@ class EventRecorder:
     def release(self) -> None:
         """Let go of the tracker (and with it the model) once the step is recorded."""
         self._orig = None
-
-    def without(self, events: list[tuple[str, int, int]], kinds: set[str]) -> list[tuple[str, int, int]]:
-        """``events`` less those of the allocations whose category is in ``kinds``."""
-        return [e for e in events if self.kinds.get(e[1]) not in kinds]

@@ -19,8 +19,10 @@ For the planner (memory) and the time model:
 * ``shard_2d`` splits and shards a model (real or meta); the planner's fake step
   (``fake_step.prepare`` with ``tp``) builds one on meta, shards it so and materializes it;
 * ``fake_step_peak``: one training step of any ``nn.Module`` under the memory tracker (on a fake
-  process group, ``fake_step.fake_world``, for Lightning's table);
-* ``tp_collectives_per_block``: the activation collectives TP adds to each block, with their bytes.
+  process group, ``fake_step.fake_world``, for Lightning's table).
+
+The collectives TP adds to a step are the ones the fake step records (the time model times them);
+``tests/test_tensor_parallel_plan.py`` checks them against Megatron's mechanism, block by block.
 """
 
 from __future__ import annotations
@@ -244,49 +246,3 @@ def fake_step_peak(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor
                 loss_of(model).backward()
                 optimizer.step()
     return probe.peak
-
-
-# -- what TP sends (for the time model) ------------------------------------------------------------
-
-def tp_collectives_per_block(spec, tp: int, batch: int, seq: int, precision: str = "bf16",
-                             sequence_parallel: bool = True) -> list[tuple[str, int, str]]:
-    """The collectives TP issues on the "tp" mesh for one transformer block in one training step,
-    as ``(kind, bytes, phase)``: ``kind`` "all_gather" / "reduce_scatter" / "all_reduce", ``bytes``
-    the whole tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer),
-    ``phase`` "forward" or "backward". ``batch`` is one TP group's (every rank of it sees the same
-    batch); activations travel in the compute dtype (``precision``'s parameter dtype).
-
-    The mechanism (Megatron-LM's, as ``llama_block_plan`` asks torch for it): the attention and the
-    MLP are each a column-wise split (q/k/v; gate/up) then a row-wise one (o; down). The
-    column-wise layers need the whole input and the row-wise one leaves partial sums:
-
-    * with sequence parallelism the stream between them is split along the sequence, so forward
-      all-gathers the sequence before the column-wise layers and reduce-scatters the partial sums
-      after the row-wise one, twice per block (attention, MLP); backward does the reverse
-      (all-gather of the output gradient into the row-wise layer, reduce-scatter of the partial
-      input gradients of the column-wise ones). The two norms' weights then see a shard of the
-      sequence each, so their gradients are partial sums too: one all-reduce of ``hidden``
-      elements per norm in backward (issued by FSDP2's post-backward in 2-D);
-    * without it the stream is whole on every rank: one all-reduce after each row-wise layer in
-      forward, one of the column-wise layers' summed input gradients in backward.
-
-    Every activation collective moves ``batch * seq * hidden`` elements. The root's (embedding,
-    final norm, LM head) are not a block's and are not listed.
-    """
-    from utilities.precision import get_precision
-
-    check_tensor_parallel(spec.config(), tp, sequence_parallel)
-    hidden = spec.config().hidden_size
-    elem = get_precision(precision).param.itemsize
-    stream = batch * seq * hidden * elem
-    if tp == 1:
-        return []
-    if not sequence_parallel:
-        return [("all_reduce", stream, phase) for phase in ("forward", "backward") for _ in range(2)]
-    # Per half (attention, then MLP): forward gathers then scatters; backward, the half's steps
-    # in reverse, gathers the row-wise layer's output gradient, then scatters the input's.
-    per_half = ("all_gather", "reduce_scatter")
-    forward = [(kind, stream, "forward") for _ in range(2) for kind in per_half]
-    backward = [(kind, stream, "backward") for _ in range(2) for kind in per_half]
-    norms = [("all_reduce", hidden * elem, "backward")] * 2
-    return forward + backward + norms
