@@ -26,10 +26,12 @@ def test_the_plan_names_every_lesson_twice_and_every_gpu_test_and_fits_80_column
     proc = cli_here("evidence", "--plan")
     assert proc.returncode == 0, proc.stderr
     assert all(len(line) <= 80 for line in proc.stdout.splitlines())
-    names = [s.name for s in E.gpu_steps()]
-    assert names[0] == "quick-01" and names.index("quick-14") < names.index("claim-01-wrap")
+    steps = E.gpu_steps()
+    names = [s.name for s in steps]
+    assert names[0] == "claim-01-wrap" and names.index("calibrate") < names.index("quick-01")
     assert {f"quick-{n:02d}" for n in range(1, 15)} | {f"lesson-{n:02d}" for n in range(1, 15)} <= set(names)
-    assert names.index("calibrate") < names.index("lesson-01")  # every quick pass and claim first
+    kinds = [s.kind for s in steps]  # the catalog in order of value: claims ... lessons at GPU size
+    assert kinds == sorted(kinds, key=E.KINDS.index) and E.SMOKE in names
     # every GPU test is some step's: the claims by id, the shared-GPU tests by name
     from gpu_cases import CASES
 
@@ -95,7 +97,7 @@ def test_consecutive_chunks_complete_the_plan_with_nothing_run_twice_one_archive
         assert archive.stat().st_size < E.PACK_LIMIT_BYTES
         with tarfile.open(archive) as tar:
             assert "manifest.json" in tar.getnames()
-        E.unpack(archive, into=here)
+        E.unpack(archive, into=here, known=[s.name for s in steps])
         ran_per_chunk.append(counter.read_text().split() if counter.exists() else [])
         counter.unlink(missing_ok=True)
     # 3-minute estimates in 8-minute chunks: two steps per chunk, then nothing is left
@@ -105,24 +107,83 @@ def test_consecutive_chunks_complete_the_plan_with_nothing_run_twice_one_archive
         "quick-01": "ok", "step-2": "ok", "step-3": "ok", "step-4": "ok", "step-5": "failed"}
     assert manifest.steps["step-5"].error == "error: boom" and len(manifest.chunks) == 4
     assert (here / "quick-01" / "results.json").is_file() and "fine" in (here / "step-2.log").read_text()
-    # the plan now says every step is done and measured
-    versions = {s.name: E.version_of(s) for s in steps}
-    plan = E.format_plan(steps, manifest, versions, 8, "ev")
-    assert "to do" not in plan and "measured" in plan and "0 steps marked" in plan
+    # the plan now says every step is done, each estimate the time it took
+    plan = E.format_plan(steps, manifest, E.Versions.of(steps), 8, "ev")
+    rows = [line for line in plan.splitlines() if line[2:].startswith(("quick-", "step-"))]
+    assert len(rows) == 5 and all(" ok " in r or " failed " in r for r in rows), plan
+    assert not any("*" in r for r in rows) and "0 steps marked" in plan
 
 
 def test_a_stale_or_unavailable_step_is_due_and_estimates_are_the_last_measured_time():
     steps = [E.Step("a", 3.0, ("x",), "a"), E.Step("b", 3.0, ("x",), "b"), E.Step("c", 3.0, ("x",), "c")]
     manifest = E.Manifest(folder="ev", steps={
         "a": E.Record("ok", seconds=30.0, version="v1"), "b": E.Record("ok", seconds=600.0, version="v1")})
-    same = {"a": "v1", "b": "v1", "c": "v1"}
+    same = E.Versions({"a": "v1", "b": "v1", "c": "v1"})
     assert [s.name for s in E.plan_chunk(steps, manifest, same, 8, missing=lambda s: [])] == ["c"]
-    changed = {"a": "v2", "b": "v1", "c": "v1"}  # a's code changed: due again, 0.5 min as measured
-    assert [s.name for s in E.plan_chunk(steps, manifest, changed, 8, missing=lambda s: [])] == ["a", "c"]
+    changed = E.Versions({"a": "v2", "b": "v1", "c": "v1"})  # a's code changed: due, 0.5 min as measured
+    assert [s.name for s in E.plan_chunk(steps, manifest, changed, 8, missing=lambda s: [])] == ["c", "a"]
     assert E.estimate(steps[1], manifest.steps["b"]) == 10.0
-    assert E.state_of(steps[0], manifest, changed, missing=lambda s: []) == "stale"
+    assert E.standing(steps[0], 0, manifest, changed, missing=lambda s: []).state == "stale"
     assert E.plan_chunk(steps, manifest, changed, 8, missing=lambda s: ["torchao"]) == []
-    assert E.state_of(steps[2], manifest, same, missing=lambda s: ["torchao"]) == "needs torchao"
+    needs = E.standing(steps[2], 2, manifest, same, missing=lambda s: ["torchao"])
+    assert needs.state == "needs" and "torchao" in needs.why and not needs.due
+
+
+def _stale_repository():
+    """The catalog's steps with every quick run and the first claims measured at an older version,
+    the rest never measured: the state of a repository after a round of harness changes."""
+    steps = E.gpu_steps()
+    versions = E.Versions.of(steps)
+    manifest = E.Manifest(folder="ev")
+    for i, step in enumerate(s for s in steps if s.kind in ("quick", "claim")):
+        if step.kind == "quick" or step.name < "claim-03":
+            manifest.steps[step.name] = E.Record("ok", 30.0 + i, "old", f"2026-11-{10 + i % 9:02d}T10:00",
+                                                 own="old")
+    return steps, versions, manifest
+
+
+def test_a_loan_measures_what_never_ran_first_claims_and_benchmarks_before_stale_quick_runs(
+        tmp_path, monkeypatch, capsys):
+    steps, versions, manifest = _stale_repository()
+    no_torchao = lambda s: [m for m in s.needs if m == "torchao"]
+    chunk = E.plan_chunk(steps, manifest, versions, 8, missing=no_torchao)
+    assert chunk and all(s.kind in ("claim", "bench") for s in chunk), [s.name for s in chunk]
+    assert sum(E.estimate(s, manifest.steps.get(s.name)) for s in chunk) <= 8
+    never = [s.name for s, due in E.ordered(steps, manifest, versions, no_torchao) if due.tier == 0]
+    assert never[0] == "claim-03-full-state-dict" and never.index("calibrate") < never.index("shared-01")
+    stale = [(s, due) for s, due in E.ordered(steps, manifest, versions, no_torchao) if due.tier == 2]
+    dates = [manifest.steps[s.name].date for s, _ in stale]
+    assert dates == sorted(dates) and {s.kind for s, _ in stale} == {"quick"}  # oldest first
+    assert all(due.tier == 1 for s, due in E.ordered(steps, manifest, versions, no_torchao)
+               if s.name in ("claim-01-wrap", "claim-02-activation-checkpointing"))
+    # the command, the GPU faked as the chunk tests fake it, says the same and why
+    into = tmp_path / "ev"
+    into.mkdir()
+    manifest.write(into / "manifest.json")
+    monkeypatch.setattr(E, "describe_machine", lambda: fake_machine("2026-11-28T10:00:00+00:00"))
+    monkeypatch.setattr(E, "missing_modules", no_torchao)
+    args = E.add_arguments(argparse.ArgumentParser()).parse_args(["--plan", "--into", str(into)])
+    assert E.main(args, gpu_available=lambda: True) == 0
+    out = capsys.readouterr().out
+    marked = [line.split()[1] for line in out.splitlines() if line.startswith("> ")]
+    assert marked == [s.name for s in chunk] and all(len(line) <= 80 for line in out.splitlines())
+    assert "never measured" in out and "stale since 2026-11-10" in out and "code changed (claim)" in out
+
+
+def test_quick_runs_whose_own_files_did_not_change_are_refreshed_by_one_smoke_step():
+    steps = [s for s in E.gpu_steps() if s.kind == "quick" or s.name == E.SMOKE]
+    versions = E.Versions.of(steps)
+    quick = [s for s in steps if s.kind == "quick"]
+    manifest = E.Manifest(folder="ev", steps={
+        s.name: E.Record("ok", 30.0, "old-harness", "2026-11-20", own=versions.own[s.name]) for s in quick})
+    manifest.steps[quick[0].name].own = "its-own-file-changed"
+    chunk = [s.name for s in E.plan_chunk(steps, manifest, versions, 60, missing=lambda s: [])]
+    assert chunk == [E.SMOKE, quick[0].name]  # one smoke step instead of one run per lesson
+    manifest.steps[E.SMOKE] = E.Record("ok", 40.0, versions.full[E.SMOKE], "2026-11-28")
+    states = {s.name: d.state for s, d in E.ordered(steps, manifest, versions, lambda s: [])}
+    assert states[quick[0].name] == "stale" and all(states[s.name] == "refreshed" for s in quick[1:])
+    manifest.steps[E.SMOKE].status = "failed"  # the harness broke: every quick run is due again
+    assert len(E.plan_chunk(steps, manifest, versions, 60, missing=lambda s: [])) == len(quick)
 
 
 def test_a_step_cut_short_ends_with_everything_it_started(tmp_path):
@@ -188,8 +249,9 @@ def _archive(tmp_path, members: dict[str, bytes], link: str | None = None):
 
 @pytest.mark.parametrize("members, link, says", [
     ({"../escape.log": b"x", "manifest.json": b"{}"}, None, "'../escape.log' is not allowed"),
-    ({"manifest.json": b"{}"}, "run01", "'run01' is not allowed"),
-    ({"a.log": b"x"}, None, "no manifest.json"),
+    ({"manifest.json": b"{}"}, "run01", "tar type b'2'"),
+    ({"quick-01.log": b"x"}, None, "no manifest.json"),
+    ({"a.log": b"x", "manifest.json": b"{}"}, None, "'a.log' is not allowed"),
     ({"manifest.json": json.dumps({"schema": 2, "folder": "/etc", "steps": {}}).encode()}, None,
      "folder '/etc' is not allowed"),
 ])
@@ -292,3 +354,140 @@ def test_a_steps_version_is_the_code_it_imports_and_nothing_else(tmp_path, monke
     assert E.version_of(step, tmp_path) == before
     (tmp_path / "pkg" / "used.py").write_text("X = 2\n")
     assert E.version_of(step, tmp_path) != before
+
+
+def _evidence_archive(tmp_path, steps: dict, files: dict[str, bytes], name="e.tar.gz", folder="ev"):
+    """An archive as --pack writes one: a schema-2 manifest with ``steps`` (name -> record fields)
+    and ``files`` (member name -> bytes)."""
+    manifest = {"schema": 2, "folder": folder, "chunks": [], "steps": steps}
+    path = tmp_path / name
+    with tarfile.open(path, "w:gz") as tar:
+        for member, data in {"manifest.json": json.dumps(manifest).encode(), **files}.items():
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _record(date="2026-11-28"):
+    return {"status": "ok", "seconds": 1.0, "version": "v", "date": date}
+
+
+@pytest.mark.parametrize("step", ["/tmp/x", "../../../../lessons", "2026-11-27-nvidia-h200", "..", "a/b"])
+def test_no_step_name_in_an_archive_decides_what_unpack_writes_or_deletes(tmp_path, step):
+    """A step name from the archive's manifest is not a path: only the catalog's step names are
+    taken, so nothing outside the evidence folder is deleted, replaced or copied in."""
+    gpu = tmp_path / "results" / "gpu"
+    committed = gpu / "2026-11-27-nvidia-h200"
+    committed.mkdir(parents=True)
+    (committed / "manifest.json").write_text("kept")
+    (tmp_path / "lessons").mkdir()
+    (tmp_path / "lessons" / "kept.md").write_text("kept")
+    archive = _evidence_archive(tmp_path, {step: _record()}, {})
+    for into in (gpu, gpu / "new"):
+        with pytest.raises(E.UsageError) as error:
+            E.unpack(archive, into=into, root=tmp_path)
+        assert "\n" not in str(error.value)
+    assert (committed / "manifest.json").read_text() == "kept"
+    assert (tmp_path / "lessons" / "kept.md").read_text() == "kept" and not (gpu / "new").exists()
+
+
+def test_unpack_replaces_only_what_its_folder_owns(tmp_path):
+    here = tmp_path / "ev"
+    here.mkdir()
+    user = tmp_path / "users-folder"
+    user.mkdir()
+    (user / "precious.txt").write_text("kept")
+    archive = _evidence_archive(tmp_path, {"quick-01": _record(), "quick-02": _record()},
+                                {"quick-01/results.json": b"{}", "quick-01.log": b"new log",
+                                 "quick-02.log": b"new log"})
+    # a link where a step's folder goes, though the manifest lists the step: refused, nothing moved
+    E.Manifest(folder="ev", steps={"quick-01": E.Record("ok", 1, "v", "2026-11-01")}).write(
+        here / "manifest.json")
+    (here / "quick-01").symlink_to(user, target_is_directory=True)
+    with pytest.raises(E.UsageError, match="in the way"):
+        E.unpack(archive, into=here)
+    assert (user / "precious.txt").read_text() == "kept" and (here / "quick-01").is_symlink()
+    # a file of the user's where a step's log goes, the step not in the folder's manifest: refused
+    (here / "quick-01").unlink()
+    (here / "quick-02.log").write_text("the user's")
+    with pytest.raises(E.UsageError, match="quick-02.log"):
+        E.unpack(archive, into=here)
+    assert (here / "quick-02.log").read_text() == "the user's"
+    # out of the way: merged, the old step folder replaced, no staging folder left behind
+    (here / "quick-02.log").unlink()
+    (here / "quick-01").mkdir()
+    (here / "quick-01" / "old.json").write_text("old")
+    assert E.unpack(archive, into=here)[1] == ["quick-01", "quick-02"]
+    assert sorted(p.name for p in here.iterdir()) == ["manifest.json", "quick-01", "quick-01.log",
+                                                      "quick-02.log"]
+    assert [p.name for p in (here / "quick-01").iterdir()] == ["results.json"]
+    # --into a folder that holds other things and no evidence manifest: refused
+    with pytest.raises(E.UsageError, match="--into"):
+        E.unpack(archive, into=tmp_path)
+
+
+def _raw_tar_gz(path, headers_and_data: list[tuple[bytes, bytes]]):
+    import gzip
+
+    with gzip.open(path, "wb") as raw:
+        for header, data in headers_and_data:
+            raw.write(header + data + bytes(-len(data) % 512))
+        raw.write(bytes(1024))
+    return path
+
+
+def _header(name: str, kind: bytes, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.type = size, kind
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+@pytest.mark.parametrize("case", ["pax-header", "long-name", "many-folders", "file-then-folder",
+                                  "long-member-name", "truncated", "not-gzip", "fifo"])
+def test_unpack_bombs_and_odd_archives_are_refused_in_one_line_within_bounds(tmp_path, case):
+    path = tmp_path / "bomb.tar.gz"
+    if case == "pax-header":  # a 8 MiB pax header: refused from its size, before tarfile reads it
+        _raw_tar_gz(path, [(_header("././@PaxHeader", tarfile.XHDTYPE, 8 * 2**20), b"0" * (8 * 2**20))])
+    elif case == "long-name":
+        _raw_tar_gz(path, [(_header("././@LongLink", tarfile.GNUTYPE_LONGNAME, 2**20), b"a" * 2**20)])
+    elif case == "many-folders":
+        _raw_tar_gz(path, [(_header(f"d{i}", tarfile.DIRTYPE, 0), b"") for i in range(E.MAX_MEMBERS + 1)])
+    elif case == "file-then-folder":
+        path = _evidence_archive(tmp_path, {"quick-01": _record()},
+                                 {"quick-01/a": b"x", "quick-01/a/b": b"y"}, name="bomb.tar.gz")
+    elif case == "long-member-name":
+        path = _evidence_archive(tmp_path, {"quick-01": _record()}, {"quick-01/" + "a" * 300: b"x"},
+                                 name="bomb.tar.gz")
+    elif case == "truncated":
+        good = _evidence_archive(tmp_path, {"quick-01": _record()}, {"quick-01.log": os.urandom(50_000)})
+        path.write_bytes(good.read_bytes()[:30_000])
+    elif case == "not-gzip":
+        path.write_bytes(b"PK\x03\x04 not a tar")
+    elif case == "fifo":
+        _raw_tar_gz(path, [(_header("quick-01.log", tarfile.FIFOTYPE, 0), b"")])
+    began = time.monotonic()
+    proc = cli_here("evidence", "--unpack", str(path), "--into", str(tmp_path / "ev"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ")
+    assert len(proc.stderr) < 600 and time.monotonic() - began < 30
+    assert not (tmp_path / "ev").exists() or not any((tmp_path / "ev").iterdir())
+
+
+@pytest.mark.parametrize("manifest", [
+    {"schema": 2, "folder": "ev", "chunks": "not a list", "steps": {}},
+    {"schema": 2, "folder": "ev", "chunks": [7], "steps": {}},
+    {"schema": 2, "folder": "ev", "chunks": [], "steps": {"quick-01": {**_record(), "date": 20261128}}},
+    {"schema": 2, "folder": "ev", "chunks": [], "steps": {"quick-01": {**_record(), "seconds": "1"}}},
+    {"schema": 2, "folder": "ev", "chunks": [], "steps": {"quick-01": {**_record(), "status": "great"}}},
+    {"schema": 2, "folder": 7, "chunks": [], "steps": {}},
+])
+def test_a_manifest_of_the_wrong_types_is_refused_in_one_line(tmp_path, manifest):
+    path = tmp_path / "e.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        data = json.dumps(manifest).encode()
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(E.UsageError, match="not an evidence manifest"):
+        E.unpack(path, into=tmp_path / "ev")
+    assert not (tmp_path / "ev").exists()

@@ -68,6 +68,16 @@ GPU_TESTS = ("tests/conftest.py", "tests/gpu_cases.py", "tests/test_shared_gpu_c
 # Done: a result for this version. "skipped": every test the step ran skipped itself (the reason is in
 # its log); "too-long": killed after it had a whole chunk to itself.
 DONE = ("ok", "failed", "skipped", "too-long")
+STATUSES = (*DONE, "cut", "unavailable")
+# What a loan learns from a step, most first: a GPU claim, a benchmark (or the calibration), memory
+# on ranks sharing the GPU, the GPU readiness checks, a lesson's quick run, a lesson at its GPU size.
+KINDS = ("claim", "bench", "shared", "readiness", "quick", "lesson")
+# The smoke step: one quick lesson through the current harness; a quick run whose own files did not
+# change since it passed (only a shared harness file did) is refreshed by it.
+SMOKE = "smoke-harness"
+MAX_MEMBERS = 2048  # an archive --pack writes holds a few hundred files
+MAX_HEADER_BYTES = 4096  # a pax header or a GNU long name longer than this is not ours
+MAX_NAME_CHARS = 100
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,7 @@ class Step:
     inputs: tuple[str, ...] = HARNESS
     keep: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
+    kind: str = "claim"  # one of KINDS: what a loan learns from it, most first
 
 
 @dataclass
@@ -100,6 +111,22 @@ class Record:
     returncode: int | None = None
     error: str = ""
     log: str = ""
+    own: str = ""  # the version of the step's own files (``own_version_of``): the harness left out
+
+    @classmethod
+    def from_json(cls, data: object) -> Record:
+        """A record from a manifest's JSON; ``ValueError`` unless every field has its type."""
+        if not isinstance(data, dict) or not set(data) <= set(cls.__dataclass_fields__):
+            raise ValueError("a step's record is not an object of the record's fields")
+        record = cls(**data)
+        texts = (record.version, record.date, record.device, record.error, record.log, record.own)
+        if (record.status not in STATUSES or not all(isinstance(t, str) for t in texts)
+                or isinstance(record.seconds, bool) or not isinstance(record.seconds, (int, float))
+                or not 0 <= record.seconds < 1e9
+                or not (record.returncode is None or type(record.returncode) is int
+                        and abs(record.returncode) < 2**31)):
+            raise ValueError("a step's record has a field of the wrong type")
+        return record
 
 
 @dataclass
@@ -117,8 +144,13 @@ class Manifest:
             data = read_json(path)
             if data.get("schema") != SCHEMA:
                 return None
-            return cls(folder=str(data["folder"]), chunks=list(data.get("chunks", [])),
-                       steps={name: Record(**record) for name, record in data.get("steps", {}).items()})
+            folder, chunks, steps = data["folder"], data.get("chunks", []), data.get("steps", {})
+            if (not isinstance(folder, str) or not isinstance(chunks, list) or not isinstance(steps, dict)
+                    or not all(isinstance(c, dict) and isinstance(c.get("date", ""), str) for c in chunks)
+                    or not all(SAFE_NAME.fullmatch(n) and len(n) <= MAX_NAME_CHARS for n in steps)):
+                raise ValueError("not a manifest")
+            return cls(folder=folder, chunks=chunks,
+                       steps={name: Record.from_json(record) for name, record in steps.items()})
         except (UsageError, ValueError, TypeError, KeyError, AttributeError):
             raise UsageError(f"{str(path)!r} is not allowed: not an evidence manifest; allowed: the "
                              "manifest.json `fsdp-course evidence` writes") from None
@@ -152,54 +184,61 @@ SHARED_GPU_TESTS = {  # step -> pytest node id: lessons 01/06/14's memory on ran
 
 
 def gpu_steps(python: str = sys.executable) -> list[Step]:
-    """The GPU evidence in order of value: one quick pass of every lesson (the failures that would
-    embarrass us), the GPU claims, memory on ranks sharing the GPU, the plain-loop reference and the
-    FSDP2 ratio, the FP8 layer, the calibration, then every lesson at its GPU size for the READMEs."""
+    """The GPU evidence, most valuable first: the GPU claims, the benchmarks and the calibration,
+    memory on ranks sharing the GPU, the readiness checks, the smoke step, every lesson's quick run
+    (the failures that would embarrass us), then every lesson at its GPU size for the READMEs. The
+    order a chunk takes them in is ``ordered``'s: what was never measured first."""
     course = (python, "-m", "utilities")
 
     def lesson_files(*numbers):
         return HARNESS + tuple(f"lessons/{LESSONS[n].folder}/*.py" for n in numbers if n in LESSONS)
 
-    def pytest_step(name, minutes, node, what, lessons=(), extra=(), needs=()):
+    def pytest_step(name, minutes, node, what, lessons=(), extra=(), needs=(), kind="claim"):
         file = node.split("::")[0]
         return Step(name, minutes, (python, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "-p",
                                     "no:cacheprovider", node, *extra, "--junitxml", "{out}/junit.xml"),
-                    what, lesson_files(*lessons) + GPU_TESTS + (file,), needs=needs)
+                    what, lesson_files(*lessons) + GPU_TESTS + (file,), needs=needs, kind=kind)
 
     def bench_files(*lessons):
         return lesson_files(*lessons) + ("benchmarks/run_all.py", "benchmarks/report.py")
 
     ready = [n for n, info in LESSONS.items() if info.ready]
-    quick_minutes = {"02": 0.8, "05": 0.8, "10": 0.8, "13": 1.5}
-    steps = [Step(f"quick-{n}", quick_minutes.get(n, 0.5),
-                  (*course, "run", n, "--quick", "--device", "cuda", "--out", "{scratch}"),
-                  f"lesson {n}'s quick run on the GPU", lesson_files(n), keep=("results.json",))
-             for n in ready]
     smoke = "tests/gpu/test_gpu_smoke.py"
-    steps += [pytest_step(f"claim-{cid}", 1.0, f"{smoke}::test_gpu_claim[{cid}]",
-                          f"GPU claim {cid} (its CPU twin is in the suite)", lessons=(cid[:2],))
-              for cid in claim_ids()]
-    steps.append(pytest_step("gpu-readiness", 0.4, smoke, "Memory_Maximizer and bf16_ready on a real GPU",
-                             extra=("-k", "not test_gpu_claim")))
-    shared = "tests/gpu/test_shared_gpu.py"
-    steps += [pytest_step(name, 1.0, f"{shared}::{node}", f"ranks sharing the GPU: {node.split('[')[0][5:]}",
-                          lessons=(name[7:9],)) for name, node in SHARED_GPU_TESTS.items()]
+    steps = [pytest_step(f"claim-{cid}", 1.0, f"{smoke}::test_gpu_claim[{cid}]",
+                         f"GPU claim {cid} (its CPU twin is in the suite)", lessons=(cid[:2],))
+             for cid in claim_ids()]
     bench = (python, "benchmarks/run_all.py", "--device", "cuda", "--no-report", "--results-dir", "{out}",
              "--work-dir", "{scratch}", "--only")
     steps.append(Step("bench-end-to-end", 4.0, (*bench, "end_to_end"),
                       "the plain-loop reference and FSDP2's ratio to it, MFU",
-                      bench_files("10") + ("benchmarks/end_to_end.py", "benchmarks/reference.py")))
+                      bench_files("10") + ("benchmarks/end_to_end.py", "benchmarks/reference.py"),
+                      kind="bench"))
     steps.append(Step("bench-layer", 1.5, (*bench, "layer"), "one layer: eager, compiled, FP8",
-                      bench_files("13") + ("benchmarks/layer.py",)))
-    steps.append(pytest_step("fp8", 1.5, "tests/gpu/test_fp8_smoke.py", "FP8 + compile (lesson 13)",
-                             lessons=("13",), needs=("torchao",)))
+                      bench_files("13") + ("benchmarks/layer.py",), kind="bench"))
     steps.append(Step("calibrate", 0.5, (*course, "plan", "--calibrate", "--calibration",
                                          "{out}/calibration.json"),
                       "the time model's efficiencies measured on this GPU",
-                      HARNESS + ("utilities/measure/calibrate.py",)))
+                      HARNESS + ("utilities/measure/calibrate.py",), kind="bench"))
     steps.append(Step("bench-memory-maximizer", 2.0, (*bench, "memory_maximizer"),
                       "batch search with and without cudaMalloc retries",
-                      bench_files("05") + ("benchmarks/memory_maximizer.py",)))
+                      bench_files("05") + ("benchmarks/memory_maximizer.py",), kind="bench"))
+    steps.append(pytest_step("fp8", 1.5, "tests/gpu/test_fp8_smoke.py", "FP8 + compile (lesson 13)",
+                             lessons=("13",), needs=("torchao",), kind="bench"))
+    shared = "tests/gpu/test_shared_gpu.py"
+    steps += [pytest_step(name, 1.0, f"{shared}::{node}", f"ranks sharing the GPU: {node.split('[')[0][5:]}",
+                          lessons=(name[7:9],), kind="shared") for name, node in SHARED_GPU_TESTS.items()]
+    steps.append(pytest_step("gpu-readiness", 0.4, smoke, "Memory_Maximizer and bf16_ready on a real GPU",
+                             extra=("-k", "not test_gpu_claim"), kind="readiness"))
+    quick_minutes = {"02": 0.8, "05": 0.8, "10": 0.8, "13": 1.5}
+    steps.append(Step(SMOKE, 0.6, (*course, "run", "01", "--quick", "--device", "cuda", "--out", "{scratch}"),
+                      "lesson 01's quick run through the current harness (refreshes the quick runs "
+                      "whose own files did not change)", lesson_files("01"), keep=("results.json",),
+                      kind="readiness"))
+    steps += [Step(f"quick-{n}", quick_minutes.get(n, 0.5),
+                   (*course, "run", n, "--quick", "--device", "cuda", "--out", "{scratch}"),
+                   f"lesson {n}'s quick run on the GPU", lesson_files(n), keep=("results.json",),
+                   kind="quick")
+              for n in ready]
     long_runs = {"02": "its batch search is long", "05": "its batch search is long",
                  "10": "a full training run is long"}
     full_minutes = {"01": 0.8, "02": 1.0, "03": 0.6, "04": 1.0, "05": 1.0, "06": 0.8, "07": 1.0,
@@ -209,7 +248,8 @@ def gpu_steps(python: str = sys.executable) -> list[Step]:
         note = f" (--quick: {long_runs[n]})" if n in long_runs else ""
         steps.append(Step(f"lesson-{n}", full_minutes.get(n, 1.0),
                           (*course, "run", n, "--device", "cuda", *flags, "--out", "{scratch}"),
-                          f"lesson {n} at its GPU size{note}", lesson_files(n), keep=("results.json",)))
+                          f"lesson {n} at its GPU size{note}", lesson_files(n), keep=("results.json",),
+                          kind="lesson"))
     return steps
 
 
@@ -280,26 +320,60 @@ def code_files(patterns: Iterable[str], root: Path = REPO_ROOT) -> list[Path]:
     return sorted(seen)
 
 
-def version_of(step: Step, root: Path = REPO_ROOT) -> str:
-    """A hash of the content of the files the step runs (``code_files``: sorted paths and bytes)."""
+def _hash_files(paths: Iterable[Path], root: Path) -> str:
     digest = hashlib.sha256()
-    for path in code_files(step.inputs, root):
+    for path in paths:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
+
+
+def version_of(step: Step, root: Path = REPO_ROOT) -> str:
+    """A hash of the content of the files the step runs (``code_files``: sorted paths and bytes)."""
+    return _hash_files(code_files(step.inputs, root), root)
+
+
+def own_version_of(step: Step, root: Path = REPO_ROOT, harness: Iterable[Path] | None = None) -> str:
+    """A hash of the step's own files: those ``version_of`` hashes less the harness's (``HARNESS``
+    and what it imports). Equal to a record's ``own`` when only a shared harness file changed."""
+    harness = set(code_files(HARNESS, root) if harness is None else harness)
+    return _hash_files([p for p in code_files(step.inputs, root) if p not in harness], root)
+
+
+@dataclass(frozen=True)
+class Versions:
+    """Each step's version now (``version_of``) and its own files' (``own_version_of``)."""
+
+    full: dict[str, str]
+    own: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, steps: Iterable[Step], root: Path = REPO_ROOT) -> Versions:
+        steps, harness = list(steps), code_files(HARNESS, root)
+        return cls({s.name: version_of(s, root) for s in steps},
+                   {s.name: own_version_of(s, root, harness) for s in steps})
 
 
 def is_done(record: Record | None, version: str) -> bool:
     return record is not None and record.version == version and record.status in DONE
 
 
+def refreshed(step: Step, manifest: Manifest, versions: Versions) -> bool:
+    """A quick run that passed, whose own files are unchanged since, while the smoke step passed
+    through the current harness: only a shared file changed, and the smoke run shows it still runs."""
+    record, smoke = manifest.steps.get(step.name), manifest.steps.get(SMOKE)
+    return (step.kind == "quick" and record is not None and record.status == "ok" and bool(record.own)
+            and record.own == versions.own.get(step.name) and smoke is not None and smoke.status == "ok"
+            and smoke.version == versions.full.get(SMOKE))
+
+
 def estimate(step: Step, record: Record | None) -> float:
-    """Minutes: what the step took last time it finished (any version), else the H100 estimate; a step
-    cut short took longer than it ran."""
-    if record is None or record.seconds <= 0:
+    """Minutes: what the step took the last time it finished (any version), else the H100 estimate;
+    a step cut short, or stopped after a whole chunk, took longer than it ran."""
+    if record is None:
         return step.minutes
-    if record.status in ("ok", "failed"):
+    if record.status in ("ok", "failed", "skipped"):
         return max(record.seconds / 60, 0.05)
-    if record.status == "cut":
+    if record.status in ("cut", "too-long"):
         return max(step.minutes, record.seconds / 60 * 1.5)
     return step.minutes
 
@@ -308,52 +382,85 @@ def missing_modules(step: Step) -> list[str]:
     return [m for m in step.needs if importlib.util.find_spec(m) is None]
 
 
-def plan_chunk(steps: list[Step], manifest: Manifest, versions: dict[str, str], minutes: float,
+@dataclass(frozen=True)
+class Due:
+    """Where a step stands: its state, whether a chunk should run it, its tier (0: never measured,
+    1: a claim, benchmark or check whose code changed, 2: another stale step), the key it is sorted
+    by within its tier, and why, in a few words."""
+
+    state: str
+    due: bool
+    tier: int = 3
+    key: tuple = ()
+    why: str = ""
+
+
+def standing(step: Step, position: int, manifest: Manifest, versions: Versions,
+             missing: Callable[[Step], list[str]] = missing_modules) -> Due:
+    record = manifest.steps.get(step.name)
+    value = (KINDS.index(step.kind) if step.kind in KINDS else len(KINDS), position)
+    if is_done(record, versions.full[step.name]):
+        return Due(record.status, False, why=f"done {record.date[:10]}".strip())
+    if refreshed(step, manifest, versions):
+        return Due("refreshed", False, why=f"own files same; {SMOKE} ok")
+    if missing(step):
+        return Due("needs", False, why="a machine with " + ", ".join(missing(step)))
+    if record is None or record.status not in DONE:
+        why = "never measured" if record is None else f"never finished ({record.status})"
+        return Due("to do", True, 0, value, why)
+    smoke = manifest.steps.get(SMOKE)
+    smoke_failed = smoke is not None and smoke.version == versions.full.get(SMOKE) and smoke.status != "ok"
+    if (step.kind == "quick" and record.status == "ok" and record.own
+            and record.own == versions.own.get(step.name) and not smoke_failed):
+        return Due("stale", False, why=f"harness only: {SMOKE}")
+    if step.kind in ("claim", "bench", "shared", "readiness"):
+        return Due("stale", True, 1, value, f"code changed ({step.kind})")
+    return Due("stale", True, 2, (record.date, *value), f"stale since {record.date[:10]}")
+
+
+def ordered(steps: list[Step], manifest: Manifest, versions: Versions,
+            missing: Callable[[Step], list[str]] = missing_modules) -> list[tuple[Step, Due]]:
+    """Every step with where it stands, in the order a loan should take them: what was never
+    measured at all (most valuable first), then the claims, benchmarks and checks whose code changed,
+    then the other stale steps, oldest first; then the steps no chunk needs to run."""
+    stands = [(step, standing(step, i, manifest, versions, missing)) for i, step in enumerate(steps)]
+    return sorted(stands, key=lambda sd: (not sd[1].due, sd[1].tier, sd[1].key))
+
+
+def plan_chunk(steps: list[Step], manifest: Manifest, versions: Versions, minutes: float,
                missing: Callable[[Step], list[str]] = missing_modules) -> list[Step]:
-    """The steps this chunk runs: in order of value, each not yet done for its version and runnable
-    here, as long as their estimates add up to at most ``minutes`` (a step too long for what is left
-    is passed over for a shorter one after it)."""
+    """The steps this chunk runs: in ``ordered``'s order, each due and runnable here, as long as their
+    estimates add up to at most ``minutes`` (a step too long for what is left is passed over for a
+    shorter one after it)."""
     chosen, total = [], 0.0
-    for step in steps:
-        record = manifest.steps.get(step.name)
-        if is_done(record, versions[step.name]) or missing(step):
-            continue
-        minutes_needed = estimate(step, record)
-        if total + minutes_needed <= minutes:
+    for step, due in ordered(steps, manifest, versions, missing):
+        minutes_needed = estimate(step, manifest.steps.get(step.name))
+        if due.due and total + minutes_needed <= minutes:
             chosen.append(step)
             total += minutes_needed
     return chosen
 
 
-def state_of(step: Step, manifest: Manifest, versions: dict[str, str],
-             missing: Callable[[Step], list[str]] = missing_modules) -> str:
-    record = manifest.steps.get(step.name)
-    if is_done(record, versions[step.name]):
-        return record.status
-    if missing(step):
-        return "needs " + ", ".join(missing(step))
-    if record is not None and record.status in DONE:
-        return "stale"
-    return "to do"
-
-
-def format_plan(steps: list[Step], manifest: Manifest, versions: dict[str, str], minutes: float,
+def format_plan(steps: list[Step], manifest: Manifest, versions: Versions, minutes: float,
                 folder: str, missing: Callable[[Step], list[str]] = missing_modules) -> str:
-    """The plan in 80 columns: each step's state and minutes, the next chunk marked ``>``."""
+    """The plan in 80 columns, in the order a loan takes the steps: each step's state, minutes and
+    why it stands where it does; the next chunk marked ``>``."""
     nxt = {s.name for s in plan_chunk(steps, manifest, versions, minutes, missing)}
-    lines = [f"evidence folder: {folder}", f"  {'step':<34}{'state':<14}{'min':>5}  source"]
+    lines = [f"evidence folder: {folder}", f"  {'step':<34}{'state':<10}{'min':>5}  why"]
     left = 0.0
-    for step in steps:
+    for step, due in ordered(steps, manifest, versions, missing):
         record = manifest.steps.get(step.name)
-        state = state_of(step, manifest, versions, missing)
         est = estimate(step, record)
-        source = "measured" if record is not None and record.status in ("ok", "failed") else "estimate"
-        if not is_done(record, versions[step.name]):
+        measured = record is not None and record.status in ("ok", "failed", "skipped")
+        if due.due:
             left += est
         mark = ">" if step.name in nxt else " "
-        lines.append(f"{mark} {step.name:<34}{state[:13]:<14}{est:>5.1f}  {source}")
+        lines.append(f"{mark} {step.name:<34}{due.state[:9]:<10}{est:>5.1f}{' ' if measured else '*'} "
+                     f"{due.why[:27]}")
     lines.append(f"next chunk ({minutes:g} min): {len(nxt)} steps marked >; {left:.1f} min of steps "
                  "left in all")
+    lines.append("min: the last run's time (* an H100 estimate). Order: never measured, then the")
+    lines.append("claims and benchmarks whose code changed, then other stale runs, oldest first.")
     return "\n".join(lines)
 
 
@@ -470,7 +577,7 @@ def keep_files(step: Step, scratch: Path, out: Path) -> None:
             path.write_text(scrub(path.read_text(errors="replace"), str(scratch)))
 
 
-def run_chunk(steps: list[Step], folder: Path, manifest: Manifest, versions: dict[str, str],
+def run_chunk(steps: list[Step], folder: Path, manifest: Manifest, versions: Versions,
               minutes: float, machine: dict[str, str], echo: Callable[[str], None] = print,
               after_step: Callable[[], None] = lambda: None, cwd: Path = REPO_ROOT,
               clock: Callable[[], float] = time.monotonic) -> list[str]:
@@ -488,7 +595,8 @@ def run_chunk(steps: list[Step], folder: Path, manifest: Manifest, versions: dic
             continue
         echo(f"[{i}/{len(steps)}] {step.name} (~{needed / 60:.1f} min of {left / 60:.1f} left): {step.what}")
         record = run_step(step, folder, left, whole_chunk=(i == 1 or left >= minutes * 60 * 0.9), cwd=cwd)
-        record.version, record.date, record.device = versions[step.name], machine["date"], machine["device"]
+        record.version, record.own = versions.full[step.name], versions.own[step.name]
+        record.date, record.device = machine["date"], machine["device"]
         manifest.steps[step.name] = record
         chunk["steps"].append(step.name)
         manifest.write(folder / "manifest.json")
@@ -523,78 +631,176 @@ def pack(folder: Path, archive: Path, limit: int = PACK_LIMIT_BYTES) -> int:
         cut = max(4096, (cut or LOG_LIMIT_BYTES) // 4)
 
 
-def _safe_members(tar: tarfile.TarFile, limit: int) -> list[tarfile.TarInfo]:
-    """Plain files at most two folders down, named in letters, digits, '.', '_' and '-', adding up to
-    at most ``limit`` bytes; anything else refuses the archive."""
-    members, total = [], 0
+def _refuse(archive: Path, why: str) -> UsageError:
+    return UsageError(f"--unpack {str(archive)!r} is not allowed: {why}; allowed: a .tar.gz "
+                      "`fsdp-course evidence --pack` wrote")
+
+
+def _tar_number(field: bytes) -> int:
+    """A tar header's size field: octal digits, or base-256 when its first byte has the high bit."""
+    if field[:1] and field[0] & 0x80:
+        return int.from_bytes(field[1:], "big")
+    digits = field.split(b"\0", 1)[0].strip() or b"0"
+    if not re.fullmatch(rb"[0-7]{1,12}", digits):
+        raise ValueError("not a tar header")
+    return int(digits, 8)
+
+
+def scan_archive(archive: Path, limit: int, max_members: int = MAX_MEMBERS) -> None:
+    """Walk the archive's raw tar headers before ``tarfile`` parses any: at most ``max_members``
+    headers of any kind, plain files and folders only (links, devices and FIFOs are refused), a pax
+    header or GNU long name of at most ``MAX_HEADER_BYTES``, at most ``limit`` bytes in all. Its work
+    is bounded by ``limit``; a truncated or corrupt archive is refused in one line."""
+    import gzip
+    import zlib
+
+    allowed_types = {b"0", b"\0", b"5", b"x", b"L"}
+    try:
+        with gzip.open(archive, "rb") as raw:
+            headers = total = 0
+            while True:
+                header = raw.read(512)
+                if len(header) < 512:
+                    raise _refuse(archive, "it ends inside a tar header (truncated)")
+                if header == bytes(512):
+                    return
+                headers += 1
+                if headers > max_members:
+                    raise _refuse(archive, f"it holds more than {max_members:,} members")
+                kind, size = header[156:157], _tar_number(header[124:136])
+                if kind not in allowed_types:
+                    raise _refuse(archive, f"a member of tar type {kind!r} (only plain files and folders)")
+                if kind in (b"x", b"L") and size > MAX_HEADER_BYTES:
+                    raise _refuse(archive, f"a {size:,}-byte extended header or long name")
+                total += size
+                if total > limit:
+                    raise _refuse(archive, f"it holds more than {limit // 2**20} MiB")
+                remaining = -(-size // 512) * 512
+                while remaining:
+                    block = raw.read(min(remaining, 2**20))
+                    if not block:
+                        raise _refuse(archive, "it ends inside a member (truncated)")
+                    remaining -= len(block)
+    except UsageError:
+        raise
+    except (OSError, EOFError, ValueError, zlib.error) as e:
+        raise _refuse(archive, f"{type(e).__name__}: {str(e)[:100]}") from None
+
+
+def _safe_members(tar: tarfile.TarFile, archive: Path, known: set[str]) -> list[tarfile.TarInfo]:
+    """The archive's files, each the manifest, ``STEP.log`` or ``STEP/FILE`` (one folder more at most)
+    for a step of the catalog (``known``), named in letters, digits, '.', '_' and '-', at most
+    ``MAX_NAME_CHARS`` each, no name twice, no file where another needs a folder."""
+    members, names = [], set()
+    allowed = ("allowed: manifest.json, STEP.log and STEP/FILE for a step `fsdp-course evidence --plan` "
+               "lists, named in letters, digits, '.', '_', '-'")
     for member in tar.getmembers():
         parts = member.name.split("/")
         if member.isdir():
             continue
-        if (not member.isfile() or len(parts) > 3 or not all(SAFE_NAME.fullmatch(p) for p in parts)
-                or ".." in parts):
-            raise UsageError(f"--unpack: {member.name!r} is not allowed in an evidence archive; allowed: "
-                             "plain files named in letters, digits, '.', '_', '-', two folders deep")
-        total += member.size
-        if total > limit:
-            raise UsageError(f"--unpack: the archive holds more than {limit // 2**20} MiB; allowed: "
-                             "an archive `fsdp-course evidence --pack` wrote")
+        step = parts[0][:-4] if len(parts) == 1 and parts[0].endswith(".log") else parts[0]
+        if (not member.isfile() or len(parts) > 3 or ".." in parts
+                or not all(SAFE_NAME.fullmatch(p) and len(p) <= MAX_NAME_CHARS for p in parts)
+                or (member.name != "manifest.json" and step not in known)):
+            raise UsageError(f"--unpack: {member.name[:120]!r} is not allowed in an evidence archive; "
+                             f"{allowed}")
+        names.add(member.name)
         members.append(member)
+    for name in names:
+        folders = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
+        if any(folder in names for folder in folders):
+            raise UsageError(f"--unpack: {name[:120]!r} is not allowed in an evidence archive: a file "
+                             "of that name's folder is in it too")
+    if len(names) != len(members):
+        raise UsageError(f"--unpack {str(archive)!r} is not allowed: it holds a name twice")
     return members
 
 
-def unpack(archive: Path, into: Path | None = None, root: Path = REPO_ROOT) -> tuple[Path, list[str]]:
+def _evidence_folder(into: Path) -> Path:
+    """``into`` as a folder an unpack may write: a new or empty folder, or an evidence folder (one
+    holding a manifest ``fsdp-course evidence`` wrote); never a link."""
+    if into.is_symlink() or (into.exists() and not into.is_dir()):
+        raise bad_value("--into", str(into), "a folder (not a link or a file)")
+    if into.is_dir() and any(into.iterdir()) and Manifest.read(into / "manifest.json") is None:
+        raise bad_value("--into", str(into), "a new or empty folder, or an evidence folder (one with "
+                        "the manifest.json `fsdp-course evidence` writes)")
+    return into
+
+
+def unpack(archive: Path, into: Path | None = None, root: Path = REPO_ROOT,
+           known: Iterable[str] | None = None) -> tuple[Path, list[str]]:
     """Merge an archive into its evidence folder (``into``, else the folder its manifest names, which
     must lie under benchmarks/results/gpu): a step's newer record, log and files replace older ones.
-    The folder and the steps taken from the archive."""
+    No name in the archive decides a path: every member must be the manifest or a file of a step of
+    the catalog (``known``, default every ``gpu_steps`` name), it is extracted to a private staging
+    folder first, and only a step folder or log the folder's own manifest lists is replaced (moved
+    into the staging folder, which is then deleted). The folder and the steps taken from the archive."""
+    known = set(known) if known is not None else {s.name for s in gpu_steps()}
+    limit = 8 * PACK_LIMIT_BYTES
+    scan_archive(archive, limit)
     try:
         tar = tarfile.open(archive, "r:gz")
-    except (OSError, tarfile.TarError) as e:
-        raise UsageError(f"--unpack {str(archive)!r} is not allowed: {type(e).__name__}; allowed: a "
-                         ".tar.gz `fsdp-course evidence --pack` wrote") from None
-    with tar:
-        members = {m.name: m for m in _safe_members(tar, 8 * PACK_LIMIT_BYTES)}
-        if "manifest.json" not in members:
-            raise UsageError(f"--unpack {str(archive)!r} is not allowed: no manifest.json in it")
-        with tempfile.TemporaryDirectory() as tmp:
-            for member in members.values():
-                target = Path(tmp, *member.name.split("/"))
+    except (OSError, tarfile.TarError, EOFError) as e:
+        raise _refuse(archive, type(e).__name__) from None
+    with tar, tempfile.TemporaryDirectory(prefix="fsdp-course-unpack-") as tmp:
+        try:
+            members = _safe_members(tar, archive, known)
+            if "manifest.json" not in {m.name for m in members}:
+                raise UsageError(f"--unpack {str(archive)!r} is not allowed: no manifest.json in it")
+            staging = Path(tmp)
+            for member in members:
+                target = staging.joinpath(*member.name.split("/"))
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(tar.extractfile(member).read())
-            incoming = Manifest.read(Path(tmp) / "manifest.json")
-            if incoming is None:
-                raise UsageError(f"--unpack {str(archive)!r} is not allowed: its manifest is not "
-                                 f"schema {SCHEMA}")
-            if into is None:
-                relative = Path(incoming.folder)
-                if (relative.is_absolute() or relative.parent != EVIDENCE_ROOT
-                        or not SAFE_NAME.fullmatch(relative.name)):
-                    raise UsageError(f"--unpack: the archive's folder {incoming.folder!r} is not allowed; "
-                                     f"allowed: {EVIDENCE_ROOT}/NAME (or give --into)")
-                into = root / relative
-            into.mkdir(parents=True, exist_ok=True)
-            current = Manifest.read(into / "manifest.json") or Manifest(folder=incoming.folder)
-            taken = []
-            for name, record in incoming.steps.items():
-                mine = current.steps.get(name)
-                if mine is not None and mine.date > record.date:
-                    continue
-                current.steps[name] = record
-                taken.append(name)
-                for path in (into / f"{name}.log", into / name):
-                    if path.is_dir():
-                        shutil.rmtree(path)
-                    elif path.exists():
-                        path.unlink()
-                for source in (Path(tmp) / f"{name}.log", Path(tmp) / name):
+        except (OSError, tarfile.TarError, EOFError) as e:
+            raise _refuse(archive, type(e).__name__) from None
+        incoming = Manifest.read(staging / "manifest.json")
+        if incoming is None:
+            raise UsageError(f"--unpack {str(archive)!r} is not allowed: its manifest is not schema {SCHEMA}")
+        if into is None:
+            relative = Path(incoming.folder)
+            if (relative.is_absolute() or relative.parent != EVIDENCE_ROOT
+                    or not SAFE_NAME.fullmatch(relative.name)):
+                raise UsageError(f"--unpack: the archive's folder {incoming.folder[:120]!r} is not allowed; "
+                                 f"allowed: {EVIDENCE_ROOT}/NAME (or give --into)")
+            into = root / relative
+        into = _evidence_folder(into)
+        current = Manifest.read(into / "manifest.json") if into.is_dir() else None
+        current = current or Manifest(folder=incoming.folder)
+        unknown = sorted(set(incoming.steps) - known)
+        if unknown:
+            raise UsageError(f"--unpack: step {unknown[0][:120]!r} is not allowed; allowed: a step "
+                             "`fsdp-course evidence --plan` lists")
+        taken = [name for name, record in incoming.steps.items()
+                 if name not in current.steps or current.steps[name].date <= record.date]
+        for name in taken:  # what will be replaced must be the folder's own, before anything moves
+            for path, is_kind in ((into / name, os.path.isdir), (into / f"{name}.log", os.path.isfile)):
+                if os.path.lexists(path) and (name not in current.steps or path.is_symlink()
+                                              or not is_kind(path)):
+                    raise UsageError(f"--unpack: {_relative(path)!r} is in the way and is not this "
+                                     "evidence folder's own; move it away and unpack again")
+        into.mkdir(parents=True, exist_ok=True)
+        replaced = Path(tempfile.mkdtemp(prefix=".unpack-", dir=into))
+        try:
+            for name in taken:
+                current.steps[name] = incoming.steps[name]
+                for leaf in (name, f"{name}.log"):
+                    if os.path.lexists(into / leaf):
+                        os.replace(into / leaf, replaced / leaf)
+                    source = staging / leaf
                     if source.is_dir():
-                        shutil.copytree(source, into / name)
+                        shutil.copytree(source, replaced / f"new-{leaf}")
+                        os.replace(replaced / f"new-{leaf}", into / leaf)
                     elif source.is_file():
-                        shutil.copy2(source, into / source.name)
-            known = {json.dumps(c, sort_keys=True) for c in current.chunks}
-            current.chunks += [c for c in incoming.chunks if json.dumps(c, sort_keys=True) not in known]
+                        shutil.copyfile(source, replaced / f"new-{leaf}")
+                        os.replace(replaced / f"new-{leaf}", into / leaf)
+            known_chunks = {json.dumps(c, sort_keys=True) for c in current.chunks}
+            current.chunks += [c for c in incoming.chunks
+                               if json.dumps(c, sort_keys=True) not in known_chunks]
             current.chunks.sort(key=lambda c: c.get("date", ""))
             current.write(into / "manifest.json")
+        finally:
+            shutil.rmtree(replaced, ignore_errors=True)
     return into, taken
 
 
@@ -751,7 +957,7 @@ def main(args: argparse.Namespace, gpu_available: Callable[[], bool] | None = No
                                                              machine["date"])
     manifest = (Manifest.read(folder / "manifest.json") if folder is not None else None) or Manifest(
         folder=_relative(folder) if folder is not None else "")
-    versions = {s.name: version_of(s) for s in steps}
+    versions = Versions.of(steps)
     if args.redo:
         if not args.only:
             raise UsageError("--redo is not allowed without --only; allowed: --only STEP ... --redo")
@@ -773,7 +979,7 @@ def main(args: argparse.Namespace, gpu_available: Callable[[], bool] | None = No
     if archive:
         size = pack(folder, archive)
         print(f"packed {_relative(folder)} into {archive} ({size / 2**20:.2f} MiB)")
-    left = [s.name for s in steps if not is_done(manifest.steps.get(s.name), versions[s.name])]
+    left = [s.name for s, due in ordered(steps, manifest, versions) if due.due]
     print(f"ran {len(ran)} steps; {len(left)} left for later chunks")
     failed = [n for n in ran if manifest.steps[n].status != "ok"]
     return 1 if failed else 0
