@@ -235,6 +235,9 @@ def quiet_on_interrupt() -> None:
 # Set by the course's launcher (``utilities.course.torchrun``) for the ranks it starts: it names a
 # rank that dies in one line, so the others say nothing of the collective that failed with it.
 LAUNCHER_NAMES_A_LOST_RANK = "FSDP_COURSE_LAUNCHER_NAMES_A_LOST_RANK"
+# Set by the course's torchrun (``utilities.course.torchrun``): a folder it made, where each rank
+# that ends on an error leaves the one line for the launcher to print once.
+LAUNCHER_PRINTS_THE_ERROR = "FSDP_COURSE_ERROR_FOLDER"
 # How a collective fails when another rank's process is gone (gloo's TCP pairs, NCCL)
 LOST_RANK_TEXTS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                    "Socket closed", "remote process exited", "NCCL communicator was aborted")
@@ -349,15 +352,20 @@ def exit_on_error(exc: BaseException) -> None:
     going)."""
     import sys
 
+    folder = os.environ.get(LAUNCHER_PRINTS_THE_ERROR)
+    if world_size() > 1 and folder and os.path.isdir(folder):
+        # torchrun stops every rank as soon as one exits, so rank 0 may not get to print: each rank
+        # leaves the line (the same on every rank) and the launcher prints it once, after all ended
+        with open(os.path.join(folder, f"rank{rank()}.txt"), "w") as f:
+            f.write(str(exc).replace("\n", " "))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     if is_main() or isinstance(exc, LaunchEnvironmentError):
         print(f"error: {exc}", file=sys.stderr, flush=True)
     if world_size() > 1:
         sys.stderr.flush()
         sys.stdout.flush()
-        if not is_main():  # torchrun stops every rank once one exits: rank 0's line goes first
-            import time
-
-            time.sleep(1.0)
         os._exit(2)
     teardown()
     raise SystemExit(2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from typing import NoReturn
 
 from utilities.course.gc_at_exit import skip_final_collections
@@ -28,10 +29,12 @@ def run(argv: list[str]) -> NoReturn:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
-    from utilities.distributed import LAUNCHER_NAMES_A_LOST_RANK
+    from utilities.distributed import LAUNCHER_NAMES_A_LOST_RANK, LAUNCHER_PRINTS_THE_ERROR
 
     skip_final_collections()
     os.environ[LAUNCHER_NAMES_A_LOST_RANK] = "1"  # the ranks inherit it
+    errors = tempfile.TemporaryDirectory(prefix="fsdp-course-errors-")
+    os.environ[LAUNCHER_PRINTS_THE_ERROR] = errors.name
     # torchrun logs each failed rank, and the signal it sends the rest, as it sees them: held back
     # until the outcome is known, and printed unless it is the one line already printed
     held = _HeldBack("failed (exitcode:", "closing signal", "death signal")
@@ -64,6 +67,9 @@ def run(argv: list[str]) -> NoReturn:
         stopped = {2, -signal.SIGTERM, -signal.SIGKILL}
         usage_exit = first.exitcode == 2 and all(f.exitcode in stopped for f in failures)
         if usage_exit:
+            line = _first_error_line(errors.name)
+            if line:
+                print(f"error: {line}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         held.release(loggers)
         print(e, file=sys.stderr, flush=True)
@@ -71,7 +77,17 @@ def run(argv: list[str]) -> NoReturn:
     finally:
         if not usage_exit:
             held.release(loggers)
+        errors.cleanup()
     raise SystemExit(0)
+
+
+def _first_error_line(folder: str) -> str:
+    """The one line the ranks that ended on an error left (``exit_on_error``), lowest rank first."""
+    from pathlib import Path
+
+    for path in sorted(Path(folder).glob("rank*.txt"), key=lambda p: int(p.stem[4:] or 0)):
+        return path.read_text(errors="replace")[:2000]
+    return ""
 
 
 class _HeldBack:
