@@ -55,6 +55,9 @@ class LessonInfo:
     # how a run's sizes read in its README caption, where its variants choose their own steps and
     # batches ("" : the run's steps and batch)
     sizes: str = ""
+    # the ids of the lesson's GPU claims: each a case of tests/gpu_cases.py, run on a GPU by
+    # tests/gpu/test_gpu_smoke.py (an evidence step) and on the CPU by its twin
+    gpu_claims: tuple[str, ...] = ()
 
     @property
     def path(self) -> Path:
@@ -83,27 +86,34 @@ LESSONS: dict[str, LessonInfo] = {
     for info in (
         LessonInfo("01", "01_auto_wrap", "transformer auto-wrap", "auto_wrap.py",
                    one_gpu_nproc=2,
-                   run=Run(steps=12, quick_steps=5, batch_size=4)),
+                   run=Run(steps=12, quick_steps=5, batch_size=4),
+                   gpu_claims=("01-wrap",)),
         LessonInfo("02", "02_activation_checkpointing", "activation checkpointing",
                    "activation_checkpointing.py",
-                   run=Run(steps=10, quick_steps=4, batch_size=8)),
+                   run=Run(steps=10, quick_steps=4, batch_size=8),
+                   gpu_claims=("02-activation-checkpointing",)),
         LessonInfo("03", "03_full_state_dict", "full state dict save/load", "full_state_dict.py",
-                   run=Run(steps=8, quick_steps=3, batch_size=4)),
+                   run=Run(steps=8, quick_steps=3, batch_size=4),
+                   gpu_claims=("03-full-state-dict",)),
         LessonInfo("04", "04_backward_prefetch", "backward prefetch", "backward_prefetch.py",
                    "overlap of communication and compute shows only on GPUs",
-                   run=Run(steps=12, quick_steps=4, batch_size=4)),
+                   run=Run(steps=12, quick_steps=4, batch_size=4),
+                   gpu_claims=("04-prefetch",)),
         LessonInfo("05", "05_memory_maximizer", "memory maximizer (cudaMalloc retries)",
                    "memory_maximizer.py", "cudaMalloc retries exist only on GPUs",
-                   run=Run(steps=5, quick_steps=3, batch_size=1, gpu_batch_size=1)),
+                   run=Run(steps=5, quick_steps=3, batch_size=1, gpu_batch_size=1),
+                   gpu_claims=("05-memory-maximizer",)),
         LessonInfo("06", "06_sharding_strategies", "sharding strategies", "sharding_strategies.py",
                    one_gpu_nproc=2,
                    run=Run(steps=10, quick_steps=4, batch_size=2)),
         LessonInfo("07", "07_mixed_precision", "mixed precision (+ bf16 checker)",
                    "mixed_precision.py", "bf16 speed-ups need a GPU",
-                   run=Run(steps=12, quick_steps=4, batch_size=4)),
+                   run=Run(steps=12, quick_steps=4, batch_size=4),
+                   gpu_claims=("07-mixed-precision",)),
         LessonInfo("08", "08_local_state_dict", "local / sharded state dict (distributed checkpoint)",
                    "sharded_state_dict.py",
-                   run=Run(steps=8, quick_steps=3, batch_size=4)),
+                   run=Run(steps=8, quick_steps=3, batch_size=4),
+                   gpu_claims=("08-distributed-checkpoint",)),
         LessonInfo("09", "09_fine_tuning", "fine-tuning (freezing, child-tuning)", "fine_tuning.py",
                    run=Run(steps=30, quick_steps=6, batch_size=8, gpu_batch_size=8, lr=1e-2)),
         LessonInfo("10", "10_end_to_end", "end-to-end training codebase", "train.py",
@@ -130,7 +140,8 @@ LESSONS: dict[str, LessonInfo] = {
                    sizes="each failure at the steps and batches its row needs to show it"),
         LessonInfo("16", "16_cpu_offload", "CPU offload", "cpu_offload.py",
                    "the GPU memory offload saves and the time its copies cost show only on GPUs",
-                   run=Run(steps=8, quick_steps=4, batch_size=4)),
+                   run=Run(steps=8, quick_steps=4, batch_size=4),
+                   gpu_claims=("16-cpu-offload",)),
     )
 }
 

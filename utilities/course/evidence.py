@@ -164,15 +164,9 @@ class Manifest:
 
 
 # -- the steps, most valuable first ---------------------------------------------------------------
-def claim_ids(path: Path = REPO_ROOT / "tests" / "gpu_cases.py") -> list[str]:
-    """The ids of the GPU claims (``Case("id", ...)`` in tests/gpu_cases.py), read without importing
-    the tests."""
-    ids = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Case" and node.args
-                and isinstance(node.args[0], ast.Constant)):
-            ids.append(node.args[0].value)
-    return ids
+def claim_ids() -> list[str]:
+    """The ids of the GPU claims, from the lesson catalog (each a case of tests/gpu_cases.py)."""
+    return [cid for info in LESSONS.values() for cid in info.gpu_claims]
 
 
 SHARED_GPU_TESTS = {  # step -> pytest node id: lessons 01/06/14's memory on ranks sharing the GPU
