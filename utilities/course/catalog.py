@@ -131,6 +131,11 @@ LESSONS: dict[str, LessonInfo] = {
         LessonInfo("16", "16_cpu_offload", "CPU offload", "cpu_offload.py",
                    "the GPU memory offload saves and the time its copies cost show only on GPUs",
                    run=Run(steps=8, quick_steps=4, batch_size=4)),
+        LessonInfo("17", "17_context_parallel", "context parallelism", "context_parallel.py",
+                   "torch's own context_parallel runs only on GPUs (CUDA SDPA kernels)",
+                   one_gpu_nproc=2,
+                   run=Run(gpu_model="llama-tiny", gpu_batch_size=2, cpu_model="llama-tiny", steps=6,
+                           quick_steps=4, batch_size=2)),
     )
 }
 
