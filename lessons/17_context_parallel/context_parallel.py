@@ -41,8 +41,8 @@ from cp_helpers import (
     TinyLlama,
     attention_inputs,
     endless,
+    largest_difference,
     local_slice,
-    max_abs_diff,
     per_rank,
     reference_attention,
     reverse_batches,
@@ -81,14 +81,16 @@ def ring_pass(tensors: list[torch.Tensor], group: dist.ProcessGroup, counts: dic
     shapes from rank-1 (of ``group``); the bytes sent are added to ``counts[key]``."""
     me, size = dist.get_rank(group), dist.get_world_size(group)
     to, frm = (dist.get_global_rank(group, (me + d) % size) for d in (1, -1))
-    tensors = [t.contiguous() for t in tensors]
+    device = tensors[0].device
+    via_host = device.type != "cpu" and "nccl" not in str(dist.get_backend(group))  # gloo: CPU only
+    tensors = [(t.cpu() if via_host else t).contiguous() for t in tensors]
     received = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, to, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, frm, group) for r in received]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
     counts[key] += sum(t.numel() * t.element_size() for t in tensors)
-    return received
+    return [r.to(device) for r in received]
 
 
 # -- attention on one pair of chunks, and the log-sum-exp merge -----------------------------------
@@ -218,12 +220,15 @@ def torch_context_parallel(q, k, v, dout, mesh: DeviceMesh) -> list[torch.Tensor
     return [out.detach(), ql.grad, kl.grad, vl.grad]
 
 
-def torch_cp_missing(device: torch.device) -> str | None:
+def torch_cp_missing(device: torch.device, dist_info: D.DistInfo) -> str | None:
     """Why torch's context_parallel cannot run here (None: it can)."""
     try:
         from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
     except ImportError:
         return f"torch {torch.__version__} has no torch.distributed.tensor.experimental.context_parallel"
+    if device.type == "cuda" and not dist_info.nccl_on_gpu:
+        return ("torch's context_parallel passes its K/V blocks with NCCL: ranks sharing one GPU "
+                "talk over gloo; run one rank per GPU")
     if device.type != "cuda":
         return ("torch's context_parallel dispatches the CUDA SDPA kernels (flash, efficient, cuDNN); "
                 "on a CPU it fails with 'aten._scaled_dot_product_flash_attention_for_cpu.default "
@@ -238,7 +243,7 @@ TOLERANCE = 1e-5  # fp32: the ring only reorders the softmax's sums
 LOSS_TOLERANCE = 1e-4  # fp32, a few AdamW steps: the same sums in another order, carried on
 HEADS, HEAD_DIM = 4, 32
 NOTES = (
-    f"max_abs_diff_vs_unsplit: largest |difference| over every rank of the output and the gradients "
+    f"max_abs_diff: largest |difference| over every rank of the output and the gradients "
     f"dq, dk, dv (ring and torch-cp) from causal SDPA on the whole sequence (fp32; expected below "
     f"{TOLERANCE:g}); fsdp-cpN: largest |difference| of the losses from the unsplit model trained "
     f"on the same batches (expected below {LOSS_TOLERANCE:g}).",
@@ -275,14 +280,14 @@ def run_attention(lesson: Lesson, name: str, mesh: DeviceMesh) -> dict:
         out = ring_attention(ql, kl, vl, mesh["cp"].get_group(), balanced, counts)
         out.backward(dout[:, :, pos])
         got = [out, ql.grad, kl.grad, vl.grad]
-    row = {"cp_size": world, "dp_size": 1, "layout": "head-tail" if balanced else "contiguous",
-           "max_abs_diff_vs_unsplit": max_abs_diff(got, [t[:, :, pos] for t in reference], device)}
+    row = {"cp": world, "dp": 1, "layout": "head-tail" if balanced else "contiguous",
+           "max_abs_diff": largest_difference(got, [t[:, :, pos] for t in reference], device)}
     if counts is not None:
         blocks = [int(b) for b in per_rank(counts["score_blocks"], device)]
         row.update(score_blocks_per_rank=blocks, score_blocks=" / ".join(map(str, blocks)),
                    forward_sent_bytes=counts["forward_sent_bytes"],
                    backward_sent_bytes=counts["backward_sent_bytes"])
-    lesson.print(f"  {name}: max |diff| vs unsplit {row['max_abs_diff_vs_unsplit']:.1e}"
+    lesson.print(f"  {name}: max |diff| vs unsplit {row['max_abs_diff']:.1e}"
                  + (f", score blocks per rank {row['score_blocks']}" if counts is not None else ""))
     return row
 
@@ -316,9 +321,9 @@ def run_fsdp_cp(lesson: Lesson, name: str, cp: int, mesh: DeviceMesh) -> tuple[T
     lesson.print(f"  {name}: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f} (unsplit "
                  f"{reference_losses[0]:.3f} -> {reference_losses[-1]:.3f}, max |diff| {diff:.1e}), "
                  f"activations per rank {fmt_bytes(stats.peak_memory_bytes.get('activations'))}")
-    return stats, {"cp_size": cp, "dp_size": dp, "layout": "head-tail",
+    return stats, {"cp": cp, "dp": dp, "layout": "head-tail",
                    "tokens_per_rank": seq * lesson.batch_size // cp,
-                   "max_abs_diff_vs_unsplit": diff, "unsplit_losses": reference_losses,
+                   "max_abs_diff": diff, "unsplit_losses": reference_losses,
                    "forward_sent_bytes": counts["forward_sent_bytes"] // calls,
                    "backward_sent_bytes": counts["backward_sent_bytes"] // calls}
 
@@ -336,7 +341,7 @@ def fits(name: str, world: int, seq_len: int) -> str | None:
 def takeaway(results: dict) -> str:
     """The lesson's point, from what the run measured (printed last)."""
     by = {v["name"]: v for v in results["variants"]}
-    worst = max(v["max_abs_diff_vs_unsplit"] for v in results["variants"] if v["name"].startswith("ring"))
+    worst = max(v["max_abs_diff"] for v in results["variants"] if v["name"].startswith("ring"))
     line = f"ring attention computes what unsplit attention does (max |diff| {worst:.1e})"
     if "ring-balanced" in by and "ring-contiguous" in by:
         line += (f"; score blocks per rank {by['ring-contiguous']['score_blocks']} contiguous, "
@@ -344,8 +349,8 @@ def takeaway(results: dict) -> str:
     trained = [v for v in results["variants"] if v["name"].startswith("fsdp-cp")]
     if len(trained) > 1:
         act = " -> ".join(fmt_bytes(v["peak_memory_bytes"]["activations"]) for v in trained)
-        line += (f"; activations per rank {act} over CP {', '.join(str(v['cp_size']) for v in trained)}, "
-                 f"losses within {max(v['max_abs_diff_vs_unsplit'] for v in trained):.1e} of unsplit")
+        line += (f"; activations per rank {act} over CP {', '.join(str(v['cp']) for v in trained)}, "
+                 f"losses within {max(v['max_abs_diff'] for v in trained):.1e} of unsplit")
     return line
 
 
@@ -369,11 +374,11 @@ def main(args: argparse.Namespace) -> None:
         world = lesson.dist.world_size
         lesson.results.run_model("tiny-llama-cp", sum(p.numel() for p in TinyLlama(VOCAB).parameters()))
         lesson.results.setting(heads=HEADS, head_dim=HEAD_DIM)
-        lesson.results.columns("cp_size", "dp_size", "layout", "max_abs_diff_vs_unsplit", "score_blocks",
+        lesson.results.columns("cp", "dp", "max_abs_diff", "score_blocks",
                                "forward_sent_bytes", "backward_sent_bytes", "tokens_per_rank")
         meshes: dict[int, DeviceMesh] = {}
         for name in args.variants:
-            why = fits(name, world, lesson.seq_len) or (torch_cp_missing(lesson.device)
+            why = fits(name, world, lesson.seq_len) or (torch_cp_missing(lesson.device, lesson.dist)
                                                           if name == "torch-cp" else None)
             if why:
                 lesson.results.skipped(name, why)

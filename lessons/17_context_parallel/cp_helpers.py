@@ -5,7 +5,7 @@
   rotary positions come from the caller, so a rank's tokens keep their global positions;
 * ``reverse_batches``: the course's reversal task as global batches, inputs and next-token labels
   shifted before the sequence is split, and each rank's slice of them;
-* ``attention_inputs`` / ``max_abs_diff``: q, k, v and an upstream gradient made alike on every
+* ``attention_inputs`` / ``largest_difference``: q, k, v and an upstream gradient made alike on every
   rank, and the largest difference over every rank;
 * ``per_rank``: one number from each rank, as a list.
 """
@@ -121,7 +121,7 @@ def reference_attention(q, k, v, dout) -> tuple[torch.Tensor, ...]:
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def max_abs_diff(got: list[torch.Tensor], want: list[torch.Tensor], device: torch.device) -> float:
+def largest_difference(got: list[torch.Tensor], want: list[torch.Tensor], device: torch.device) -> float:
     """The largest |difference| of pairs of tensors, over every rank."""
     local = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(got, want))
     return reduce_scalar(local, "max", device)
