@@ -372,7 +372,10 @@ def main(args: argparse.Namespace) -> None:
                 needs_ranks="the sequence split over ranks", notes=NOTES, cpu_note=CPU_NOTE,
                 takeaway=takeaway) as lesson:
         world = lesson.dist.world_size
-        lesson.results.run_model("tiny-llama-cp", sum(p.numel() for p in TinyLlama(VOCAB).parameters()))
+        parameters = sum(p.numel() for p in TinyLlama(VOCAB).parameters())
+        lesson.results.run_model("tiny-llama-cp", parameters)
+        lesson.print(f"trained: tiny-llama-cp ({parameters:,} parameters; cp_helpers.TinyLlama: "
+                     "llama-tiny's width, depth and heads, K/V for every head, its attention the ring)")
         lesson.results.setting(heads=HEADS, head_dim=HEAD_DIM)
         lesson.results.columns("cp", "dp", "max_abs_diff", "score_blocks",
                                "forward_sent_bytes", "backward_sent_bytes", "tokens_per_rank")
