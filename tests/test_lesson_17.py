@@ -155,6 +155,47 @@ def test_torch_context_parallel_says_why_it_cannot_run(monkeypatch):
         torch.device("cuda", 0), nccl)
 
 
+TORCH_CP_ON_CPU = r"""
+import json, sys, torch
+import torch.distributed as dist
+sys.path.insert(0, "lessons/17_context_parallel")
+from context_parallel import cp_mesh, positions, torch_context_parallel
+from cp_helpers import attention_inputs, reference_attention
+
+dist.init_process_group("gloo")
+q, k, v, dout = attention_inputs(2, 4, 64, 32, 0, torch.device("cpu"))
+try:
+    got = torch_context_parallel(q.clone(), k.clone(), v.clone(), dout.clone(), cp_mesh("cpu", 1, 1)["cp"])
+except NotImplementedError as e:
+    print(json.dumps({"error": str(e)}))
+else:
+    pos = positions(64, 0, 1, True)
+    print(json.dumps({"diff": max((a - b[:, :, pos]).abs().max().item()
+                                  for a, b in zip(got, reference_attention(q, k, v, dout)))}))
+dist.destroy_process_group()
+"""
+
+
+def test_torch_context_parallel_as_called_reaches_sdpa_on_a_cpu():
+    """The lesson's call of torch's API, on a CPU ring of one: the buffers are sharded and SDPA is
+    dispatched inside the context, where torch refuses the CPU kernel with the error the skip
+    quotes (a torch that runs it must then equal unsplit attention)."""
+    import torch
+    from conftest import run_ranks
+    from context_parallel import torch_cp_missing
+
+    from utilities.distributed import DistInfo
+
+    if "has no" in torch_cp_missing(torch.device("cpu"), DistInfo(0, 0, 1, torch.device("cpu"), "gloo")):
+        pytest.skip("this torch has no context_parallel")
+    [out] = run_ranks(TORCH_CP_ON_CPU, ranks=1)
+    if "error" in out:
+        assert "_scaled_dot_product_flash_attention_for_cpu" in out["error"], out
+        assert "does not have a sharding strategy registered" in out["error"], out
+    else:
+        assert out["diff"] < TOL, out
+
+
 def test_bad_flags_are_one_line_exit_2():
     assert "ring-balanced" in flag_error("17", "--variants", "ring-sideways")
     assert "llama-tiny" in flag_error("17", "--model", "t5-tiny")
