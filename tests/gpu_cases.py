@@ -154,6 +154,35 @@ def _offload_gpu(r: dict) -> None:
     assert variant(r, "fsdp2-offload")["pinned"] is True
 
 
+# -- 17: context parallelism computes unsplit attention; torch's own API on a GPU ----------------
+CP_VARIANTS = ("ring-contiguous", "ring-balanced", "torch-cp", "fsdp-cp1", "fsdp-cp2")
+CP_TOLERANCE = 1e-5  # fp32, the lesson's ring against SDPA on the whole sequence
+TORCH_CP_TOLERANCE = 1e-4  # fp32, torch's ring over CUDA's memory-efficient SDPA kernel
+
+
+def _context_parallel(r: dict) -> None:
+    every_variant_released(r)
+    ran = {v["name"]: v for v in r["variants"]}
+    for name in ("ring-contiguous", "ring-balanced"):
+        assert ran[name]["max_abs_diff"] < CP_TOLERANCE, (name, ran[name]["max_abs_diff"])
+    balanced = ran["ring-balanced"]["score_blocks_per_rank"]
+    assert len(set(balanced)) == 1 and sum(balanced) == sum(ran["ring-contiguous"]["score_blocks_per_rank"])
+    trained = [v for v in r["variants"] if v["name"].startswith("fsdp-cp")]
+    assert trained
+    for v in trained:
+        assert v["losses"] == pytest.approx(v["unsplit_losses"], abs=1e-4), v["name"]
+    if len(trained) > 1:
+        acts = [v["peak_memory_bytes"]["activations"] for v in trained]
+        assert acts == sorted(acts, reverse=True) and acts[-1] < acts[0], acts
+
+
+def _context_parallel_gpu(r: dict) -> None:
+    assert "torch-cp" not in (r.get("skipped") or {}), r.get("skipped")
+    torch_cp = variant(r, "torch-cp")
+    print(f"torch's context_parallel on {r['world_size']} rank(s): max |diff| {torch_cp['max_abs_diff']:.1e}")
+    assert torch_cp["max_abs_diff"] < TORCH_CP_TOLERANCE
+
+
 CASES = [
     Case("01-wrap", "01", ("--variants", "fsdp2-one-unit,fsdp2-per-block,fsdp1-one-unit,"
                                          "fsdp1-per-block", "--steps", "4"), _wrap),
@@ -170,4 +199,8 @@ CASES = [
     Case("08-distributed-checkpoint", "08", (), _dcp, gpu_quick=True),
     Case("16-cpu-offload", "16", ("--variants", ",".join(OFFLOAD_VARIANTS), "--steps", "4"),
          _offload, _offload_gpu),
+    # on one GPU: one rank (a ring of one: torch's API and its kernels, against SDPA); the 2-GPU
+    # ring is tests/gpu/test_context_parallel.py
+    Case("17-context-parallel", "17", ("--variants", ",".join(CP_VARIANTS), "--steps", "4"),
+         _context_parallel, _context_parallel_gpu, gpu_quick=True),
 ]

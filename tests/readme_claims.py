@@ -52,6 +52,9 @@ CLAIMS: dict[str, Callable[[Row], dict[str, Any]]] = {
     "16": _picked("parameters_on", "gradients_on", "optimizer_on", "pinned", "sharded_bytes",
                   "to_device_copies", "to_device_bytes", "to_device_moved_bytes", "to_host_copies",
                   "to_host_bytes", "to_host_moved_bytes"),
+    # the work per rank and the bytes the ring sends are fixed by the shapes and the layout
+    "17": _picked("cp", "dp", "score_blocks_per_rank", "forward_sent_bytes", "backward_sent_bytes",
+                  "tokens_per_rank"),
 }
 PEAK_PARTS = ("total_without_all_gather", "parameters", "optimizer", "activations")
 # The parts of the peak a lesson's quick run reproduces of its committed run (default: all of

@@ -69,7 +69,7 @@ def launched(monkeypatch):
 def test_one_gpu_default_runs_memory_lessons_on_two_ranks(number):
     info = get_lesson(number)
     plan = C.decide_launch(info, "cuda", None, gpus=1)
-    if number in ("01", "06", "11", "14", "15"):
+    if number in ("01", "06", "11", "14", "15", "17"):
         assert info.memory_lesson and plan.nproc == 2 and plan.ranks_per_gpu == 2
         assert plan.backend == "cpu:gloo,cuda:gloo" and plan.shared
         assert "NCCL refuses two ranks on one device" in plan.first_line()

@@ -5,7 +5,8 @@ is per-rank memory (what sharding saves) teaches nothing at world size 1, where 
 nothing: it runs 2 ranks sharing the GPU (``utilities.distributed``: gloo, host-staged
 collectives, true per-rank allocator figures). Lessons 01 (unsharded parameters at the peak), 06
 (bytes per rank vs theory), 11 (``limit_all_gathers``: with one rank FSDP1 runs NO_SHARD and has no
-all-gather to limit) and 14 (the planner at N ranks) need ranks to shard over. The others keep 1
+all-gather to limit), 14 (the planner at N ranks) and 17 (the sequence split over ranks) need ranks
+to shard over. The others keep 1
 rank: 02's activations are per-rank batch memory that sharding does not change (and its
 batch search to the edge of memory needs the GPU to itself), and the rest measure time, numerics
 or state that one rank shows as well.
@@ -142,6 +143,12 @@ LESSONS: dict[str, LessonInfo] = {
                    "the GPU memory offload saves and the time its copies cost show only on GPUs",
                    run=Run(steps=8, quick_steps=4, batch_size=4),
                    gpu_claims=("16-cpu-offload",)),
+        LessonInfo("17", "17_context_parallel", "context parallelism", "context_parallel.py",
+                   "torch's own context_parallel runs only on GPUs (CUDA SDPA kernels)",
+                   one_gpu_nproc=2,
+                   run=Run(gpu_model="llama-tiny", gpu_batch_size=2, cpu_model="llama-tiny", steps=6,
+                           quick_steps=4, batch_size=2),
+                   gpu_claims=("17-context-parallel",)),
     )
 }
 

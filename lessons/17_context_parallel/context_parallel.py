@@ -1,0 +1,403 @@
+"""Lesson 17: context parallelism (CP): the sequence split over ranks, attention passed around a ring.
+
+FSDP shards the weights, TP the matrices; what grows with a long sequence is the activations, and
+every token's activations live on one rank unless the sequence itself is split. CP gives each of N
+ranks 1/N of every sequence. Everything but attention works token by token, so it runs on the
+local tokens unchanged; attention needs every earlier key and value. Ring attention passes the K/V
+blocks around the ring of CP ranks: at each of N steps a rank attends its queries to the block it
+holds, sends that block on and receives the next, and merges the partial results by their
+log-sum-exp (softmax over the whole row, computed in pieces). Backward passes the blocks round
+again, each with the gradient of its K and V, which arrive home after the last step.
+
+Causal attention makes rank 0's queries (the sequence's start) see almost nothing and the last
+rank's see everything: split the sequence into 2N chunks and give rank i chunks i and 2N-1-i, and
+every rank computes the same number of score blocks.
+
+    ring-contiguous   the lesson's ring, rank i holding chunks 2i, 2i+1 (CP over every rank)
+    ring-balanced     the same ring, rank i holding chunks i and 2N-1-i
+    torch-cp          torch's own context_parallel (CUDA SDPA kernels: a GPU only)
+    fsdp-cpN          a tiny Llama trained with FSDP2 over the (dp, cp) ranks, CP over N of them,
+                      against the unsplit model trained on the same batches
+
+Run: fsdp-course run 17 [--quick]   or   torchrun --nproc-per-node 2 context_parallel.py --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
+
+from cp_helpers import (
+    TinyLlama,
+    attention_inputs,
+    endless,
+    largest_difference,
+    local_slice,
+    per_rank,
+    reference_attention,
+    reverse_batches,
+    token_loss_sum,
+    train_unsplit,
+)
+
+from utilities import distributed as D
+from utilities.course.lesson import Lesson, lesson_parser
+from utilities.data import ByteTokenizer
+from utilities.distributed import world_mesh
+from utilities.measure import fmt_bytes
+from utilities.training import TrainStats, train
+
+VOCAB = ByteTokenizer.vocab_size  # the reversal task's tokens
+
+
+# -- which tokens a rank holds ----------------------------------------------------------------------
+def rank_chunks(rank: int, cp: int, balanced: bool) -> tuple[int, int]:
+    """The two of the sequence's 2*cp equal chunks rank ``rank`` holds: i and 2N-1-i when
+    ``balanced`` (a causal row's work grows with its position: a head and a tail even it out),
+    else 2i and 2i+1 (contiguous)."""
+    return (rank, 2 * cp - 1 - rank) if balanced else (2 * rank, 2 * rank + 1)
+
+
+def positions(seq_len: int, rank: int, cp: int, balanced: bool) -> torch.Tensor:
+    """The global positions of the tokens rank ``rank`` holds (its slice of every sequence)."""
+    size = seq_len // (2 * cp)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in rank_chunks(rank, cp, balanced)])
+
+
+# -- the ring: send what you hold to the next rank, receive the previous rank's ------------------
+def ring_pass(tensors: list[torch.Tensor], group: dist.ProcessGroup, counts: dict,
+              key: str) -> list[torch.Tensor]:
+    """Point-to-point, no collective: every rank sends ``tensors`` to rank+1 and receives the same
+    shapes from rank-1 (of ``group``); the bytes sent are added to ``counts[key]``."""
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    to, frm = (dist.get_global_rank(group, (me + d) % size) for d in (1, -1))
+    device = tensors[0].device
+    via_host = device.type != "cpu" and "nccl" not in str(dist.get_backend(group))  # gloo: CPU only
+    tensors = [(t.cpu() if via_host else t).contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, to, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, frm, group) for r in received]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    counts[key] += sum(t.numel() * t.element_size() for t in tensors)
+    return [r.to(device) for r in received]
+
+
+# -- attention on one pair of chunks, and the log-sum-exp merge -----------------------------------
+def block_scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool, scale: float) -> torch.Tensor:
+    """q @ k^T for one (query chunk, key chunk) pair; on the diagonal, causal inside the chunk."""
+    s = (q @ k.transpose(-2, -1)) * scale
+    if diagonal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return s
+
+
+def merge(out, lse, block_out, block_lse):
+    """Two softmax-weighted partial results over disjoint keys, as one over all of them: each is
+    reweighted by its share of the row's total exp-sum, exp(its lse - the joint lse)."""
+    joint = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - joint) + block_out * torch.exp(block_lse - joint), joint
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over every rank's keys and values: q, k, v are
+    (batch, heads, local tokens, head dim), the local tokens being chunks ``rank_chunks(rank)``.
+    ``counts`` receives the score blocks computed and the bytes sent, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, balanced: bool, counts: dict):
+        me, n = dist.get_rank(group), dist.get_world_size(group)
+        scale = q.shape[-1] ** -0.5
+        outs = [torch.zeros_like(qa) for qa in q.chunk(2, 2)]
+        lses = [torch.full_like(qa[..., :1], float("-inf")) for qa in q.chunk(2, 2)]
+        kv = [k, v]
+        for step in range(n):  # at step s this rank holds rank (me - s)'s K/V
+            ks, vs = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
+            for a, b, diagonal in pairs(me, (me - step) % n, n, balanced):
+                s = block_scores(q.chunk(2, 2)[a], ks[b], diagonal, scale)
+                lse = torch.logsumexp(s, -1, keepdim=True)
+                outs[a], lses[a] = merge(outs[a], lses[a], torch.exp(s - lse) @ vs[b], lse)
+                counts["score_blocks"] += 1
+            if step < n - 1:
+                kv = ring_pass(kv, group, counts, "forward_sent_bytes")
+        out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.balanced, ctx.counts = group, balanced, counts
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        """The same ring again, each K/V block travelling with its gradient: with P = exp(S - lse),
+        dV += P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ += dS K, dK += dS^T Q (times the
+        scale). After the last step the gradients are one hop from home: one more pass."""
+        q, k, v, out, lse = ctx.saved_tensors
+        group, counts = ctx.group, ctx.counts
+        me, n = dist.get_rank(group), dist.get_world_size(group)
+        scale = q.shape[-1] ** -0.5
+        dq = torch.zeros_like(q)
+        qs, dos, dqs, lses = q.chunk(2, 2), dout.chunk(2, 2), dq.chunk(2, 2), lse.chunk(2, 2)
+        deltas = (dout * out).sum(-1, keepdim=True).chunk(2, 2)
+        held = [k, v, torch.zeros_like(k), torch.zeros_like(v)]  # K, V, dK, dV of rank (me - s)
+        for step in range(n):
+            ks, vs, dks, dvs = (t.chunk(2, 2) for t in held)  # views: add_ lands in held's dK, dV
+            for a, b, diagonal in pairs(me, (me - step) % n, n, ctx.balanced):
+                p = torch.exp(block_scores(qs[a], ks[b], diagonal, scale) - lses[a])
+                dvs[b].add_(p.transpose(-2, -1) @ dos[a])
+                ds = p * (dos[a] @ vs[b].transpose(-2, -1) - deltas[a])
+                dqs[a].add_(ds @ ks[b], alpha=scale)
+                dks[b].add_(ds.transpose(-2, -1) @ qs[a], alpha=scale)
+            if n > 1:
+                held = ring_pass(held if step < n - 1 else held[2:], group, counts, "backward_sent_bytes")
+        dk, dv = held[-2:]
+        return dq, dk, dv, None, None, None
+
+
+def pairs(q_rank: int, kv_rank: int, cp: int, balanced: bool):
+    """The (query chunk, key chunk, on the diagonal) index pairs with anything to compute: a key
+    chunk later in the sequence than the query chunk is masked whole, and skipped."""
+    for a, qa in enumerate(rank_chunks(q_rank, cp, balanced)):
+        for b, kb in enumerate(rank_chunks(kv_rank, cp, balanced)):
+            if kb <= qa:
+                yield a, b, kb == qa
+
+
+def ring_attention(q, k, v, group, balanced: bool = True, counts: dict | None = None) -> torch.Tensor:
+    """``RingAttention`` as a function (what a model's attention calls instead of SDPA)."""
+    counts = counts if counts is not None else new_counts()
+    return RingAttention.apply(q, k, v, group, balanced, counts)
+
+
+def new_counts() -> dict:
+    return {"score_blocks": 0, "forward_sent_bytes": 0, "backward_sent_bytes": 0}
+
+
+# -- FSDP composed with CP, as torchtitan does it ----------------------------------------------------
+def cp_mesh(device_type: str, dp: int, cp: int) -> DeviceMesh:
+    """dp groups of cp ranks: the ring inside a group (neighbouring ranks), data across groups."""
+    return init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+
+
+def apply_fsdp(model: TinyLlama, fsdp_mesh: DeviceMesh) -> TinyLlama:
+    """FSDP2 over every rank of the (dp, cp) mesh, flattened: CP ranks hold different tokens of the
+    same sequences, so like data-parallel ranks their gradients are averaged, and they can shard the
+    weights too (torchtitan's ``dp_shard_cp``). With no other mesh dimension, dp x cp flattened is
+    the world, ``world_mesh()``."""
+    for block in model.layers:
+        fully_shard(block, mesh=fsdp_mesh)
+    return fully_shard(model, mesh=fsdp_mesh)
+
+
+def use_ring(model: TinyLlama, mesh: DeviceMesh, counts: dict) -> TinyLlama:
+    """Every attention of ``model`` becomes the balanced ring over ``mesh["cp"]``; the caller feeds
+    each rank its chunks' tokens and their global positions (``positions(..., balanced=True)``)."""
+    group = mesh["cp"].get_group()
+    model.attend = lambda q, k, v: ring_attention(q, k, v, group, balanced=True, counts=counts)
+    return model
+
+
+# -- torch's own context parallelism (CUDA SDPA kernels) --------------------------------------------
+def torch_context_parallel(q, k, v, dout, mesh: DeviceMesh) -> list[torch.Tensor]:
+    """torch's ``context_parallel`` as a user calls it: inside the context the listed buffers are
+    sharded in place along the sequence (dim 2; causal: head-tail balanced, rank i holding chunks i
+    and 2N-1-i), and SDPA runs as ring attention on each rank's shard. Returns this rank's output
+    and gradients (dq, dk, dv)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
+        ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
+        out.backward(dout.clone())
+    return [out.detach(), ql.grad, kl.grad, vl.grad]
+
+
+def torch_cp_missing(device: torch.device, dist_info: D.DistInfo) -> str | None:
+    """Why torch's context_parallel cannot run here (None: it can)."""
+    try:
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.distributed.tensor.experimental.context_parallel"
+    if device.type == "cuda" and not dist_info.nccl_on_gpu:
+        return ("torch's context_parallel passes its K/V blocks with NCCL: ranks sharing one GPU "
+                "talk over gloo; run one rank per GPU")
+    if device.type != "cuda":
+        return ("torch's context_parallel dispatches the CUDA SDPA kernels (flash, efficient, cuDNN); "
+                "on a CPU it fails with 'aten._scaled_dot_product_flash_attention_for_cpu.default "
+                "does not have a sharding strategy registered': the lesson's ring shows the same "
+                "algorithm here")
+    return None
+
+
+# -- the lesson's variants ----------------------------------------------------------------------------
+VARIANTS = ("ring-contiguous", "ring-balanced", "torch-cp", "fsdp-cp1", "fsdp-cp2", "fsdp-cp4")
+TOLERANCE = 1e-5  # fp32: the ring only reorders the softmax's sums
+LOSS_TOLERANCE = 1e-4  # fp32, a few AdamW steps: the same sums in another order, carried on
+HEADS, HEAD_DIM = 4, 32
+NOTES = (
+    f"max_abs_diff: largest |difference| over every rank of the output and the gradients "
+    f"dq, dk, dv (ring and torch-cp) from causal SDPA on the whole sequence (fp32; expected below "
+    f"{TOLERANCE:g}); fsdp-cpN: largest |difference| of the losses from the unsplit model trained "
+    f"on the same batches (expected below {LOSS_TOLERANCE:g}).",
+    "score blocks: (query chunk, key chunk) products computed, per rank, one attention call; a key "
+    "chunk wholly after the query chunk is masked and skipped. sent: bytes each rank sends per "
+    "attention layer (one call; fsdp-cpN: averaged over its layers and steps).",
+    "fsdp-cpN: FSDP2 over all the ranks (dp x cp flattened), the ring over N of them; the batch per "
+    "data-parallel group is fixed, so a rank holds 1/N of its tokens' activations.",
+)
+CPU_NOTE = ("CPU run: memory from torch.distributed._tools trackers; gloo's point-to-point sends "
+            "and the ring's Python loop make step times only indicative.")
+
+
+def cp_of(name: str, world: int) -> int:
+    """The CP size of a variant: fsdp-cpN's N, the whole world for the attention checks."""
+    return int(name.removeprefix("fsdp-cp")) if name.startswith("fsdp-cp") else world
+
+
+def run_attention(lesson: Lesson, name: str, mesh: DeviceMesh) -> dict:
+    """One attention call split over every rank against SDPA on the whole sequence: the output and
+    the gradients of q, k, v on this rank's tokens, the work per rank, the bytes sent."""
+    world, rank, device = lesson.dist.world_size, lesson.dist.rank, lesson.device
+    q, k, v, dout = attention_inputs(lesson.batch_size, HEADS, lesson.seq_len, HEAD_DIM, lesson.args.seed,
+                                     device)
+    reference = reference_attention(q, k, v, dout)
+    balanced = name != "ring-contiguous"
+    pos = positions(lesson.seq_len, rank, world, balanced).to(device)
+    if name == "torch-cp":
+        got = torch_context_parallel(q.clone(), k.clone(), v.clone(), dout.clone(), mesh["cp"])
+        counts = None
+    else:
+        counts = new_counts()
+        ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+        out = ring_attention(ql, kl, vl, mesh["cp"].get_group(), balanced, counts)
+        out.backward(dout[:, :, pos])
+        got = [out, ql.grad, kl.grad, vl.grad]
+    row = {"cp": world, "dp": 1, "layout": "head-tail" if balanced else "contiguous",
+           "max_abs_diff": largest_difference(got, [t[:, :, pos] for t in reference], device)}
+    if counts is not None:
+        blocks = [int(b) for b in per_rank(counts["score_blocks"], device)]
+        row.update(score_blocks_per_rank=blocks, score_blocks=" / ".join(map(str, blocks)),
+                   forward_sent_bytes=counts["forward_sent_bytes"],
+                   backward_sent_bytes=counts["backward_sent_bytes"])
+    lesson.print(f"  {name}: max |diff| vs unsplit {row['max_abs_diff']:.1e}"
+                 + (f", score blocks per rank {row['score_blocks']}" if counts is not None else ""))
+    return row
+
+
+def run_fsdp_cp(lesson: Lesson, name: str, cp: int, mesh: DeviceMesh) -> tuple[TrainStats, dict]:
+    """A tiny Llama trained with FSDP2 over every rank and the ring over ``cp`` of them, beside the
+    same model unsplit on this rank alone, on the same global batches."""
+    world, device, seq = lesson.dist.world_size, lesson.device, lesson.seq_len
+    dp = world // cp
+    lesson.seed()
+    model = lesson.materialize(TinyLlama(VOCAB).to(device))
+    reference = lesson.materialize(copy.deepcopy(model))
+    batches = reverse_batches(seq, dp * lesson.batch_size, lesson.steps, lesson.args.seed, device)
+    reference_losses = train_unsplit(reference, batches, lesson.lr)
+    del reference
+    counts = new_counts()
+    use_ring(apply_fsdp(model, world_mesh()), mesh, counts)
+    dp_rank = mesh["dp"].get_local_rank()
+    rows = slice(dp_rank * lesson.batch_size, (dp_rank + 1) * lesson.batch_size)
+    local = [local_slice(b, rows, positions(seq, mesh["cp"].get_local_rank(), cp, True)) for b in batches]
+
+    def step(model, batch):  # FSDP averages gradients over the world: scale the sum to the global mean
+        loss = token_loss_sum(model, batch) * world / batch["labelled"]
+        loss.backward()
+        return loss
+
+    stats = train(model, lesson.optimizer(model), endless(local), lesson.steps, device, step_fn=step,
+                  progress=name)
+    diff = max(abs(a - b) for a, b in zip(stats.losses, reference_losses))
+    calls = len(model.layers) * lesson.steps
+    lesson.print(f"  {name}: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f} (unsplit "
+                 f"{reference_losses[0]:.3f} -> {reference_losses[-1]:.3f}, max |diff| {diff:.1e}), "
+                 f"activations per rank {fmt_bytes(stats.peak_memory_bytes.get('activations'))}")
+    return stats, {"cp": cp, "dp": dp, "layout": "head-tail",
+                   "tokens_per_rank": seq * lesson.batch_size // cp,
+                   "max_abs_diff": diff, "unsplit_losses": reference_losses,
+                   "forward_sent_bytes": counts["forward_sent_bytes"] // calls,
+                   "backward_sent_bytes": counts["backward_sent_bytes"] // calls}
+
+
+def fits(name: str, world: int, seq_len: int) -> str | None:
+    """Why a variant cannot run on ``world`` ranks (None: it can)."""
+    cp = cp_of(name, world)
+    if world % cp:
+        return f"needs a multiple of {cp} ranks, not {world}"
+    if seq_len % (2 * cp):
+        return f"needs --seq-len divisible by {2 * cp} (2 chunks per CP rank), not {seq_len}"
+    return None
+
+
+def takeaway(results: dict) -> str:
+    """The lesson's point, from what the run measured (printed last)."""
+    by = {v["name"]: v for v in results["variants"]}
+    worst = max(v["max_abs_diff"] for v in results["variants"] if v["name"].startswith("ring"))
+    line = f"ring attention computes what unsplit attention does (max |diff| {worst:.1e})"
+    if "ring-balanced" in by and "ring-contiguous" in by:
+        line += (f"; score blocks per rank {by['ring-contiguous']['score_blocks']} contiguous, "
+                 f"{by['ring-balanced']['score_blocks']} balanced")
+    trained = [v for v in results["variants"] if v["name"].startswith("fsdp-cp")]
+    if len(trained) > 1:
+        act = " -> ".join(fmt_bytes(v["peak_memory_bytes"]["activations"]) for v in trained)
+        line += (f"; activations per rank {act} over CP {', '.join(str(v['cp']) for v in trained)}, "
+                 f"losses within {max(v['max_abs_diff'] for v in trained):.1e} of unsplit")
+    return line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = lesson_parser(__doc__)
+    p.add_variants(VARIANTS)
+    args = p.parse(argv)
+    if args.model not in (None, "llama-tiny"):
+        p.exit(2, f"error: --model {args.model!r} is not allowed: this lesson trains its own tiny "
+                  "Llama (cp_helpers.TinyLlama); allowed: llama-tiny\n")
+    if args.seq_len is None:
+        on_gpu = D.resolve_device(args.device) == "cuda"
+        args.seq_len = 4096 if on_gpu and not args.quick else 128 if args.quick else 256
+    return args
+
+
+def main(args: argparse.Namespace) -> None:
+    with Lesson("17", args, settings={"tolerance": TOLERANCE, "loss_tolerance": LOSS_TOLERANCE},
+                needs_ranks="the sequence split over ranks", notes=NOTES, cpu_note=CPU_NOTE,
+                takeaway=takeaway) as lesson:
+        world = lesson.dist.world_size
+        parameters = sum(p.numel() for p in TinyLlama(VOCAB).parameters())
+        lesson.results.run_model("tiny-llama-cp", parameters)
+        lesson.print(f"trained: tiny-llama-cp ({parameters:,} parameters; cp_helpers.TinyLlama: "
+                     "llama-tiny's width, depth and heads, K/V for every head, its attention the ring)")
+        lesson.results.setting(heads=HEADS, head_dim=HEAD_DIM)
+        lesson.results.columns("cp", "dp", "max_abs_diff", "score_blocks",
+                               "forward_sent_bytes", "backward_sent_bytes", "tokens_per_rank")
+        meshes: dict[int, DeviceMesh] = {}
+        for name in args.variants:
+            why = fits(name, world, lesson.seq_len) or (torch_cp_missing(lesson.device, lesson.dist)
+                                                          if name == "torch-cp" else None)
+            if why:
+                lesson.results.skipped(name, why)
+                lesson.print(f"  {name}: skipped, {why}")
+                continue
+            cp = cp_of(name, world)
+            if cp not in meshes:
+                meshes[cp] = cp_mesh(lesson.device.type, world // cp, cp)
+            with lesson.variant(name):
+                if name.startswith("fsdp-cp"):
+                    stats, row = run_fsdp_cp(lesson, name, cp, meshes[cp])
+                    lesson.results.add(name, stats, **row)
+                    del stats
+                else:
+                    lesson.results.add(name, **run_attention(lesson, name, meshes[cp]))
+
+
+if __name__ == "__main__":
+    main(parse_args())
