@@ -386,6 +386,23 @@ def test_whole_model_in_the_root_unit(api):
     assert "100%" in found[0].problem and "4 T5Block blocks" in found[0].problem
 
 
+def test_the_roots_own_parameters_are_named_when_every_block_is_a_unit():
+    model = nn.Sequential(nn.Embedding(4096, 16), *(nn.Linear(16, 16) for _ in range(4)))
+    for layer in model[1:]:
+        fully_shard(layer)
+    fully_shard(model)
+    found = diagnose(model)
+    assert checks(found) == ["root-holds-most"]
+    assert "0.weight (4,096 x 16: 100%)" in found[0].problem
+    assert "fully_shard(model[0])" in found[0].fix and "each" not in found[0].fix
+
+
+def test_the_recommended_policy_reduces_in_fp32():
+    model = shard_model(build().to(torch.bfloat16), api="fsdp2", block_class=block())
+    (found,) = diagnose(model)
+    assert "param_dtype=torch.bfloat16, reduce_dtype=torch.float32" in found.fix
+
+
 def test_parameters_outside_every_unit():
     model = build("llama-tiny")
     for layer in model.model.layers:

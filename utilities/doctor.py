@@ -698,7 +698,7 @@ def _root_own_parameters(model: nn.Module, units: list[nn.Module], api: str,
     hint = f"; its own parameters, not in any inner unit: {sizes}"
     targets = []
     for name in shown:
-        owners = [f"model.{o}" if o else "model" for o in users.get(name, [])]
+        owners = [_python_path(o) for o in users.get(name, [])]
         target = owners[0] if len(owners) == 1 else f"[{', '.join(owners)}]"
         if target not in targets and target != "model":
             targets.append(target)
@@ -716,6 +716,11 @@ def _root_own_parameters(model: nn.Module, units: list[nn.Module], api: str,
                "module classes (ModuleWrapPolicy({block class, " + ", ".join(classes) + "})); "
                "tied modules must stay in one unit")
     return hint, fix
+
+
+def _python_path(name: str) -> str:
+    """A module's name as the code that reaches it from ``model``: 'layers.0.mlp' -> model.layers[0].mlp."""
+    return "model" + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in name.split(".") if part)
 
 
 def _unwrapped_blocks(model: nn.Module, units: list[nn.Module]) -> str:
