@@ -214,8 +214,7 @@ def _into_state(model: nn.Module, optimizer: torch.optim.Optimizer, name: str, s
         model(**batch).loss.backward()
         optimizer.step()
     if state == "after-checkpoint-load":
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                             set_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
         full = StateDictOptions(full_state_dict=True)
         weights, moments = get_state_dict(model, optimizer, options=full)
         set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=moments, options=full)
@@ -456,6 +455,63 @@ def test_every_finding_prints_in_80_columns():
         text = str(finding)
         assert all(len(line) <= COLUMNS for line in text.splitlines()), text
         assert finding.line.count("\n") == 0 and "Fix: " in finding.line
+
+
+RANKS_SCRIPT = """
+import json, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from utilities.doctor import diagnose, same_build_findings
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+def build(seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(64, 32), *(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32))
+                                                  for _ in range(5)), nn.Linear(32, 64))
+    model.register_buffer("scale", torch.rand(4))  # a buffer every rank holds in full
+    return model
+
+def shard(model, **options):
+    for layer in model[1:-1]:
+        fully_shard(layer, **options)
+    return fully_shard(model, **options)
+
+out = {}
+for name, seed in (("seed_plus_rank", rank), ("same_seed", 0)):
+    model = build(seed)
+    out[name] = [f.line for f in same_build_findings(model)]
+    out[name + "_after_sharding"] = [f.check for f in diagnose(shard(model), every_rank=True)]
+
+ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(rank))
+grads = {}
+for name, policy in (("unset", MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+                     ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+                     ("fp32", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))):
+    model = shard(build(0), mp_policy=policy)
+    model(ids).float().square().mean().backward()
+    grads[name] = torch.cat([p.grad.full_tensor().float().flatten() for p in model.parameters()])
+    out[name] = [f.line for f in diagnose(model)]
+for name in ("unset", "bf16"):
+    out[name + "_rel_error"] = float((grads[name] - grads["fp32"]).norm() / grads["fp32"].norm())
+print(json.dumps(out))
+"""
+
+
+def test_on_two_ranks_a_divergent_build_and_a_bf16_reduction_are_caught():
+    from conftest import run_ranks
+
+    for out in run_ranks(RANKS_SCRIPT):
+        (divergent,) = out["seed_plus_rank"]
+        assert divergent.startswith("rank-divergent-build: ") and "torch.manual_seed(seed)" in divergent
+        assert out["seed_plus_rank_after_sharding"] == ["rank-divergent-build"]  # the buffer differs
+        assert out["same_seed"] == [] and out["same_seed_after_sharding"] == []
+        for name in ("unset", "bf16"):  # gradients summed in bf16: measurably off an fp32 reduction
+            (line,) = out[name]
+            assert line.startswith("low-precision-reduce: ") and "reduce_dtype=torch.float32" in line
+            assert out[name + "_rel_error"] > 1e-4
+        assert "unset" in out["unset"][0] and out["fp32"] == []
 
 
 # -- fsdp-course doctor ---------------------------------------------------------------------------

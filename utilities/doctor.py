@@ -312,19 +312,17 @@ def _low_precision_reduce(units: list[nn.Module], api: str,
         return []
     dtype = low[0][1]
     unset = all(entry[2] for entry in low)
-    bits = torch.finfo(dtype).nmant + 1
-    rounding = torch.finfo(dtype).eps / 2
-    how = ("reduce_dtype is unset and param_dtype is " if unset else "reduce_dtype is ") + \
-        str(dtype).replace("torch.", "")
+    name = str(dtype).replace("torch.", "")
+    eps = torch.finfo(dtype).eps
+    how = f"reduce_dtype is unset and param_dtype is {name}" if unset else f"reduce_dtype is {name}"
     return [Finding(
         "low-precision-reduce",
         f"{how} in {len(low)} of {len(units)} units: gradients are summed across the {ranks} "
-        f"ranks in {str(dtype).replace('torch.', '')}",
-        f"each of the {ranks - 1} additions of a reduce-scatter rounds to {bits} significant bits "
-        f"(up to {rounding:.2%} of the value each), on top of the rounding of the "
-        f"{str(dtype).replace('torch.', '')} gradients themselves: on 2 ranks lesson 15 measures "
-        "the gradients' relative error against an fp32 reduction; it does not matter on one rank "
-        "(nothing is summed) and grows with the ranks",
+        f"ranks in {name}",
+        f"each of the {ranks - 1} additions of a gradient's reduce-scatter rounds the sum to "
+        f"{round(-math.log2(eps)) + 1} significant bits (up to {eps / 2:.2%} of it each), on top of "
+        f"the {name} gradients' own rounding (lesson 15 measures the gradients against an fp32 "
+        "reduction); it does not matter on one rank, where nothing is summed, and grows with the ranks",
         f"pass {_mixed_precision_policy(api)}")]
 
 
@@ -720,7 +718,8 @@ def _root_own_parameters(model: nn.Module, units: list[nn.Module], api: str,
 
 def _python_path(name: str) -> str:
     """A module's name as the code that reaches it from ``model``: 'layers.0.mlp' -> model.layers[0].mlp."""
-    return "model" + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in name.split(".") if part)
+    parts = [part for part in name.split(".") if part]
+    return "model" + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in parts)
 
 
 def _unwrapped_blocks(model: nn.Module, units: list[nn.Module]) -> str:

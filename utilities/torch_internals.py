@@ -327,9 +327,10 @@ def fsdp2_mp_policy(module: nn.Module) -> Any | None:
 
 def fsdp2_sharded_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]] | None:
     """The parameters a ``fully_shard``-ed module manages, as (owning module, name, sharded
-    DTensor parameter), a tied parameter once per module holding it. Between an unshard and its reshard (after a ``torch.no_grad()`` forward
-    the root stays unsharded) the modules hold plain unsharded tensors; FSDP2 keeps the sharded
-    ones here. None where this torch keeps them elsewhere."""
+    DTensor parameter), a tied parameter once per module holding it. Between an unshard and its
+    reshard (after a ``torch.no_grad()`` forward the root stays unsharded) the modules hold plain
+    unsharded tensors; FSDP2 keeps the sharded ones here. None where this torch keeps them
+    elsewhere."""
     try:
         state = module._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
