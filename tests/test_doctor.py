@@ -520,7 +520,9 @@ def test_on_two_ranks_a_divergent_build_and_a_bf16_reduction_are_caught():
 def test_cli_on_a_course_model(api):
     proc = cli_here("doctor", "--model", "t5-tiny", "--api", api)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[-1] == "no problems found"
+    lines = proc.stdout.splitlines()
+    assert "no problems found" in lines and "(none materialised)" in proc.stdout
+    assert lines[lines.index("no problems found") + 1].startswith("needs a run, not checked here: non-finite")
 
 
 def test_cli_on_a_config_file(tmp_path):
@@ -533,8 +535,37 @@ def test_cli_on_a_config_file(tmp_path):
 def test_cli_finding_lines():
     proc = cli_here("doctor", "--model", "llama-tiny", "--policy", "whole")
     assert proc.returncode == 1
-    assert proc.stdout.splitlines()[1].startswith("root-holds-most: ")
+    assert proc.stdout.splitlines()[2].startswith("root-holds-most: ")
     assert all(len(line) <= COLUMNS for line in proc.stdout.splitlines())
+
+
+@pytest.mark.parametrize(("sizes", "api"), [
+    (dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+          intermediate_size=53248, vocab_size=128256, head_dim=128), "fsdp2"),  # Llama 3.1 405B's shape
+    (dict(vocab_size=2**31), "fsdp1")])
+def test_cli_inspects_any_size_without_materialising_it(tmp_path, sizes, api):
+    import resource
+    import time
+
+    config = dict(get_model_spec("llama-tiny").config().to_dict(), **sizes)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    t0, rss0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    proc = cli_here("doctor", "--model", str(tmp_path), "--api", api)
+    seconds = time.perf_counter() - t0
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024  # Linux: KiB
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "needs a run" in proc.stdout and ("meta" if api == "fsdp2" else "fake") in proc.stdout
+    assert seconds < 60  # seconds on a laptop; this box runs beside other tests
+    assert grown < 2**30  # 405B parameters in fp32 would be 1.6 TB
+
+
+def test_cli_a_config_that_cannot_be_built_is_one_line(tmp_path):
+    config = dict(get_model_spec("llama-tiny").config().to_dict(), hidden_size=100, num_attention_heads=3,
+                  head_dim=None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = cli_here("doctor", "--model", str(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: ")
 
 
 @pytest.mark.parametrize("args", [("--model", "gpt-17"), ("--api", "fsdp3"), ("--policy", "layers"),

@@ -708,11 +708,15 @@ def _root_own_parameters(model: nn.Module, units: list[nn.Module], api: str,
         fix = (f"give them units of their own after the blocks and before the root: {calls}; then "
                "fully_shard(model)" + (" (a tied weight's modules in one call, torch 2.7+)" if tied else ""))
     else:
-        classes = sorted({type(_unwrapped(modules[o])).__name__ for n in shown for o in users.get(n, [])
-                          if o in modules})
-        fix = ("wrap their modules too: add " + ", ".join(classes) + " to the auto_wrap_policy's "
-               "module classes (ModuleWrapPolicy({block class, " + ", ".join(classes) + "})); "
-               "tied modules must stay in one unit")
+        chosen = {id(modules[o]) for n in shown for o in users.get(n, []) if o in modules}
+        classes = {type(modules[o]) for n in shown for o in users.get(n, []) if o in modules}
+        only_these = all(id(m) in chosen for m in model.modules() if type(m) in classes)
+        fix = (f"wrap {', '.join(targets)} as units of their own: auto_wrap_policy="
+               + ("ModuleWrapPolicy({the block class, " + ", ".join(sorted(c.__name__ for c in classes))
+                  + "})" if only_these else
+                  "_or_policy over the block policy and a lambda_auto_wrap_policy whose lambda_fn "
+                  "picks these modules (their classes are used elsewhere too)")
+               + "; tied modules must stay in one unit")
     return hint, fix
 
 
