@@ -8,7 +8,7 @@ from conftest import assert_documented_keys, assert_help_lists, flag_error, note
 
 PAIRS = ("optimizer-before-shard", "bf16-weights", "grad-accumulation", "tied-weights",
          "meta-init-buffers", "frozen-fsdp1", "reshard-after-forward", "skipped-collective",
-         "hand-clipping", "optimizer-state", "non-forward-method", "memory-vs-rss")
+         "hand-clipping", "optimizer-state", "non-forward-method", "memory-vs-rss", "rank-seeds")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,14 @@ def test_memory_shows_the_plans_reserved_beside_allocated(results):
     assert v["allocator_reserved_bytes"] % (2 << 20) == 0
     assert v["reserved_to_allocated_ratio"] > 1
     assert "reserved" in v["fix"]
+
+
+def test_ranks_seeded_apart_train_a_mix_the_check_names_before_sharding(results):
+    v = variant(results, "rank-seeds")
+    assert 0 < v["mistake_tensors_as_a_rank_built"] < v["tensors"]  # only what every seed builds alike
+    assert v["mistake_max_abs_diff_from_nearest_build"] > 0.1
+    assert v["mistake_doctor"].startswith("rank-divergent-build: ") and v["fix_doctor"] is None
+    assert v["fix_tensors_as_a_rank_built"] == v["tensors"] and v["fix_max_abs_diff_from_nearest_build"] == 0
 
 
 def test_readme_table_is_reproduced_by_the_quick_run(results):

@@ -16,6 +16,7 @@ bytes, a norm, seconds of waiting) and the fix (the right code, the symptom meas
     optimizer-state          optimizer.state_dict() saved on rank 0: resumes to other numbers
     non-forward-method       a method other than forward on an FSDP2 model: sharded parameters
     memory-vs-rss            the process's RSS against the trackers' categories
+    rank-seeds               each rank seeds its own build: the sharded model is a mix no rank built
 
 Run: fsdp-course run 15 [--quick]   or   torchrun --nproc-per-node 2 when_fsdp_goes_wrong.py --device cpu
 """
@@ -28,6 +29,7 @@ import datetime
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import reduce_scalar, world_mesh
+from utilities.doctor import same_build_findings
 from utilities.errors import bounded, positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.memory import MemoryProbe
@@ -268,6 +271,27 @@ def register_generate(model: nn.Module) -> nn.Module:
     return model
 
 
+# -- 13. every rank builds the same model ------------------------------------------------------------
+def build_seeded_per_rank(seed: int, **kw) -> TinyLM:
+    """The mistake: each rank seeds with its rank (for its own data order) before building the
+    model. Every rank builds other weights; fully_shard keeps each rank's shard of its own build,
+    so the model trained is a mix that no rank built, and nothing fails."""
+    torch.manual_seed(seed + dist.get_rank())
+    return TinyLM(**kw)
+
+
+def build_seeded_alike(seed: int, **kw) -> TinyLM:
+    """The fix: one seed for the model on every rank (seed the data per rank afterwards)."""
+    torch.manual_seed(seed)
+    return TinyLM(**kw)
+
+
+def check_same_build(model: nn.Module) -> list[str]:
+    """Before sharding, on every rank: ``same_build_findings`` all-gathers a checksum of every
+    tensor and names the ones that differ between ranks (nothing: every rank built one model)."""
+    return [finding.line for finding in same_build_findings(model)]
+
+
 # -- the lesson's model: a small causal LM whose pieces each failure needs --------------------------
 class Block(nn.Module):
     def __init__(self, d: int, adapter: int = 0):
@@ -346,6 +370,15 @@ def train_losses(model: nn.Module, optimizer: torch.optim.Optimizer, batches: li
         optimizer.step()
         losses.append(reduce_scalar(loss.item(), "mean"))
     return losses
+
+
+@contextlib.contextmanager
+def mixed_unit_warnings_off():
+    """FSDP1's warning, once per unit and rank, that a unit mixes frozen and trainable parameters
+    (its gradient memory is the whole unit's): the pair makes that mix on purpose and measures it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*has both parameters with requires_grad=True and False")
+        yield
 
 
 def first_line(e: BaseException) -> str:
@@ -473,7 +506,7 @@ class Failures:
                 train_losses(model, optimizer, data, 3)
                 result[f"{half}_error"] = None
                 gap = (embed.full_tensor() - head.full_tensor()).abs().max()
-                result[f"{half}_tie_max_abs_diff"] = float(gap)
+                result[f"{half}_tie_max_abs_diff"] = float(gap.detach())
             except ValueError as e:
                 result[f"{half}_error"], result[f"{half}_tie_max_abs_diff"] = first_line(e), None
         m = result["mistake_tie_max_abs_diff"]
@@ -531,7 +564,8 @@ class Failures:
             return model
 
         try:
-            fsdp1_mixed_unit(lora(self.model(adapter=4)), self.lesson.device, use_orig_params=False)
+            with mixed_unit_warnings_off():
+                fsdp1_mixed_unit(lora(self.model(adapter=4)), self.lesson.device, use_orig_params=False)
             error = None
         except (ValueError, RuntimeError) as e:
             error = first_line(e)
@@ -542,7 +576,8 @@ class Failures:
         model.loss(self.batches(1)[0]).backward()
         grads = {flag: sum(p.grad.to_local().numel() * 4 for p in model.parameters()
                            if p.requires_grad == flag and p.grad is not None) for flag in (True, False)}
-        fsdp1 = fsdp1_mixed_unit(lora(self.model(adapter=4)), self.lesson.device, use_orig_params=True)
+        with mixed_unit_warnings_off():
+            fsdp1 = fsdp1_mixed_unit(lora(self.model(adapter=4)), self.lesson.device, use_orig_params=True)
         fsdp1_ok = all(p.grad is None for p in fsdp1.parameters() if not p.requires_grad)
         n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         return dict(fsdp1_error=error, fsdp2_loss_drop=round(losses[0] - losses[-1], 4),
@@ -725,6 +760,37 @@ class Failures:
                     and peak["total"] <= cached["allocated"] <= cached["reserved"])
 
 
+    # 13
+    def rank_seeds(self) -> dict:
+        result = {}
+        for half, build in (("mistake", build_seeded_per_rank), ("fix", build_seeded_alike)):
+            model = build(self.args.seed, vocab=self.vocab)
+            self.lesson._track(model)
+            said = check_same_build(model)
+            builds = _gather_objects({n: p.detach().clone() for n, p in model.named_parameters()})
+            shard(model)
+            as_built, farthest = 0, 0.0
+            for name, p in model.named_parameters():
+                gathered = p.full_tensor().detach()
+                gaps = [float((gathered - build[name]).abs().max()) for build in builds]
+                as_built += min(gaps) == 0.0
+                farthest = max(farthest, min(gaps))
+            result[f"{half}_tensors_as_a_rank_built"] = as_built
+            result[f"{half}_max_abs_diff_from_nearest_build"] = farthest
+            result[f"{half}_doctor"] = said[0] if said else None
+        tensors = len(list(model.parameters()))
+        m, f = result["mistake_tensors_as_a_rank_built"], result["fix_tensors_as_a_rank_built"]
+        return dict(result, tensors=tensors,
+                    measure="tensors as some rank built them, max |gathered - nearest build|; check",
+                    mistake=f"{m} of {tensors}, {result['mistake_max_abs_diff_from_nearest_build']:.2g}; "
+                            + ("rank-divergent-build" if result["mistake_doctor"] else "nothing said"),
+                    fix=f"{f} of {tensors}, {result['fix_max_abs_diff_from_nearest_build']:.2g}; "
+                        + ("rank-divergent-build" if result["fix_doctor"] else "nothing said"),
+                    symptom_shown=m < tensors and result["mistake_max_abs_diff_from_nearest_build"] > 1e-3
+                    and result["mistake_doctor"] is not None,
+                    fix_works=f == tensors and result["fix_max_abs_diff_from_nearest_build"] == 0.0
+                    and result["fix_doctor"] is None)
+
 def allocator_model(model: nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor],
                     device: torch.device) -> dict[str, int]:
     """One more step, its allocations and frees recorded by the memory tracker and replayed through
@@ -823,6 +889,7 @@ VARIANTS: dict[str, Callable[[Failures], dict]] = {
     "optimizer-state": Failures.optimizer_state,
     "non-forward-method": Failures.non_forward_method,
     "memory-vs-rss": Failures.memory_vs_rss,
+    "rank-seeds": Failures.rank_seeds,
 }
 NOTES = ("symptom shown / fix works: the mistake's measured symptom is there, and the fix's measure "
          "is where it should be, on every rank (each test of tests/test_lesson_15.py asserts one pair).",
