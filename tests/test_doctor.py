@@ -220,8 +220,8 @@ def _into_state(model: nn.Module, optimizer: torch.optim.Optimizer, name: str, s
         set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=moments, options=full)
 
 
-STATE_CASES = [(lesson, api, state) for lesson, api in CASES if lesson in ("03-08", "07", "09")
-               for state in STATES] + [("10", "fsdp2", "no-grad-forward"), ("10", "fsdp2", "eval")]
+STATE_CASES = [("03-08", api, state) for api in ("fsdp2", "fsdp1") for state in STATES] + [
+    (lesson, "fsdp2", state) for lesson in ("07", "10") for state in ("no-grad-forward", "eval")]  # bf16
 
 
 @pytest.mark.parametrize(("lesson", "api", "state"), STATE_CASES,
