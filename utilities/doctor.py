@@ -1,32 +1,44 @@
-"""The doctor: the FSDP mistakes that can be seen on a model right after sharding, one line each.
+"""The doctor: the FSDP mistakes that can be seen on a model, one line each.
 
-    from utilities.doctor import diagnose
-    for finding in diagnose(model, optimizer):
+    from utilities.doctor import diagnose, same_build_findings
+    for finding in same_build_findings(model):   # before sharding, on every rank
+        print(finding)
+    for finding in diagnose(model, optimizer):   # after sharding
         print(finding)
 
 ``diagnose(model, optimizer=None, batch=None)`` reads the sharded model (FSDP1's
 ``FullyShardedDataParallel`` or FSDP2's ``fully_shard``), its optimizer and one batch when given,
 and returns a ``Finding`` per problem: what is wrong (with the numbers), why it matters, the fix.
-An empty list means nothing it knows how to see is wrong. It runs no collective and changes
-nothing, so every rank may call it, or rank 0 alone.
+An empty list means nothing it knows how to see is wrong. It reads the model in the state it is
+in (right after sharding, after a ``torch.no_grad()`` forward that left the root unsharded, in
+eval mode, after steps or a checkpoint load), runs no collective unless ``every_rank=True`` and
+changes nothing, so every rank may call it, or rank 0 alone. ``same_build_findings(model)`` is
+the one collective check: whether every rank built the same model.
 
 What it looks for:
 
 * an optimizer built before sharding: its tensors are not the model's parameters any more;
 * parameters stored in bf16 or fp16 (``model.to(torch.bfloat16)`` before sharding): no fp32
   master weights, instead of a mixed-precision policy;
+* gradients summed across ranks in bf16 / fp16 (``reduce_dtype`` low, or unset with a low
+  ``param_dtype``), on 2 ranks or more;
+* ranks that built different models (seeded apart): ``same_build_findings`` before sharding;
+  after it, ``diagnose(..., every_rank=True)`` compares what every rank holds in full;
 * tied weights split across units (one tensor used by modules of two units), or a tie the model
   declares (``tie_word_embeddings``) broken by the wrapping;
 * meta-device leftovers: parameters or buffers still on ``meta``, rotary ``inv_freq`` buffers
-  left uninitialised after ``to_empty``; NaN or infinite parameters, NaN buffers;
+  left uninitialised after ``to_empty``; NaN or infinite parameters, NaN buffers (skipped with
+  ``values=False``, for a model on meta or fake tensors);
 * an FSDP1 unit mixing frozen and trainable parameters: refused without ``use_orig_params``, and
   with it, gradient memory for the frozen ones too;
 * FSDP2: ``generate`` (or another method you name) not registered with
-  ``register_fsdp_forward_method``, so it would run on sharded parameters; checked when the model
-  is in eval mode (set up to generate) or when ``methods`` names it;
-* parameters no unit manages (FSDP2: plain tensors among DTensors);
-* most parameters left to the root unit (the whole model gathered at once: lesson 01), with the
-  share outside the inner units; units far larger than the others;
+  ``register_fsdp_forward_method`` where the call fails: it runs, outside forward, modules whose
+  parameters the root unit holds (checked in eval mode, set up to generate, or when ``methods``
+  names it);
+* parameters no unit manages (FSDP2: plain tensors among the sharded DTensors);
+* most parameters left to the root unit (the whole model gathered at once: lesson 01), naming
+  the blocks that are not units, or the root's own parameters and the calls that give them units;
+  units far larger than the others;
 * fp32 compute on a GPU with native bf16 and no mixed-precision policy;
 * a batch on another device than the parameters, or token ids beyond the vocabulary.
 """

@@ -86,12 +86,14 @@ def _parser() -> argparse.ArgumentParser:
     doc = sub.add_parser(
         "doctor", help="build a course model, shard it the course's way and list what is wrong "
                        "with it (utilities.doctor: run it on your own model after sharding)",
-        description="Build --model as the lessons do (random weights, one process: a one-rank "
-                    "gloo group in this process), shard it with --api and --policy through "
-                    "utilities.wrapping.shard_model, build its AdamW and run "
+        description="Build --model as the lessons do, on tensors without storage (FSDP2: meta; "
+                    "FSDP1: fake; nothing materialised, so any size runs in seconds; one process: "
+                    "a one-rank gloo group in this process), shard it with --api and --policy "
+                    "through utilities.wrapping.shard_model, build its AdamW and run "
                     "utilities.doctor.diagnose on it: one line per problem (what is wrong, why "
-                    "it matters, the fix), or 'no problems found' (exit 0; 1 with findings). "
-                    "In your own script, after sharding and building the optimizer:\n\n"
+                    "it matters, the fix), or 'no problems found' (exit 0; 1 with findings), then "
+                    "what needs a run with real values. In your own script, after sharding and "
+                    "building the optimizer:\n\n"
                     "    from utilities.doctor import diagnose\n"
                     "    for finding in diagnose(model, optimizer):\n"
                     "        print(finding)",
