@@ -8,7 +8,8 @@ from conftest import assert_documented_keys, assert_help_lists, flag_error, note
 
 PAIRS = ("optimizer-before-shard", "bf16-weights", "grad-accumulation", "tied-weights",
          "meta-init-buffers", "frozen-fsdp1", "reshard-after-forward", "skipped-collective",
-         "hand-clipping", "optimizer-state", "non-forward-method", "memory-vs-rss", "rank-seeds")
+         "hand-clipping", "optimizer-state", "non-forward-method", "memory-vs-rss", "rank-seeds",
+         "bf16-reduce")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,13 @@ def test_ranks_seeded_apart_train_a_mix_the_check_names_before_sharding(results)
     assert v["mistake_max_abs_diff_from_nearest_build"] > 0.1
     assert v["mistake_doctor"].startswith("rank-divergent-build: ") and v["fix_doctor"] is None
     assert v["fix_tensors_as_a_rank_built"] == v["tensors"] and v["fix_max_abs_diff_from_nearest_build"] == 0
+
+
+def test_a_bf16_reduction_is_measured_and_reported(results):
+    v = variant(results, "bf16-reduce")
+    assert (v["mistake_reduce_dtypes"], v["fix_reduce_dtypes"]) == (["bfloat16"], ["float32"])
+    assert 1e-4 < v["mistake_grad_rel_error"] < 0.05  # bf16's rounding, not a wrong gradient
+    assert v["mistake_doctor"].startswith("low-precision-reduce: ") and v["fix_doctor"] is None
 
 
 def test_readme_table_is_reproduced_by_the_quick_run(results):

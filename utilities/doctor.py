@@ -333,8 +333,9 @@ def _low_precision_reduce(units: list[nn.Module], api: str,
         f"ranks in {name}",
         f"each of the {ranks - 1} additions of a gradient's reduce-scatter rounds the sum to "
         f"{round(-math.log2(eps)) + 1} significant bits (up to {eps / 2:.2%} of it each), on top of "
-        f"the {name} gradients' own rounding, on every gradient of every step; it does not matter "
-        "on one rank, where nothing is summed, and grows with the ranks",
+        f"the {name} gradients' own rounding, on every gradient of every step (lesson 15's "
+        "bf16-reduce row measures the gradients against an fp32 reduction); it does not matter on "
+        "one rank, where nothing is summed, and grows with the ranks",
         f"pass {_mixed_precision_policy(api)}")]
 
 

@@ -17,6 +17,7 @@ bytes, a norm, seconds of waiting) and the fix (the right code, the symptom meas
     non-forward-method       a method other than forward on an FSDP2 model: sharded parameters
     memory-vs-rss            the process's RSS against the trackers' categories
     rank-seeds               each rank seeds its own build: the sharded model is a mix no rank built
+    bf16-reduce              param_dtype bf16 without reduce_dtype: gradients summed in bf16
 
 Run: fsdp-course run 15 [--quick]   or   torchrun --nproc-per-node 2 when_fsdp_goes_wrong.py --device cpu
 """
@@ -54,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import reduce_scalar, world_mesh
-from utilities.doctor import same_build_findings
+from utilities.doctor import diagnose, same_build_findings
 from utilities.errors import bounded, positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.memory import MemoryProbe
@@ -97,6 +98,13 @@ def bf16_policy(model: nn.Module) -> nn.Module:
     gradients reduced in fp32."""
     return shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                        reduce_dtype=torch.float32))
+
+
+def bf16_policy_without_reduce_dtype(model: nn.Module) -> nn.Module:
+    """The half-policy: ``param_dtype`` alone. ``reduce_dtype`` unset means "reduce in
+    param_dtype": every gradient's reduce-scatter sums the ranks' bf16 gradients in bf16, each
+    addition rounded to 8 significant bits. The fix is ``bf16_policy`` above."""
+    return shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 
 # -- 3. gradient accumulation: the memory / communication trade ------------------------------------
@@ -730,6 +738,29 @@ class Failures:
                     or not result["mistake_equal_to_unsharded"],
                     fix_works=result["fix_error"] is None and result["fix_equal_to_unsharded"])
 
+    # 14
+    def bf16_reduce(self) -> dict:
+        ids = self.batches(1)[0]  # each rank its own batch: the ranks' gradients differ
+        result, grads = {}, {}
+        for half, wrap in (("mistake", bf16_policy_without_reduce_dtype), ("fix", bf16_policy)):
+            model = wrap(self.model(d=64))
+            with comm_dtypes() as dtypes:
+                model.loss(ids).backward()
+            grads[half] = torch.cat([p.grad.full_tensor().float().flatten() for p in model.parameters()])
+            result[f"{half}_reduce_dtypes"] = sorted(dtypes.get("reduce_scatter", ()))
+            said = [f.line for f in diagnose(model) if f.check == "low-precision-reduce"]
+            result[f"{half}_doctor"] = said[0] if said else None
+        error = float((grads["mistake"] - grads["fix"]).norm() / grads["fix"].norm())
+        result["mistake_grad_rel_error"] = round(error, 6)
+        m, f = result["mistake_reduce_dtypes"], result["fix_reduce_dtypes"]
+        return dict(result, measure="reduce-scatter dtype; gradients vs an fp32 reduction; doctor",
+                    mistake=f"{'/'.join(m)}; {error:.2%}; "
+                            + ("low-precision-reduce" if result["mistake_doctor"] else "nothing said"),
+                    fix=f"{'/'.join(f)}; 0%; "
+                        + ("low-precision-reduce" if result["fix_doctor"] else "nothing said"),
+                    symptom_shown=m == ["bfloat16"] and error > 1e-4 and result["mistake_doctor"] is not None,
+                    fix_works=f == ["float32"] and result["fix_doctor"] is None)
+
     # 12
     def memory_vs_rss(self) -> dict:
         rss_before = process_rss_bytes()
@@ -813,11 +844,12 @@ def allocator_model(model: nn.Module, optimizer: torch.optim.Optimizer, data: li
 
 class _Collectives(TorchDispatchMode):
     """Counts the collectives this rank makes, by kind (all_gather, reduce_scatter, ...), as
-    torch's dispatcher sees them."""
+    torch's dispatcher sees them, and the dtypes of the tensors each kind moves."""
 
     def __init__(self):
         super().__init__()
         self.counts: dict[str, int] = {}
+        self.dtypes: dict[str, set[str]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0].lower().strip("_")
@@ -825,6 +857,9 @@ class _Collectives(TorchDispatchMode):
             kind = ("all_gather" if "allgather" in name else "reduce_scatter" if "reduce_scatter" in name
                     else name)
             self.counts[kind] = self.counts.get(kind, 0) + 1
+            moved = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                     if isinstance(t, torch.Tensor)]
+            self.dtypes.setdefault(kind, set()).update(str(t.dtype).removeprefix("torch.") for t in moved)
         return func(*args, **(kwargs or {}))
 
 
@@ -834,6 +869,14 @@ def comm_counts():
     mode = _Collectives()
     with mode:
         yield mode.counts
+
+
+@contextlib.contextmanager
+def comm_dtypes():
+    """``with comm_dtypes() as dtypes:`` the dtypes each kind of collective moved inside."""
+    mode = _Collectives()
+    with mode:
+        yield mode.dtypes
 
 
 def process_rss_bytes() -> int:
@@ -890,6 +933,7 @@ VARIANTS: dict[str, Callable[[Failures], dict]] = {
     "non-forward-method": Failures.non_forward_method,
     "memory-vs-rss": Failures.memory_vs_rss,
     "rank-seeds": Failures.rank_seeds,
+    "bf16-reduce": Failures.bf16_reduce,
 }
 NOTES = ("symptom shown / fix works: the mistake's measured symptom is there, and the fix's measure "
          "is where it should be, on every rank (each test of tests/test_lesson_15.py asserts one pair).",
