@@ -292,6 +292,16 @@ def test_optimizer_built_before_sharding(api):
     assert ("DTensors" if api == "fsdp2" else "flat parameters") in found[0].problem
 
 
+def test_an_optimizer_built_while_the_root_is_unsharded():
+    """After a no-grad forward FSDP2 leaves the root unsharded: model.parameters() are then plain
+    gathered tensors, which never get a gradient."""
+    model = shard_model(build("llama-tiny"), api="fsdp2", block_class=block("llama-tiny"))
+    with torch.no_grad():
+        model(**ids("llama-tiny"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert checks(diagnose(model, optimizer)) == ["optimizer-before-sharding"]
+
+
 @pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
 def test_model_cast_to_bf16_instead_of_a_policy(api):
     model = shard_model(build().to(torch.bfloat16), api=api, block_class=block(), device=CPU)

@@ -257,7 +257,7 @@ def _replicated_tensors(model: nn.Module, params: list[tuple[str, torch.Tensor]]
 
 def _stale_optimizer(model: nn.Module, params: list[tuple[str, torch.Tensor]],
                      optimizer: torch.optim.Optimizer, api: str) -> list[Finding]:
-    current = {id(p) for _, p in params} | {id(p) for p in model.parameters()}
+    current = {id(p) for _, p in params}  # FSDP2: the sharded ones, also while a unit is unsharded
     held = [p for group in optimizer.param_groups for p in group["params"]]
     stale = [p for p in held if id(p) not in current]
     if not stale:
@@ -265,7 +265,8 @@ def _stale_optimizer(model: nn.Module, params: list[tuple[str, torch.Tensor]],
     if api == "fsdp2":
         kind = ("plain tensors, not the DTensors fully_shard made"
                 if not any(_is_dtensor(p) for p in stale) else "tensors the model no longer holds")
-        fix = "build the optimizer after fully_shard, from model.parameters()"
+        fix = ("build the optimizer after fully_shard, from model.parameters(), while every unit is "
+               "sharded (not after a torch.no_grad() forward, which leaves the root unsharded)")
     else:
         kind = ("the original tensors, not FSDP1's flat parameters"
                 if not any(is_flat_param(p) for p in stale) else "tensors the model no longer holds")
