@@ -91,6 +91,12 @@ def test_ranks_seeded_apart_train_a_mix_the_check_names_before_sharding(results)
     assert v["fix_tensors_as_a_rank_built"] == v["tensors"] and v["fix_max_abs_diff_from_nearest_build"] == 0
 
 
+def test_the_doctor_names_the_method_that_fails_before_it_is_called(results):
+    v = variant(results, "non-forward-method")
+    assert v["mistake_error"] and "model.generate" in v["mistake_doctor"] and "embed" in v["mistake_doctor"]
+    assert v["fix_error"] is None and v["fix_doctor"] is None
+
+
 def test_a_bf16_reduction_is_measured_and_reported(results):
     v = variant(results, "bf16-reduce")
     assert (v["mistake_reduce_dtypes"], v["fix_reduce_dtypes"]) == (["bfloat16"], ["float32"])

@@ -725,6 +725,8 @@ class Failures:
         result = {}
         for half, prepare in (("mistake", lambda m: m), ("fix", register_generate)):
             model = prepare(shard(self.model()))
+            said = [f.line for f in diagnose(model, methods=["generate"]) if f.check == "unregistered-method"]
+            result[f"{half}_doctor"] = said[0] if said else None  # said before the call, from the code
             try:
                 out = model.generate(prompt, 6)
                 error, equal = None, ok(torch.equal(out, reference))
