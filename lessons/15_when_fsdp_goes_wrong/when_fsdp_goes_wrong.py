@@ -800,11 +800,11 @@ class Failures:
             model = build(self.args.seed, vocab=self.vocab)
             self.lesson._track(model)
             said = check_same_build(model)
-            builds = _gather_objects({n: p.detach().clone() for n, p in model.named_parameters()})
+            builds = _gather_objects({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
             shard(model)
             as_built, farthest = 0, 0.0
             for name, p in model.named_parameters():
-                gathered = p.full_tensor().detach()
+                gathered = p.full_tensor().detach().cpu()
                 gaps = [float((gathered - build[name]).abs().max()) for build in builds]
                 as_built += min(gaps) == 0.0
                 farthest = max(farthest, min(gaps))
