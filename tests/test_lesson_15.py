@@ -104,6 +104,27 @@ def test_a_bf16_reduction_is_measured_and_reported(results):
     assert v["mistake_doctor"].startswith("low-precision-reduce: ") and v["fix_doctor"] is None
 
 
+def test_the_header_and_no_warning_of_the_lessons_own(world1, tmp_path, capsys):
+    """One rank in this process: the tied-weights pair reads a gap off tensors that require grad,
+    and frozen-fsdp1 makes FSDP1 warn once per mixed unit; neither reaches the output."""
+    import warnings
+
+    from conftest import lesson_module
+
+    lesson = lesson_module("15")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lesson.main(lesson.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path),
+                                       "--variants", "tied-weights,frozen-fsdp1"]))
+    out = " ".join(capsys.readouterr().out.split())
+    header = out[out.index("lesson 15 ("):]
+    assert "each failure at the steps and batches its row needs" in header[:300]
+    assert "steps, batch" not in out
+    said = [f"{w.filename}: {w.message}" for w in caught
+            if w.filename == lesson.__file__ or "requires_grad=True and False" in str(w.message)]
+    assert said == []
+
+
 def test_readme_table_is_reproduced_by_the_quick_run(results):
     from conftest import assert_readme_table_is_reproduced
 
