@@ -119,10 +119,10 @@ def diagnose(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, b
     the methods besides ``forward`` you will call on an FSDP2 model (default ``generate`` when the
     model is in eval mode, as it is to generate; none in train mode); each is reported only where
     the call would fail: where it runs, outside forward, modules whose parameters the root unit
-    holds. ``values=False``: skip what
-    needs real values (a model on meta or fake tensors): non-finite and uninitialised tensors.
-    ``every_rank=True`` when every rank calls diagnose: it then runs one collective
-    (``same_build_findings``) comparing, across ranks, what every rank holds in full."""
+    holds. ``values=False``: skip what needs real values (a model on meta or fake tensors):
+    non-finite and uninitialised tensors. ``every_rank=True`` when every rank calls diagnose: it
+    then runs one collective (``same_build_findings``) comparing, across ranks, what every rank
+    holds in full."""
     units = fsdp_units(model)
     if not units:
         return [Finding("not-sharded", f"no FSDP unit in this {type(model).__name__}",
