@@ -332,7 +332,7 @@ def _low_precision_reduce(units: list[nn.Module], api: str,
         "low-precision-reduce",
         f"{how} in {len(low)} of {len(units)} units: gradients are summed across the {ranks} "
         f"ranks in {name}",
-        f"each of the {ranks - 1} additions of a gradient's reduce-scatter rounds the sum to "
+        f"each addition of a gradient's reduce-scatter ({ranks - 1} per element) rounds the sum to "
         f"{round(-math.log2(eps)) + 1} significant bits (up to {eps / 2:.2%} of it each), on top of "
         f"the {name} gradients' own rounding, on every gradient of every step (lesson 15's "
         "bf16-reduce row measures the gradients against an fp32 reduction); it does not matter on "
