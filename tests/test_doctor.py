@@ -197,6 +197,89 @@ def test_the_readme_way_is_clean_and_says_so():
     assert findings_text(diagnose(model, optimizer)) == "no problems found"
 
 
+STATES = ("no-grad-forward", "eval", "after-step", "after-checkpoint-load")
+
+
+def _into_state(model: nn.Module, optimizer: torch.optim.Optimizer, name: str, state: str) -> None:
+    """Take a correctly sharded model where training takes it: an evaluation forward under
+    no_grad (the root stays unsharded), eval mode, optimizer steps, a checkpoint loaded back."""
+    batch = ids(name)
+    batch = dict(batch, labels=batch["input_ids"])
+    if state == "no-grad-forward":
+        with torch.no_grad():
+            model(**batch)
+    elif state == "eval":
+        model.eval()
+    else:
+        model(**batch).loss.backward()
+        optimizer.step()
+    if state == "after-checkpoint-load":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        full = StateDictOptions(full_state_dict=True)
+        weights, moments = get_state_dict(model, optimizer, options=full)
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=moments, options=full)
+
+
+STATE_CASES = [("03-08", api, state) for api in ("fsdp2", "fsdp1") for state in STATES] + [
+    (lesson, "fsdp2", state) for lesson in ("07", "10") for state in ("no-grad-forward", "eval")]  # bf16
+
+
+@pytest.mark.parametrize(("lesson", "api", "state"), STATE_CASES,
+                         ids=[f"{lesson}-{api}-{state}" for lesson, api, state in STATE_CASES])
+def test_no_finding_in_any_state_training_leaves_a_correct_model_in(lesson, api, state):
+    model, name = LESSON_WRAPPINGS[lesson][0](api)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    _into_state(model, optimizer, name, state)
+    found = checks(diagnose(model, optimizer, ids(name)))
+    if state == "eval" and api == "fsdp2" and name == "t5-tiny":
+        assert found == ["unregistered-method"]  # true: T5's generate runs its encoder directly
+    else:
+        assert found == []
+
+
+def test_a_method_is_reported_only_where_the_call_fails():
+    """llama's generate goes through forward and works unregistered: nothing said; T5's runs its
+    encoder (holding the root's shared embedding) directly and fails: said, naming it."""
+    llama = shard_model(build("llama-tiny"), api="fsdp2", block_class=block("llama-tiny")).eval()
+    prompt = ids("llama-tiny")["input_ids"][:, :4]
+    assert llama.generate(input_ids=prompt, max_new_tokens=2).shape == (2, 6)  # it works
+    assert diagnose(llama, methods=["generate"]) == []
+    t5 = shard_model(build(), api="fsdp2", block_class=block()).eval()
+    found = diagnose(t5)
+    assert checks(found) == ["unregistered-method"] and "encoder" in found[0].problem
+    assert "encoder.embed_tokens" in found[0].problem
+
+    class Net(nn.Module):  # a model of its own, whose method calls modules of the root directly
+        def __init__(self):
+            super().__init__()
+            self.embed, self.blocks = nn.Embedding(4, 8), nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            return self.decode(x)
+
+        def decode(self, x):
+            return self.blocks[1](self.blocks[0](self.embed(x)))
+
+        def embed_only(self, x):
+            return self.forward(x)
+
+    net = Net()
+    for layer in net.blocks:
+        fully_shard(layer)
+    fully_shard(net)
+    found = diagnose(net, methods=["decode", "embed_only"])
+    assert checks(found) == ["unregistered-method"] and "net.decode" not in found[0].problem
+    assert "model.decode" in found[0].problem and "embed" in found[0].problem
+    with pytest.raises(RuntimeError, match="DTensor"):
+        net.decode(torch.zeros(1, 3, dtype=torch.long))
+    net2 = Net()  # the root holds nothing itself: every module gathered by its own unit
+    for layer in [*net2.blocks, net2.embed]:
+        fully_shard(layer)
+    fully_shard(net2)
+    assert diagnose(net2, methods=["decode"]) == []
+    assert net2.decode(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 8)
+
+
 # -- each mistake, caught --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
@@ -207,6 +290,16 @@ def test_optimizer_built_before_sharding(api):
     found = diagnose(model, optimizer)
     assert checks(found) == ["optimizer-before-sharding"]
     assert ("DTensors" if api == "fsdp2" else "flat parameters") in found[0].problem
+
+
+def test_an_optimizer_built_while_the_root_is_unsharded():
+    """After a no-grad forward FSDP2 leaves the root unsharded: model.parameters() are then plain
+    gathered tensors, which never get a gradient."""
+    model = shard_model(build("llama-tiny"), api="fsdp2", block_class=block("llama-tiny"))
+    with torch.no_grad():
+        model(**ids("llama-tiny"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert checks(diagnose(model, optimizer)) == ["optimizer-before-sharding"]
 
 
 @pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
@@ -302,6 +395,23 @@ def test_whole_model_in_the_root_unit(api):
     assert "100%" in found[0].problem and "4 T5Block blocks" in found[0].problem
 
 
+def test_the_roots_own_parameters_are_named_when_every_block_is_a_unit():
+    model = nn.Sequential(nn.Embedding(4096, 16), *(nn.Linear(16, 16) for _ in range(4)))
+    for layer in model[1:]:
+        fully_shard(layer)
+    fully_shard(model)
+    found = diagnose(model)
+    assert checks(found) == ["root-holds-most"]
+    assert "0.weight (4,096 x 16: 100%)" in found[0].problem
+    assert "fully_shard(model[0])" in found[0].fix and "each" not in found[0].fix
+
+
+def test_the_recommended_policy_reduces_in_fp32():
+    model = shard_model(build().to(torch.bfloat16), api="fsdp2", block_class=block())
+    (found,) = diagnose(model)
+    assert "param_dtype=torch.bfloat16, reduce_dtype=torch.float32" in found.fix
+
+
 def test_parameters_outside_every_unit():
     model = build("llama-tiny")
     for layer in model.model.layers:
@@ -357,13 +467,72 @@ def test_every_finding_prints_in_80_columns():
         assert finding.line.count("\n") == 0 and "Fix: " in finding.line
 
 
+RANKS_SCRIPT = """
+import json, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from utilities.doctor import diagnose, same_build_findings
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+def build(seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(64, 32), *(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32))
+                                                  for _ in range(5)), nn.Linear(32, 64))
+    model.register_buffer("scale", torch.rand(4))  # a buffer every rank holds in full
+    return model
+
+def shard(model, **options):
+    for layer in model[1:-1]:
+        fully_shard(layer, **options)
+    return fully_shard(model, **options)
+
+out = {}
+for name, seed in (("seed_plus_rank", rank), ("same_seed", 0)):
+    model = build(seed)
+    out[name] = [f.line for f in same_build_findings(model)]
+    out[name + "_after_sharding"] = [f.check for f in diagnose(shard(model), every_rank=True)]
+
+ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(rank))
+grads = {}
+for name, policy in (("unset", MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+                     ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+                     ("fp32", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))):
+    model = shard(build(0), mp_policy=policy)
+    model(ids).float().square().mean().backward()
+    grads[name] = torch.cat([p.grad.full_tensor().float().flatten() for p in model.parameters()])
+    out[name] = [f.line for f in diagnose(model)]
+for name in ("unset", "bf16"):
+    out[name + "_rel_error"] = float((grads[name] - grads["fp32"]).norm() / grads["fp32"].norm())
+print(json.dumps(out))
+"""
+
+
+def test_on_two_ranks_a_divergent_build_and_a_bf16_reduction_are_caught():
+    from conftest import run_ranks
+
+    for out in run_ranks(RANKS_SCRIPT):
+        (divergent,) = out["seed_plus_rank"]
+        assert divergent.startswith("rank-divergent-build: ") and "torch.manual_seed(seed)" in divergent
+        assert out["seed_plus_rank_after_sharding"] == ["rank-divergent-build"]  # the buffer differs
+        assert out["same_seed"] == [] and out["same_seed_after_sharding"] == []
+        for name in ("unset", "bf16"):  # gradients summed in bf16: measurably off an fp32 reduction
+            (line,) = out[name]
+            assert line.startswith("low-precision-reduce: ") and "reduce_dtype=torch.float32" in line
+            assert out[name + "_rel_error"] > 1e-4
+        assert "unset" in out["unset"][0] and out["fp32"] == []
+
+
 # -- fsdp-course doctor ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
 def test_cli_on_a_course_model(api):
     proc = cli_here("doctor", "--model", "t5-tiny", "--api", api)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[-1] == "no problems found"
+    lines = proc.stdout.splitlines()
+    assert "no problems found" in lines and "(none materialised)" in proc.stdout
+    assert lines[lines.index("no problems found") + 1].startswith("needs a run, not checked here: non-finite")
 
 
 def test_cli_on_a_config_file(tmp_path):
@@ -376,8 +545,37 @@ def test_cli_on_a_config_file(tmp_path):
 def test_cli_finding_lines():
     proc = cli_here("doctor", "--model", "llama-tiny", "--policy", "whole")
     assert proc.returncode == 1
-    assert proc.stdout.splitlines()[1].startswith("root-holds-most: ")
+    assert proc.stdout.splitlines()[2].startswith("root-holds-most: ")
     assert all(len(line) <= COLUMNS for line in proc.stdout.splitlines())
+
+
+@pytest.mark.parametrize(("sizes", "api"), [
+    (dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+          intermediate_size=53248, vocab_size=128256, head_dim=128), "fsdp2"),  # Llama 3.1 405B's shape
+    (dict(vocab_size=2**31), "fsdp1")])
+def test_cli_inspects_any_size_without_materialising_it(tmp_path, sizes, api):
+    import resource
+    import time
+
+    config = dict(get_model_spec("llama-tiny").config().to_dict(), **sizes)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    t0, rss0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    proc = cli_here("doctor", "--model", str(tmp_path), "--api", api)
+    seconds = time.perf_counter() - t0
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024  # Linux: KiB
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "needs a run" in proc.stdout and ("meta" if api == "fsdp2" else "fake") in proc.stdout
+    assert seconds < 60  # seconds on a laptop; this box runs beside other tests
+    assert grown < 2**30  # 405B parameters in fp32 would be 1.6 TB
+
+
+def test_cli_a_config_that_cannot_be_built_is_one_line(tmp_path):
+    config = dict(get_model_spec("llama-tiny").config().to_dict(), hidden_size=100, num_attention_heads=3,
+                  head_dim=None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = cli_here("doctor", "--model", str(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: ")
 
 
 @pytest.mark.parametrize("args", [("--model", "gpt-17"), ("--api", "fsdp3"), ("--policy", "layers"),

@@ -8,7 +8,8 @@ from conftest import assert_documented_keys, assert_help_lists, flag_error, note
 
 PAIRS = ("optimizer-before-shard", "bf16-weights", "grad-accumulation", "tied-weights",
          "meta-init-buffers", "frozen-fsdp1", "reshard-after-forward", "skipped-collective",
-         "hand-clipping", "optimizer-state", "non-forward-method", "memory-vs-rss")
+         "hand-clipping", "optimizer-state", "non-forward-method", "memory-vs-rss", "rank-seeds",
+         "bf16-reduce")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,48 @@ def test_memory_shows_the_plans_reserved_beside_allocated(results):
     assert v["allocator_reserved_bytes"] % (2 << 20) == 0
     assert v["reserved_to_allocated_ratio"] > 1
     assert "reserved" in v["fix"]
+
+
+def test_ranks_seeded_apart_train_a_mix_the_check_names_before_sharding(results):
+    v = variant(results, "rank-seeds")
+    assert 0 < v["mistake_tensors_as_a_rank_built"] < v["tensors"]  # only what every seed builds alike
+    assert v["mistake_max_abs_diff_from_nearest_build"] > 0.1
+    assert v["mistake_doctor"].startswith("rank-divergent-build: ") and v["fix_doctor"] is None
+    assert v["fix_tensors_as_a_rank_built"] == v["tensors"] and v["fix_max_abs_diff_from_nearest_build"] == 0
+
+
+def test_the_doctor_names_the_method_that_fails_before_it_is_called(results):
+    v = variant(results, "non-forward-method")
+    assert v["mistake_error"] and "model.generate" in v["mistake_doctor"] and "embed" in v["mistake_doctor"]
+    assert v["fix_error"] is None and v["fix_doctor"] is None
+
+
+def test_a_bf16_reduction_is_measured_and_reported(results):
+    v = variant(results, "bf16-reduce")
+    assert (v["mistake_reduce_dtypes"], v["fix_reduce_dtypes"]) == (["bfloat16"], ["float32"])
+    assert 1e-4 < v["mistake_grad_rel_error"] < 0.05  # bf16's rounding, not a wrong gradient
+    assert v["mistake_doctor"].startswith("low-precision-reduce: ") and v["fix_doctor"] is None
+
+
+def test_the_header_and_no_warning_of_the_lessons_own(world1, tmp_path, capsys):
+    """One rank in this process: the tied-weights pair reads a gap off tensors that require grad,
+    and frozen-fsdp1 makes FSDP1 warn once per mixed unit; neither reaches the output."""
+    import warnings
+
+    from conftest import lesson_module
+
+    lesson = lesson_module("15")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lesson.main(lesson.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path),
+                                       "--variants", "tied-weights,frozen-fsdp1"]))
+    out = " ".join(capsys.readouterr().out.split())
+    header = out[out.index("lesson 15 ("):]
+    assert "each failure at the steps and batches its row needs" in header[:300]
+    assert "steps, batch" not in out
+    said = [f"{w.filename}: {w.message}" for w in caught
+            if w.filename == lesson.__file__ or "requires_grad=True and False" in str(w.message)]
+    assert said == []
 
 
 def test_readme_table_is_reproduced_by_the_quick_run(results):

@@ -325,6 +325,28 @@ def fsdp2_mp_policy(module: nn.Module) -> Any | None:
         return None
 
 
+def fsdp2_sharded_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]] | None:
+    """The parameters a ``fully_shard``-ed module manages, as (owning module, name, sharded
+    DTensor parameter), a tied parameter once per module holding it. Between an unshard and its
+    reshard (after a ``torch.no_grad()`` forward the root stays unsharded) the modules hold plain
+    unsharded tensors; FSDP2 keeps the sharded ones here. None where this torch keeps them
+    elsewhere."""
+    try:
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # an older torch: one group per state
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        out = []
+        for param in (p for group in groups for p in group.fsdp_params):
+            info = param._module_info
+            places = [(info.module, info.param_name),
+                      *zip(getattr(info, "shared_modules", ()), getattr(info, "shared_param_names", ()))]
+            out += [(module, name, param.sharded_param) for module, name in places]
+        return out
+    except AttributeError:
+        return None
+
+
 def fsdp1_uses_orig_params(unit: nn.Module) -> bool:
     """Whether an FSDP1 unit was built with ``use_orig_params=True``."""
     return bool(getattr(unit, "_use_orig_params", False))
@@ -335,6 +357,16 @@ def fsdp1_orig_params(unit: nn.Module) -> list[torch.Tensor] | None:
     (``use_orig_params=True``); None otherwise."""
     params = getattr(fsdp1_flat_param(unit), "_params", None)
     return list(params) if params is not None else None
+
+
+def fsdp1_flat_param_contents(unit: nn.Module) -> list[tuple[str, torch.Size]] | None:
+    """The (name under the unit, unsharded shape) of each parameter an FSDP1 unit flattened (its
+    FlatParameter's ``_fqns`` and ``_shapes``); None where this torch keeps them elsewhere."""
+    flat = fsdp1_flat_param(unit)
+    names, shapes = getattr(flat, "_fqns", None), getattr(flat, "_shapes", None)
+    if names is None or shapes is None:
+        return None
+    return list(zip(names, shapes))
 
 
 def fsdp1_mixed_precision(unit: nn.Module) -> Any | None:

@@ -16,6 +16,8 @@ bytes, a norm, seconds of waiting) and the fix (the right code, the symptom meas
     optimizer-state          optimizer.state_dict() saved on rank 0: resumes to other numbers
     non-forward-method       a method other than forward on an FSDP2 model: sharded parameters
     memory-vs-rss            the process's RSS against the trackers' categories
+    rank-seeds               each rank seeds its own build: the sharded model is a mix no rank built
+    bf16-reduce              param_dtype bf16 without reduce_dtype: gradients summed in bf16
 
 Run: fsdp-course run 15 [--quick]   or   torchrun --nproc-per-node 2 when_fsdp_goes_wrong.py --device cpu
 """
@@ -28,6 +30,7 @@ import datetime
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import reduce_scalar, world_mesh
+from utilities.doctor import diagnose, same_build_findings
 from utilities.errors import bounded, positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.memory import MemoryProbe
@@ -94,6 +98,13 @@ def bf16_policy(model: nn.Module) -> nn.Module:
     gradients reduced in fp32."""
     return shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                        reduce_dtype=torch.float32))
+
+
+def bf16_policy_without_reduce_dtype(model: nn.Module) -> nn.Module:
+    """The half-policy: ``param_dtype`` alone. ``reduce_dtype`` unset means "reduce in
+    param_dtype": every gradient's reduce-scatter sums the ranks' bf16 gradients in bf16, each
+    addition rounded to 8 significant bits. The fix is ``bf16_policy`` above."""
+    return shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 
 # -- 3. gradient accumulation: the memory / communication trade ------------------------------------
@@ -268,6 +279,27 @@ def register_generate(model: nn.Module) -> nn.Module:
     return model
 
 
+# -- 13. every rank builds the same model ------------------------------------------------------------
+def build_seeded_per_rank(seed: int, **kw) -> TinyLM:
+    """The mistake: each rank seeds with its rank (for its own data order) before building the
+    model. Every rank builds other weights; fully_shard keeps each rank's shard of its own build,
+    so the model trained is a mix that no rank built, and nothing fails."""
+    torch.manual_seed(seed + dist.get_rank())
+    return TinyLM(**kw)
+
+
+def build_seeded_alike(seed: int, **kw) -> TinyLM:
+    """The fix: one seed for the model on every rank (seed the data per rank afterwards)."""
+    torch.manual_seed(seed)
+    return TinyLM(**kw)
+
+
+def check_same_build(model: nn.Module) -> list[str]:
+    """Before sharding, on every rank: ``same_build_findings`` all-gathers a checksum of every
+    tensor and names the ones that differ between ranks (nothing: every rank built one model)."""
+    return [finding.line for finding in same_build_findings(model)]
+
+
 # -- the lesson's model: a small causal LM whose pieces each failure needs --------------------------
 class Block(nn.Module):
     def __init__(self, d: int, adapter: int = 0):
@@ -346,6 +378,15 @@ def train_losses(model: nn.Module, optimizer: torch.optim.Optimizer, batches: li
         optimizer.step()
         losses.append(reduce_scalar(loss.item(), "mean"))
     return losses
+
+
+@contextlib.contextmanager
+def mixed_unit_warnings_off():
+    """FSDP1's warning, once per unit and rank, that a unit mixes frozen and trainable parameters
+    (its gradient memory is the whole unit's): the pair makes that mix on purpose and measures it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*has both parameters with requires_grad=True and False")
+        yield
 
 
 def first_line(e: BaseException) -> str:
@@ -473,7 +514,7 @@ class Failures:
                 train_losses(model, optimizer, data, 3)
                 result[f"{half}_error"] = None
                 gap = (embed.full_tensor() - head.full_tensor()).abs().max()
-                result[f"{half}_tie_max_abs_diff"] = float(gap)
+                result[f"{half}_tie_max_abs_diff"] = float(gap.detach())
             except ValueError as e:
                 result[f"{half}_error"], result[f"{half}_tie_max_abs_diff"] = first_line(e), None
         m = result["mistake_tie_max_abs_diff"]
@@ -531,7 +572,8 @@ class Failures:
             return model
 
         try:
-            fsdp1_mixed_unit(lora(self.model(adapter=4)), self.lesson.device, use_orig_params=False)
+            with mixed_unit_warnings_off():
+                fsdp1_mixed_unit(lora(self.model(adapter=4)), self.lesson.device, use_orig_params=False)
             error = None
         except (ValueError, RuntimeError) as e:
             error = first_line(e)
@@ -542,7 +584,8 @@ class Failures:
         model.loss(self.batches(1)[0]).backward()
         grads = {flag: sum(p.grad.to_local().numel() * 4 for p in model.parameters()
                            if p.requires_grad == flag and p.grad is not None) for flag in (True, False)}
-        fsdp1 = fsdp1_mixed_unit(lora(self.model(adapter=4)), self.lesson.device, use_orig_params=True)
+        with mixed_unit_warnings_off():
+            fsdp1 = fsdp1_mixed_unit(lora(self.model(adapter=4)), self.lesson.device, use_orig_params=True)
         fsdp1_ok = all(p.grad is None for p in fsdp1.parameters() if not p.requires_grad)
         n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         return dict(fsdp1_error=error, fsdp2_loss_drop=round(losses[0] - losses[-1], 4),
@@ -682,6 +725,8 @@ class Failures:
         result = {}
         for half, prepare in (("mistake", lambda m: m), ("fix", register_generate)):
             model = prepare(shard(self.model()))
+            said = [f.line for f in diagnose(model, methods=["generate"]) if f.check == "unregistered-method"]
+            result[f"{half}_doctor"] = said[0] if said else None  # said before the call, from the code
             try:
                 out = model.generate(prompt, 6)
                 error, equal = None, ok(torch.equal(out, reference))
@@ -694,6 +739,29 @@ class Failures:
                     symptom_shown=result["mistake_error"] is not None
                     or not result["mistake_equal_to_unsharded"],
                     fix_works=result["fix_error"] is None and result["fix_equal_to_unsharded"])
+
+    # 14
+    def bf16_reduce(self) -> dict:
+        ids = self.batches(1)[0]  # each rank its own batch: the ranks' gradients differ
+        result, grads = {}, {}
+        for half, wrap in (("mistake", bf16_policy_without_reduce_dtype), ("fix", bf16_policy)):
+            model = wrap(self.model(d=64))
+            with comm_dtypes() as dtypes:
+                model.loss(ids).backward()
+            grads[half] = torch.cat([p.grad.full_tensor().float().flatten() for p in model.parameters()])
+            result[f"{half}_reduce_dtypes"] = sorted(dtypes.get("reduce_scatter", ()))
+            said = [f.line for f in diagnose(model) if f.check == "low-precision-reduce"]
+            result[f"{half}_doctor"] = said[0] if said else None
+        error = float((grads["mistake"] - grads["fix"]).norm() / grads["fix"].norm())
+        result["mistake_grad_rel_error"] = round(error, 6)
+        m, f = result["mistake_reduce_dtypes"], result["fix_reduce_dtypes"]
+        return dict(result, measure="reduce-scatter dtype; gradients vs an fp32 reduction; doctor",
+                    mistake=f"{'/'.join(m)}; {error:.2%}; "
+                            + ("low-precision-reduce" if result["mistake_doctor"] else "nothing said"),
+                    fix=f"{'/'.join(f)}; 0%; "
+                        + ("low-precision-reduce" if result["fix_doctor"] else "nothing said"),
+                    symptom_shown=m == ["bfloat16"] and error > 1e-4 and result["mistake_doctor"] is not None,
+                    fix_works=f == ["float32"] and result["fix_doctor"] is None)
 
     # 12
     def memory_vs_rss(self) -> dict:
@@ -725,6 +793,37 @@ class Failures:
                     and peak["total"] <= cached["allocated"] <= cached["reserved"])
 
 
+    # 13
+    def rank_seeds(self) -> dict:
+        result = {}
+        for half, build in (("mistake", build_seeded_per_rank), ("fix", build_seeded_alike)):
+            model = build(self.args.seed, vocab=self.vocab)
+            self.lesson._track(model)
+            said = check_same_build(model)
+            builds = _gather_objects({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
+            shard(model)
+            as_built, farthest = 0, 0.0
+            for name, p in model.named_parameters():
+                gathered = p.full_tensor().detach().cpu()
+                gaps = [float((gathered - build[name]).abs().max()) for build in builds]
+                as_built += min(gaps) == 0.0
+                farthest = max(farthest, min(gaps))
+            result[f"{half}_tensors_as_a_rank_built"] = as_built
+            result[f"{half}_max_abs_diff_from_nearest_build"] = farthest
+            result[f"{half}_doctor"] = said[0] if said else None
+        tensors = len(list(model.parameters()))
+        m, f = result["mistake_tensors_as_a_rank_built"], result["fix_tensors_as_a_rank_built"]
+        return dict(result, tensors=tensors,
+                    measure="tensors as some rank built them, max |gathered - nearest build|; check",
+                    mistake=f"{m} of {tensors}, {result['mistake_max_abs_diff_from_nearest_build']:.2g}; "
+                            + ("rank-divergent-build" if result["mistake_doctor"] else "nothing said"),
+                    fix=f"{f} of {tensors}, {result['fix_max_abs_diff_from_nearest_build']:.2g}; "
+                        + ("rank-divergent-build" if result["fix_doctor"] else "nothing said"),
+                    symptom_shown=m < tensors and result["mistake_max_abs_diff_from_nearest_build"] > 1e-3
+                    and result["mistake_doctor"] is not None,
+                    fix_works=f == tensors and result["fix_max_abs_diff_from_nearest_build"] == 0.0
+                    and result["fix_doctor"] is None)
+
 def allocator_model(model: nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor],
                     device: torch.device) -> dict[str, int]:
     """One more step, its allocations and frees recorded by the memory tracker and replayed through
@@ -747,11 +846,12 @@ def allocator_model(model: nn.Module, optimizer: torch.optim.Optimizer, data: li
 
 class _Collectives(TorchDispatchMode):
     """Counts the collectives this rank makes, by kind (all_gather, reduce_scatter, ...), as
-    torch's dispatcher sees them."""
+    torch's dispatcher sees them, and the dtypes of the tensors each kind moves."""
 
     def __init__(self):
         super().__init__()
         self.counts: dict[str, int] = {}
+        self.dtypes: dict[str, set[str]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0].lower().strip("_")
@@ -759,6 +859,9 @@ class _Collectives(TorchDispatchMode):
             kind = ("all_gather" if "allgather" in name else "reduce_scatter" if "reduce_scatter" in name
                     else name)
             self.counts[kind] = self.counts.get(kind, 0) + 1
+            moved = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                     if isinstance(t, torch.Tensor)]
+            self.dtypes.setdefault(kind, set()).update(str(t.dtype).removeprefix("torch.") for t in moved)
         return func(*args, **(kwargs or {}))
 
 
@@ -768,6 +871,14 @@ def comm_counts():
     mode = _Collectives()
     with mode:
         yield mode.counts
+
+
+@contextlib.contextmanager
+def comm_dtypes():
+    """``with comm_dtypes() as dtypes:`` the dtypes each kind of collective moved inside."""
+    mode = _Collectives()
+    with mode:
+        yield mode.dtypes
 
 
 def process_rss_bytes() -> int:
@@ -823,6 +934,8 @@ VARIANTS: dict[str, Callable[[Failures], dict]] = {
     "optimizer-state": Failures.optimizer_state,
     "non-forward-method": Failures.non_forward_method,
     "memory-vs-rss": Failures.memory_vs_rss,
+    "rank-seeds": Failures.rank_seeds,
+    "bf16-reduce": Failures.bf16_reduce,
 }
 NOTES = ("symptom shown / fix works: the mistake's measured symptom is there, and the fix's measure "
          "is where it should be, on every rank (each test of tests/test_lesson_15.py asserts one pair).",

@@ -86,20 +86,23 @@ def _parser() -> argparse.ArgumentParser:
     doc = sub.add_parser(
         "doctor", help="build a course model, shard it the course's way and list what is wrong "
                        "with it (utilities.doctor: run it on your own model after sharding)",
-        description="Build --model as the lessons do (random weights, one process: a one-rank "
-                    "gloo group in this process), shard it with --api and --policy through "
-                    "utilities.wrapping.shard_model, build its AdamW and run "
+        description="Build --model as the lessons do, on tensors without storage (FSDP2: meta; "
+                    "FSDP1: fake; nothing materialised, so any size runs in seconds; one process: "
+                    "a one-rank gloo group in this process), shard it with --api and --policy "
+                    "through utilities.wrapping.shard_model, build its AdamW and run "
                     "utilities.doctor.diagnose on it: one line per problem (what is wrong, why "
-                    "it matters, the fix), or 'no problems found' (exit 0; 1 with findings). "
-                    "In your own script, after sharding and building the optimizer:\n\n"
+                    "it matters, the fix), or 'no problems found' (exit 0; 1 with findings), then "
+                    "what needs a run with real values. In your own script, after sharding and "
+                    "building the optimizer:\n\n"
                     "    from utilities.doctor import diagnose\n"
                     "    for finding in diagnose(model, optimizer):\n"
                     "        print(finding)",
         formatter_class=HelpFormatter)
     doc.add_argument("--model", default="t5-tiny",
                      help="a course model (see `fsdp-course list --models`) or a Hugging Face "
-                          "config.json or a folder holding one (built with random weights; the "
-                          "whole model is materialised in this process, in fp32); default t5-tiny")
+                          "config.json or a folder holding one (built and sharded on meta tensors, "
+                          "FSDP1 on fake ones: nothing is materialised, any size runs in "
+                          "seconds); default t5-tiny")
     doc.add_argument("--api", default="fsdp2",
                      help="fsdp2 (fully_shard) or fsdp1 (FullyShardedDataParallel); default fsdp2")
     doc.add_argument("--policy", default="block",
@@ -185,7 +188,8 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    """``fsdp-course doctor``: the course's model, sharded the course's way, diagnosed."""
+    """``fsdp-course doctor``: the course's model, sharded the course's way on tensors without
+    storage (FSDP2: meta; FSDP1, which cannot shard meta tensors: fake ones), diagnosed."""
     from utilities.wrapping import APIS, POLICIES, shard_model
 
     spec = get_model_spec(args.model)
@@ -197,33 +201,41 @@ def _doctor(args: argparse.Namespace) -> int:
 
     import torch
     import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from utilities.distributed import teardown
     from utilities.doctor import diagnose, findings_text
-    from utilities.models import META_INIT_THRESHOLD, init_weights
     from utilities.text import wrap_lines
 
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    storage = "meta" if args.api == "fsdp2" else "fake"
     try:
-        torch.manual_seed(0)
-        on_meta = spec.num_parameters > META_INIT_THRESHOLD  # as the lessons build a large model
         warnings.filterwarnings("ignore", message=".*switching to use `NO_SHARD`")  # one rank
-        model = shard_model(spec.build("meta" if on_meta else "cpu"), api=args.api,
-                            block_class=spec.block_class(), policy=args.policy)
-        if any(p.is_meta for p in model.parameters()):  # FSDP2 on meta: each rank fills its shards
-            model.to_empty(device="cpu")
-            init_weights(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fake = FakeTensorMode(allow_non_fake_inputs=True) if storage == "fake" else contextlib.nullcontext()
+        with fake:
+            try:
+                model = shard_model(spec.build(storage if storage == "meta" else "cpu"), api=args.api,
+                                    block_class=spec.block_class(), policy=args.policy)
+            except (ValueError, RuntimeError, TypeError, IndexError) as e:
+                message = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise UsageError(f"--model {args.model}: this config cannot be built and sharded: "
+                                 f"{message[:200]}") from None
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, spec.config().vocab_size, (2, min(64, spec.default_seq_len)))
-        findings = diagnose(model, optimizer, batch={"input_ids": ids})
+        findings = diagnose(model, optimizer, batch={"input_ids": ids}, values=False)
     finally:
         if own_group:
             teardown()
     print(wrap_lines(f"doctor: {spec.name}, {args.api}, policy {args.policy}, 1 process "
-                     f"(gloo), {spec.num_parameters:,} parameters", 80))
+                     f"(gloo), {spec.num_parameters:,} parameters on {storage} tensors (none "
+                     "materialised)", 80))
     print(findings_text(findings))
+    print(wrap_lines("needs a run, not checked here: non-finite or uninitialised values, ranks that "
+                     "built different models (in your script: diagnose(model, optimizer, "
+                     "every_rank=True) on every rank; same_build_findings(model) before sharding)",
+                     80, indent="    "))
     return 1 if findings else 0
 
 

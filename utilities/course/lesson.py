@@ -166,8 +166,9 @@ class Lesson:
             self.print(self.dist.shared_gpu_note())
         self.print(f"lesson {self.number} ({self.title}): {self.spec.name} "
                    f"({self.spec.num_parameters:,} parameters), {self.dist.world_size} rank(s) on "
-                   f"{self.device.type} with {self.dist.backend}, {self.steps} steps, batch "
-                   f"{self.batch_size} x seq {self.seq_len}")
+                   f"{self.device.type} with {self.dist.backend}, "
+                   + (LESSONS[self.number].sizes  # where each variant chooses its own
+                      or f"{self.steps} steps, batch {self.batch_size} x seq {self.seq_len}"))
         if self._needs_ranks and self.dist.world_size == 1:
             self._one_rank_caveat()
         freeze_what_lives_until_exit()
