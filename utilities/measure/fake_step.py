@@ -244,6 +244,7 @@ def _unit_states(model, optimizer) -> dict[str, dict[str, int]]:
 # -- what the time model reads -------------------------------------------------------------------
 
 MATMUL, ATTENTION, MEMORY, FSDP_COPY = 0, 1, 2, 3
+ATTENTION_BACKWARD = 2.5  # FlashAttention's backward work / its forward's (``_attention_flops``)
 _FP32, _FP8_OK = 1, 2  # a matmul's flag: computes in fp32; a block Linear's GEMM (Float8-able)
 
 
@@ -306,7 +307,7 @@ def _classify(func) -> int | None:
     if "attention" in name:
         return ATTENTION
     if name in ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
-                "_scaled_mm"):
+                "_scaled_mm", "_grouped_mm"):
         return MATMUL
     return MEMORY
 
@@ -325,6 +326,19 @@ def _kernel_bytes(x) -> int:
     return 0
 
 
+def _grouped_mm_flops(a, b) -> float:
+    """``_grouped_mm(a, b, offs)``'s work (a mixture of experts' GEMM, which torch's FLOP counter
+    does not know): 2 x rows x inner x columns over the groups, whichever operand ``offs`` splits,
+    so a token's work counts the experts it was routed to, not every expert."""
+    if a.dim() == 2 and b.dim() == 2:  # offs splits the inner dim (a weight's gradient)
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    if a.dim() == 2:  # (tokens, in) x (experts, in, out)
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[-1]
+    if b.dim() == 2:  # (experts, m, in) x (in, columns)
+        return 2.0 * a.shape[1] * a.shape[2] * b.shape[1]
+    return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]  # batched, no offs
+
+
 def _attention_flops(func, args, kwargs, causal_default: bool) -> float:
     """FlashAttention's work: 4 B H Sq Sk D forward (two GEMMs), 2.5x that backward (five GEMMs,
     S recomputed), halved under a causal mask. ``causal_default``: a decoder-only model's mask is
@@ -338,7 +352,7 @@ def _attention_flops(func, args, kwargs, causal_default: bool) -> float:
     sk = k.shape[-2]
     flops = 4.0 * b * h * sq * sk * d
     if "backward" in func.__name__:
-        flops *= 2.5
+        flops *= ATTENTION_BACKWARD
     causal = bool(named.get("is_causal", False)) or causal_default
     return flops * (0.5 if causal else 1.0)
 
@@ -453,7 +467,10 @@ class OpRecorder:
         fp32 = False
         if kind == MATMUL:
             f = self.flop_registry.get(func._overloadpacket)
-            flops = float(f(*args, **kwargs, out_val=out)) if f else 0.0
+            if f is None and func.__name__.startswith("_grouped_mm"):
+                flops = _grouped_mm_flops(args[0], args[1])
+            else:
+                flops = float(f(*args, **kwargs, out_val=out)) if f else 0.0
             fp32 = isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32
         elif kind == ATTENTION:
             flops = _attention_flops(func, args, kwargs, self.causal)
