@@ -261,19 +261,31 @@ def fsdp_mem_tracker():
             and hasattr(module._FSDPRefType, "ALL_GATHER")):
         return stock
     all_gather = module.c10d._allgather_base_.default
+    clone = torch.ops.aten.clone.default
     booked = (module._FSDPState.PRE_FW, module._FSDPState.PRE_BW)
+    post_forward = getattr(module._FSDPState, "POST_FW", None)
+    kept = getattr(module._FSDPRefType, "UNSHARDED_PARAM", None)
 
     class FSDPMemTracker(stock):  # the name results.json reports as the method
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if (func is all_gather and out is not NotImplemented
-                    and getattr(self, "_fsdp_state", None) not in booked):
-                try:
-                    self._update_and_maybe_create_winfos(args[0], module._FSDPRefType.ALL_GATHER,
-                                                         update_existing=True)
-                except KeyError:
-                    pass  # a buffer the tracker did not see allocated (under another fake mode)
+            state = getattr(self, "_fsdp_state", None)
+            if func is all_gather and out is not NotImplemented and state not in booked:
+                self._rebook(args[0], module._FSDPRefType.ALL_GATHER)
+            elif (func is clone and state is post_forward and kept is not None
+                  and isinstance(out, torch.Tensor)):
+                # reshard_after_forward=N: the parameters' copy kept on groups of N ranks until
+                # backward (FSDPParam.to_sharded_post_forward clones it out of the all-gather),
+                # which the stock tracker books as an activation; False keeps the whole
+                # gathered parameters, booked as unsharded parameters: so is this
+                self._rebook(out, kept)
             return out
+
+        def _rebook(self, t, category) -> None:
+            try:
+                self._update_and_maybe_create_winfos(t, category, update_existing=True)
+            except KeyError:
+                pass  # a buffer the tracker did not see allocated (under another fake mode)
 
     return FSDPMemTracker
 

@@ -683,7 +683,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="activation checkpointing: none; selective (op-level, as torchtitan: "
                         "keep matmul and attention outputs, recompute the rest); every-2nd-block "
                         "(block-level, lesson 02's 'selective'); full (every block)")
-    parser.add_argument("--batch", default="1", help="per-rank batch size; default 1")
+    parser.add_argument("--batch", default="1",
+                        help="per-rank batch size (with --tp: per TP group, whose ranks all run "
+                        "the same tokens); default 1")
     parser.add_argument("--seq", default=None, help="sequence length (default: the model's)")
     parser.add_argument("--gpu", default=None,
                         help="the GPU the step time is predicted for (h100, h100-96gb, h200, "
@@ -882,7 +884,9 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
              f"{fmt_bytes(p.gpu_memory_bytes)}: {p.strategy}"
              f"{f' (shard groups of {p.shard_size})' if p.shard_size else ''}"
              f"{f' across TP groups of {p.tp}' if p.tp > 1 else ''}, {p.precision}, "
-             f"AC {p.ac}, batch {p.batch} x seq {p.seq} per rank",
+             f"AC {p.ac}, batch {p.batch} x seq {p.seq} "
+             + (f"per TP group (each of its {p.tp} ranks runs these tokens)" if p.tp > 1 else
+                "per rank"),
              f"{'category':<13}{'peak per rank' if p.detail else 'at least':>14}{'share':>7}"
              f"{'FSDP2 formula':>15}{'ZeRO paper':>12}"]
     total = max(p.peak_bytes["total"], 1)
