@@ -17,6 +17,7 @@ and fails on any private import anywhere in the course that the list does not na
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from copy import deepcopy
 from types import MethodType
@@ -208,6 +209,30 @@ def clear_dtensor_sharding_cache() -> bool:
 
 
 # -- cuBLAS workspaces ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def dtensor_meta_from_cache():
+    """DTensor's output-metadata propagation answered from its cache, even under FakeTensorMode.
+
+    ``loss_parallel()``'s handlers ask the sharding propagator for each op's output metadata, and
+    under an active fake mode it skips its cache and runs the op at its whole, unsplit size in that
+    mode: under the planner's fake step, the memory tracker then booked a whole-vocabulary
+    log-softmax on every rank (what loss parallel exists to avoid). The step's untracked warm-up
+    fills the cache; the tracked step reads it. Yields whether the cache is used (not on a torch
+    without these private names)."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    cached = getattr(propagator, "_propagate_tensor_meta_cached", None)
+    if cached is None or not hasattr(propagator, "_propagate_tensor_meta"):
+        yield False
+        return
+    propagator._propagate_tensor_meta = cached
+    try:
+        yield True
+    finally:
+        del propagator._propagate_tensor_meta
+
 
 def clear_cublas_workspaces() -> bool:
     """Free the workspaces cuBLAS keeps per (handle, stream): 32 MiB each on sm90, one for the

@@ -148,7 +148,8 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
     if tp > 1:
         from utilities.measure.tensor_parallel import shard_2d
 
-        shard_2d(model, block, mesh, precision, ac, **shard_kwargs(options, strategy))
+        shard_2d(model, block, mesh, precision, ac, loss_parallel=options.loss_parallel,
+                 **shard_kwargs(options, strategy))
     else:
         if ac == "selective":
             apply_op_selective_checkpointing(model, block)
@@ -671,7 +672,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
         traced_micro_batches,
         trainable_parameters,
     )
-    from utilities.measure.tensor_parallel import HEAD_VIEW_WARNING
+    from utilities.measure.tensor_parallel import HEAD_VIEW_WARNING, loss_parallel_context
     from utilities.torch_internals import fsdp_mem_tracker, global_peak_only, mod_tracker_of
 
     options = options or PlanOptions()
@@ -702,7 +703,8 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
         with fake_mode:
             data = fake_batch(spec, batch, seq, device)
             if tp > 1:
-                model(**data).loss.backward()
+                with loss_parallel_context(model):
+                    model(**data).loss.backward()
                 model.zero_grad(set_to_none=True)
             params = trainable_parameters(model)
             optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=adamw_foreach(device))
@@ -727,7 +729,8 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
             with ops.mode, TrackerHooks(), tracker:  # the hooks go, so the model can be collected
                 start = len(recorder.events)
                 optimizer.zero_grad(set_to_none=True)
-                accumulate(model, data, options, traced_micro_batches(options), between)
+                with loss_parallel_context(model):
+                    accumulate(model, data, options, traced_micro_batches(options), between)
                 ops.param_units = {id(getattr(p, "_local_tensor", p)): unit_label(fqn)
                                    for fqn, own in _unit_parameters(model) for p in own}
                 ops.recording = False

@@ -219,6 +219,8 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
                                       "the middle block's allocations repeated"))
     if o.trainable is not None and o.trainable < 1:
         notes.append(trainable_note(step.units, o.trainable))
+    if tp > 1:
+        notes.append(loss_parallel_note(o.loss_parallel, tp))
     cats = categorize(snap)
     detail = cats.pop("detail")
     if strategy == "no_shard":
@@ -261,6 +263,17 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
         method="FSDPMemTracker on FakeTensorMode + fake process group", notes=notes,
         model_states=states, warnings=warnings, options=o.as_dict(), host=host,
         reserved=reserved, tp=tp)
+
+
+def loss_parallel_note(loss_parallel: bool, tp: int) -> str:
+    """What a 2-D plan assumes of the loss (``PlanOptions.loss_parallel``)."""
+    if loss_parallel:
+        return (f"loss parallel (torchtitan's default with TP): the LM head's logits stay split "
+                f"over the vocabulary, 1/{tp} on each rank of a TP group, and the loss is computed "
+                "on the shards (torch.distributed.tensor.parallel.loss_parallel); "
+                "--no-loss-parallel gathers the whole logits on every rank")
+    return ("--no-loss-parallel: the LM head gathers the whole logits (batch x seq x vocabulary) "
+            "on every rank of a TP group before the loss")
 
 
 def trainable_note(units, asked: float) -> str:
@@ -678,6 +691,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="tensor parallelism: GPUs per TP group (a divisor of --gpus and of a "
                         "node's), FSDP2 across the groups (2-D, as torchtitan; Llama models); "
                         "--batch is then one group's; default 1 (FSDP only)")
+    parser.add_argument("--no-loss-parallel", action="store_true",
+                        help="with --tp: gather the whole logits on every rank of a TP group "
+                        "(default: loss parallel, torchtitan's, the LM head's logits split over "
+                        "the vocabulary and the loss computed on the shards)")
     parser.add_argument("--precision", default="bf16", help=f"one of {', '.join(PRECISIONS)}")
     parser.add_argument("--ac", default="none",
                         help="activation checkpointing: none; selective (op-level, as torchtitan: "
@@ -763,7 +780,8 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         param_dtype=str(getattr(args, "param_dtype", "fp32")),
         host_memory_bytes=(parse_memory(host, "--host-memory") if host is not None
                            else PlanOptions().host_memory_bytes),
-        gpus_per_node=_int_arg("--gpus-per-node", getattr(args, "gpus_per_node", "8")))
+        gpus_per_node=_int_arg("--gpus-per-node", getattr(args, "gpus_per_node", "8")),
+        loss_parallel=not getattr(args, "no_loss_parallel", False))
     check_options(o)
     return o
 

@@ -800,7 +800,10 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                      "parallel, as torchtitan: q/k/v and gate/up split by columns, o and down by "
                      "rows), FSDP2 across the groups; the collectives TP issued in the trace are "
                      "timed inside the group and wait on the compute lane (no async TP); tokens/s "
-                     f"per GPU is a group's tokens / {tp}")
+                     f"per GPU is a group's tokens / {tp}; "
+                     + ("loss parallel: the logits split over the vocabulary, the loss's "
+                        "all-reduces traced" if po.loss_parallel else
+                        "whole logits gathered on every rank (--no-loss-parallel)"))
     return StepTime(
         model=spec.name, gpus=gpus, gpu=g.name, strategy=strategy, precision=precision, ac=ac,
         batch=batch, seq=seq, compile=compile, fp8=fp8_used, step_s=step_s, compute_s=compute_s,
