@@ -186,6 +186,10 @@ def test_plan_tp_shards_states_over_every_gpu_and_splits_activations():
     assert sum(two.model_states.values()) == pytest.approx(sum(one.model_states.values()), rel=0.02)
     assert two.peak_bytes["activations"] < one.peak_bytes["activations"]
     assert two.tp == 2 and "across TP groups of 2" in P.format_plan(two)
+    assert "per TP group" in P.format_plan(two) and "per rank" not in P.format_plan(two).splitlines()[0]
+    assert any(n.startswith("loss parallel") for n in two.notes)
+    whole = P.plan(MODEL, 4, 80 * 2**30, batch=BATCH, seq=SEQ, tp=2, options={"loss_parallel": False})
+    assert two.peak_bytes["total"] < whole.peak_bytes["total"]  # the logits split over the vocabulary
     step = P.predict_time(two, {})
     assert any(e.args.get("tp_comm_s", 0) > 0 for e in step.timeline if e.unit != "root")
     assert any("tensor parallelism: 2 GPUs per group" in a for a in step.assumptions)
