@@ -466,13 +466,15 @@ def test_mfu_of_a_mixture_of_experts_counts_its_active_experts(tmp_path):
     layers, heads, head_dim = _attention_shape(spec.config())
     assert count == pytest.approx(6 * (spec.num_parameters - idle) + 12 * layers * heads * head_dim * seq)
     assert "2 of 8 experts" in said
+    assert 0 < st.estimate_step_time(spec, 2, batch=2, seq=seq).mfu <= 1
 
 
 @pytest.mark.parametrize("knobs", [
     dict(ac="selective", plan_options={"lora_rank": 8}),
     dict(ac="every-2nd-block", fp8=True, compile=True, gpu="h100"),
     dict(tp=2, batch=16, compile=True, gpu="a100-80gb"),
-], ids=["lora-selective", "fp8-compile", "tp2"])
+    dict(model="t5-small", seq=512, batch=32, precision="fp32", plan_options={"trainable": 0.5}),
+], ids=["lora-selective", "fp8-compile", "tp2", "t5-fp32-trainable"])
 def test_mfu_is_at_most_one_for_every_knob(knobs):
     """MFU never passes 100% of the bf16 peak, whatever the knob (llama-1b at a batch where the
     matmuls dominate)."""
@@ -480,7 +482,7 @@ def test_mfu_is_at_most_one_for_every_knob(knobs):
 
     knobs = dict(knobs)
     po = knobs.pop("plan_options", None)
-    batch = knobs.pop("batch", 8)
-    t = st.estimate_step_time("llama-1b", 8, batch=batch, seq=2048,
+    model, batch, seq = knobs.pop("model", "llama-1b"), knobs.pop("batch", 8), knobs.pop("seq", 2048)
+    t = st.estimate_step_time(model, 8, batch=batch, seq=seq,
                               plan_options=PlanOptions(**po) if po else None, **knobs)
     assert 0 < t.mfu <= 1
