@@ -15,7 +15,9 @@ on fake tensors); a few minutes on a laptop for the llama-8b plans.
 * accelerate's FSDP2 example (examples/torch_native_parallelism/fsdp2_fp8.py): Llama 3.1 8B with
   bf16 parameters, 8 x H100 80GB, batch 1 x 8192, no AC: the run exists.
 * torchtitan (benchmarks/llama3_h100_202412_torchtitan.md): Llama 3.1 8B, 8 x H100 96GB, batch 2
-  x 8192, selective AC: 82.4 GiB reserved; on 128 GPUs 15.4 GiB less.
+  x 8192, selective AC: 82.4 GiB reserved; on 128 GPUs 15.4 GiB less. Table 4: Llama 3.1 70B, 2-D
+  on 256 H100 96GB (FSDP 32 x TP 8), local batch 16 x 8192, full AC, torch.compile + Float8:
+  71.9 GiB reserved; planned with loss parallel (torchtitan's default with TP) and without.
 """
 
 from __future__ import annotations
@@ -275,8 +277,41 @@ def accelerate_and_torchtitan(rows: list) -> None:
         "planned_reserved_drop_GiB": round(r8 - r128, 2), "drop_ratio": ratio(r8 - r128, drop)})
 
 
+# Llama 3.1 70B's published shapes (meta-llama/Llama-3.1-70B config.json)
+LLAMA_31_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
+                "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+                "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
+                "hidden_act": "silu"}
+
+
+def torchtitan_2d(rows: list) -> None:
+    import tempfile
+
+    from utilities.measure.planner import plan
+
+    h96, published = 96 * 10**9, 71.9
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "config.json"
+        config.write_text(json.dumps(LLAMA_31_70B))
+        for loss_parallel in (True, False):
+            p = plan(str(config), 256, h96, "full_shard", "bf16", "full", 16, 8192, "cuda",
+                     options={"loss_parallel": loss_parallel}, tp=8)
+            reserved = p.reserved["reserved"] / GiB
+            rows.append({
+                "source": "torchtitan llama3_h100_202412 Table 4: Llama 3.1 70B, 256 x H100 96GB, "
+                          "FSDP 32 x TP 8, local batch 16 x 8192, full AC, reserved memory",
+                "loss_parallel": loss_parallel, "published_reserved_GiB": published,
+                "planned_allocated_GiB": round(p.peak_bytes["total"] / GiB, 2),
+                "planned_reserved_GiB": round(reserved, 2),
+                "reserved_ratio": ratio(reserved, published),
+                "planned_temporaries_GiB": round(p.peak_bytes["temporaries"] / GiB, 2),
+                "note": "the published run adds torch.compile and Float8, which the plan leaves "
+                        "out; loss parallel is torchtitan's default with TP"})
+
+
 PARTS = {"host_adamw": host_adamw, "lightning": lightning, "deepspeed": deepspeed,
-         "accelerate_and_torchtitan": accelerate_and_torchtitan}
+         "accelerate_and_torchtitan": accelerate_and_torchtitan, "torchtitan_2d": torchtitan_2d}
 
 
 def main(argv: list[str] | None = None) -> int:
