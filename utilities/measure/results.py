@@ -183,9 +183,10 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
-def load(path: str | os.PathLike) -> dict[str, Any]:
+def load(path: str | os.PathLike, results: bool = True) -> dict[str, Any]:
     """A results.json (``path`` or ``path/results.json``), read within ``utilities.json_input``'s
-    bounds; one ``UsageError`` line for a file that is not one."""
+    bounds and checked by ``check``; one ``UsageError`` line for a file that is not one. With
+    ``results`` False, any JSON object (a lesson's saved ``predicted`` block)."""
     from utilities.errors import UsageError
     from utilities.json_input import read_json
 
@@ -194,12 +195,93 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         p = p / "results.json"
     try:
         data = read_json(p)
+        if not isinstance(data, dict):
+            raise UsageError(f"it holds a JSON {type(data).__name__}, not an object")
+        if results:
+            check(data)
     except UsageError as e:
         raise UsageError(f"results file {str(p)!r} cannot be read: {e}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"results file {str(p)!r} cannot be read: it holds a JSON "
-                         f"{type(data).__name__}, not an object")
     return data
+
+
+# What the table, the README renderers and the CLI read from a results file, by key: the kinds of
+# JSON value allowed (None: null), whether a number may be negative, and for the sections below a
+# variant or the machine their own keys. A key not listed may hold anything; a listed one that is
+# absent is the writer's business (``Results`` writes every required one).
+_NUMBER = (int, float)
+_REQUIRED = {"lesson": (str,), "title": (str,), "device": (str,), "device_name": (str,),
+             "world_size": (int,), "torch": (str,), "date": (str,), "model": (dict,),
+             "settings": (dict,), "variants": (list,)}
+_OPTIONAL = {"machine": (dict, None), "notes": (list,), "columns": (list,), "takeaway": (str,),
+             "skipped": (dict,), "predicted": (dict,)}
+_SECTIONS = {
+    "model": {"name": (str, None), "parameters": (*_NUMBER, None)},
+    "machine": {"cpu_cores": (int, None), "memory_bytes": (*_NUMBER, None)},
+    "variant": {"name": (str,), "step_time_s": (*_NUMBER, None), "tokens_per_s": (*_NUMBER, None),
+                "mfu": (*_NUMBER, None), "peak_memory_bytes": (dict, None), "losses": (list, None),
+                "step_times_s": (list, None)},
+}
+# at most as many ranks as a results file could come from (the planner's largest cluster)
+MAX_WORLD_SIZE = 1 << 20
+
+
+def check(data: Any) -> None:
+    """``data`` holds what a results.json holds, each value of the kind the course reads (a
+    string where text is shown, a list of variants each an object with a name, numbers not
+    negative where they count or time something); ``UsageError`` naming the first value that does
+    not (its key and what is allowed)."""
+    from utilities.errors import UsageError
+
+    def kinds_text(kinds: tuple) -> str:
+        names = {str: "a string", int: "an integer", float: "a number", dict: "an object",
+                 list: "a list", None: "null"}
+        return " or ".join(dict.fromkeys(names[k] for k in kinds if not (k is float and int in kinds)))
+
+    def value(key: str, got: Any, kinds: tuple) -> None:
+        ok = (got is None and None in kinds) or (
+            got is not None and not isinstance(got, bool)
+            and isinstance(got, tuple(k for k in kinds if k is not None)))
+        if not ok:
+            raise UsageError(f"{key} is {_brief(got)}; allowed: {kinds_text(kinds)}")
+        if isinstance(got, _NUMBER) and got < 0:
+            raise UsageError(f"{key} is {_brief(got)}; allowed: numbers >= 0")
+
+    if not isinstance(data, dict):
+        raise UsageError(f"it holds a JSON {type(data).__name__}, not an object")
+    for key, kinds in _REQUIRED.items():
+        if key not in data:
+            raise UsageError(f"it has no {key!r} (a results.json names its {key} there)")
+        value(key, data[key], kinds)
+    for key, kinds in _OPTIONAL.items():
+        if key in data:
+            value(key, data[key], kinds)
+    if not 1 <= data["world_size"] <= MAX_WORLD_SIZE:
+        raise UsageError(f"world_size is {_brief(data['world_size'])}; allowed: integers in "
+                         f"[1, {MAX_WORLD_SIZE}]")
+    sections = [("model", data["model"], "model"), ("machine", data.get("machine") or {}, "machine")]
+    sections += [(f"variants[{i}]", v, "variant") for i, v in enumerate(data["variants"])]
+    for where, section, kind in sections:
+        value(where, section, (dict,))
+        for key, kinds in _SECTIONS[kind].items():
+            if key in section:
+                value(f"{where}.{key}", section[key], kinds)
+        for key in ("losses", "step_times_s"):
+            for i, x in enumerate(section.get(key) or ()):
+                value(f"{where}.{key}[{i}]", x, _NUMBER)
+        for key, x in (section.get("peak_memory_bytes") or {}).items():
+            if key != "detail":
+                value(f"{where}.peak_memory_bytes.{key}", x, (*_NUMBER, None))
+    for key in ("notes", "columns"):
+        for i, x in enumerate(data.get(key) or ()):
+            value(f"{key}[{i}]", x, (str,))
+    for name, why in (data.get("skipped") or {}).items():
+        value(f"skipped.{name}", why, (str,))
+
+
+def _brief(value: Any) -> str:
+    """A value as an error line shows it: its repr, cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def variant(results: dict[str, Any], name: str) -> dict[str, Any]:
