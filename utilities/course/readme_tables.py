@@ -36,7 +36,7 @@ from urllib.parse import quote
 
 from utilities.course.catalog import LESSONS
 from utilities.errors import UsageError
-from utilities.measure.results import idle_category_notes, markdown_table
+from utilities.measure.results import idle_category_notes, markdown_table, write_atomically
 from utilities.measure.results import load as load_results
 from utilities.measure.step_time import predicted_batch_text, predicted_rows
 from utilities.text import markdown, markdown_escape, markdown_inert
@@ -293,7 +293,7 @@ def check(lesson: str, write: bool = False) -> list[str]:
     if not any(m.group(2) == lesson for pattern in (BLOCK, PREDICTED) for m in pattern.finditer(text)):
         return [f"{readme} has no <!-- results:{lesson} ... --> or <!-- predicted:{lesson} ... --> block"]
     if write and new != text:
-        readme.write_text(new)
+        write_atomically(readme, new)
     return problems
 
 
