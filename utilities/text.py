@@ -37,7 +37,7 @@ _BARE_AMPERSAND = re.compile(r"&(?!#?\w+;)")
 # Characters that start markup anywhere in a line, as character references (which markdown always
 # shows as the character, never reads as markup): HTML tags and comments, code spans (and a fence's
 # backticks), links and images, backslash escapes (a ``\\|`` that would end a table cell), autolinks.
-_INLINE = {"<": "&lt;", "`": "&#96;", "[": "&#91;", "]": "&#93;", "\\": "&#92;"}
+_INLINE = str.maketrans({"<": "&lt;", "`": "&#96;", "[": "&#91;", "]": "&#93;", "\\": "&#92;"})
 _AUTOLINK = re.compile(r"(:)(?=//)|(?<=www)(\.)|(?<=\w)(@)(?=\w)", re.I)
 # What starts a block when it begins a line: an ATX heading, a quote, a list item, a thematic break
 # or setext underline, a ~~~ fence (a ``` fence has its backticks escaped above).
@@ -55,7 +55,7 @@ def markdown_escape(text: str) -> str:
     characters is left as it is (``->``, ``|``, ``_`` inside words: a table cell's ``|`` is
     ``markdown``'s to escape); escaping twice gives the same text."""
     text = _BARE_AMPERSAND.sub("&amp;", str(text))
-    text = "".join(_INLINE.get(c, c) for c in text)
+    text = text.translate(_INLINE)
     text = _AUTOLINK.sub(lambda m: f"&#{ord(m.group(0))};", text)
     text = " ".join(text.replace("\r", "\n").split("\n")).lstrip(" \t")
     lead = _LINE_START.match(text)
