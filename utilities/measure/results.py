@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -284,12 +285,18 @@ def check(data: Any) -> None:
                 value(f"{where}.{key}[{i}]", x, _NUMBER)
         for key, x in (section.get("peak_memory_bytes") or {}).items():
             if key != "detail":
-                value(f"{where}.peak_memory_bytes.{key}", x, (*_NUMBER, None))
+                value(f"{where}.peak_memory_bytes.{_key(key)}", x, (*_NUMBER, None))
     for key in ("notes", "columns"):
         for i, x in enumerate(data.get(key) or ()):
             value(f"{key}[{i}]", x, (str,))
     for name, why in (data.get("skipped") or {}).items():
-        value(f"skipped.{name}", why, (str,))
+        value(f"skipped.{_key(name)}", why, (str,))
+
+
+def _key(key: str) -> str:
+    """A key from the file as an error line names it: as is when it is a plain name, else its
+    repr cut to 40 characters (never a line break)."""
+    return key if re.fullmatch(r"[\w.-]{1,40}", key, re.ASCII) else _brief(key)
 
 
 def _brief(value: Any) -> str:
