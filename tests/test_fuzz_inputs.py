@@ -111,12 +111,18 @@ def with_strings(value, replacements):
     return value
 
 
+ABSENT = object()  # put's item: the key removed
+
+
 def put(value, path, item):
     value = copy.deepcopy(value)
     parent = value
     for part in path[:-1]:
         parent = parent[part]
-    parent[path[-1]] = item
+    if item is ABSENT:
+        parent.pop(path[-1], None)
+    else:
+        parent[path[-1]] = item
     return value
 
 
@@ -252,10 +258,11 @@ RENDERS = [("01", "01_auto_wrap", None), ("02", "02_activation_checkpointing", "
 @budget("results")
 @given(st.sampled_from(RENDERS), st.sampled_from(RESULT_KEYS) | st.tuples(st.integers(0, 3),
                                                                           st.sampled_from(VARIANT_KEYS)),
-       json_values)
+       json_values | st.just(ABSENT))
 def test_any_value_in_a_results_file_is_read_and_rendered_or_one_line(render, key, value):
-    """A JSON value of any kind where a results file has a key (or a variant's): ``load`` returns
-    it or refuses in one line, and what it returns renders or is refused in one line."""
+    """A JSON value of any kind where a results file has a key (or a variant's), or the key
+    removed: ``load`` returns it or refuses in one line, and what it returns renders or is refused
+    in one line."""
     from utilities.course.readme_tables import render as render_table
     from utilities.measure.results import load
 
@@ -318,7 +325,7 @@ def test_hostile_benchmark_results_render_as_text_or_one_line_and_a_clean_render
         keys = [(k,) for k in original] + [(k, 0, sub) for k, v in original.items()
                                            if isinstance(v, list) and v and isinstance(v[0], dict)
                                            for sub in v[0]]
-        changed = put(original, data.draw(st.sampled_from(keys)), data.draw(json_values))
+        changed = put(original, data.draw(st.sampled_from(keys)), data.draw(json_values | st.just(ABSENT)))
     committed = (REPO / "benchmarks" / "README.md").read_text()
     with tempfile.TemporaryDirectory() as root, timed():
         root = Path(root)

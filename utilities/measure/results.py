@@ -220,15 +220,15 @@ def load(path: str | os.PathLike, results: bool = True) -> dict[str, Any]:
 
 
 # What the table, the README renderers and the CLI read from a results file, by key: the kinds of
-# JSON value allowed (None: null), whether a number may be negative, and for the sections below a
-# variant or the machine their own keys. A key not listed may hold anything; a listed one that is
-# absent is the writer's business (``Results`` writes every required one).
+# JSON value allowed (None: null), and for the model, the machine and a variant their own keys.
+# Numbers are never negative. A key not listed may hold anything; of those listed only
+# ``variants`` must be there (``Results`` writes them all; a renderer that needs one that is
+# absent says so in one line).
 _NUMBER = (int, float)
-_REQUIRED = {"lesson": (str,), "title": (str,), "device": (str,), "device_name": (str,),
-             "world_size": (int,), "torch": (str,), "date": (str,), "model": (dict,),
-             "settings": (dict,), "variants": (list,)}
-_OPTIONAL = {"machine": (dict, None), "notes": (list,), "columns": (list,), "takeaway": (str,),
-             "skipped": (dict,), "predicted": (dict,)}
+_KEYS = {"lesson": (str,), "title": (str,), "device": (str,), "device_name": (str,),
+         "world_size": (int,), "torch": (str,), "date": (str,), "model": (dict,),
+         "settings": (dict,), "variants": (list,), "machine": (dict, None), "notes": (list,),
+         "columns": (list,), "takeaway": (str,), "skipped": (dict,), "predicted": (dict,)}
 _SECTIONS = {
     "model": {"name": (str, None), "parameters": (*_NUMBER, None)},
     "machine": {"cpu_cores": (int, None), "memory_bytes": (*_NUMBER, None)},
@@ -263,17 +263,16 @@ def check(data: Any) -> None:
 
     if not isinstance(data, dict):
         raise UsageError(f"it holds a JSON {type(data).__name__}, not an object")
-    for key, kinds in _REQUIRED.items():
-        if key not in data:
-            raise UsageError(f"it has no {key!r} (a results.json names its {key} there)")
-        value(key, data[key], kinds)
-    for key, kinds in _OPTIONAL.items():
+    if "variants" not in data:
+        raise UsageError("it has no 'variants' (a results.json lists what the lesson ran there)")
+    for key, kinds in _KEYS.items():
         if key in data:
             value(key, data[key], kinds)
-    if not 1 <= data["world_size"] <= MAX_WORLD_SIZE:
+    if not 1 <= data.get("world_size", 1) <= MAX_WORLD_SIZE:
         raise UsageError(f"world_size is {_brief(data['world_size'])}; allowed: integers in "
                          f"[1, {MAX_WORLD_SIZE}]")
-    sections = [("model", data["model"], "model"), ("machine", data.get("machine") or {}, "machine")]
+    sections = [("model", data.get("model") or {}, "model"),
+                ("machine", data.get("machine") or {}, "machine")]
     sections += [(f"variants[{i}]", v, "variant") for i, v in enumerate(data["variants"])]
     for where, section, kind in sections:
         value(where, section, (dict,))
