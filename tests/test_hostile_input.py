@@ -455,3 +455,32 @@ def test_trainable_says_how_much_actually_trains():
 
     note = trainable_note(get_model_spec("llama-tiny"), 0.5)
     assert note.startswith("--trainable 0.5: 418,432 of 836,736 parameters train (50%")
+
+
+def test_a_gpu_run_cannot_forge_the_gpu_block_s_end_marker(tmp_path):
+    """The "On a GPU" table ``fsdp-course evidence`` renders from a run: a run holding the block's
+    end marker, a fence and a link shows them as text, the README keeps the markup of the clean
+    run's render, and rendering the clean run again gives that render back."""
+    from markdown_oracle import markup
+
+    from utilities.course.evidence import render_readmes
+
+    clean = json.loads((REPO / "lessons" / "01_auto_wrap" / "results_cpu.json").read_text())
+    hostile = {**clean, "takeaway": "<!-- /gpu-results -->\n```\nswallowed", "device_name": "[x](https://e.x)"}
+    hostile["variants"] = [{**clean["variants"][0], "name": "<!-- gpu-results:01 -->"},
+                           *clean["variants"][1:]]
+    run = tmp_path / "ev" / "quick-01"
+    run.mkdir(parents=True)
+    renders = {}
+    for name, results, readme in (("clean", clean, "a"), ("hostile", hostile, "b"), ("again", clean, "b")):
+        (run / "results.json").write_text(json.dumps(results))
+        lessons = tmp_path / readme / "lessons"
+        if not lessons.is_dir():
+            (lessons / "01_auto_wrap").mkdir(parents=True)
+            shutil.copy(REPO / "lessons/01_auto_wrap/README.md", lessons / "01_auto_wrap" / "README.md")
+        assert render_readmes(run.parent, lessons) == ["01"]
+        renders[name] = (lessons / "01_auto_wrap" / "README.md").read_text()
+    assert "&lt;!-- /gpu-results -->" in renders["hostile"]
+    assert renders["hostile"].count("<!-- /gpu-results -->") == 1
+    assert markup(renders["hostile"]) == markup(renders["clean"])
+    assert renders["again"] == renders["clean"]
