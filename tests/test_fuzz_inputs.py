@@ -15,7 +15,7 @@ Budget: by default each property runs a few examples (``DEFAULT_EXAMPLES``, the 
 seconds), derandomized: the same examples every run, so the suite cannot flake. A longer run
 draws random examples instead, as many per property as the variable says:
 
-    FSDP_COURSE_FUZZ_EXAMPLES=2000 python -m pytest -n 0 -p no:randomly tests/test_fuzz_inputs.py
+    FSDP_COURSE_FUZZ_EXAMPLES=2000 python -m pytest -n 0 tests/test_fuzz_inputs.py
 
 (a failure prints the smallest example found and ``@reproduce_failure`` to replay it).
 """
@@ -151,15 +151,23 @@ def refused(run) -> tuple[bool, str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def repository_untouched():
-    """Nothing a property runs writes into the repository (each example has its own folder)."""
+    """Nothing a property runs writes into the repository's files these readers and renderers
+    could reach (its READMEs, result files and configs; each example has its own folder), nor a
+    .hypothesis folder into the working directory. (Other files are left to other tests, which
+    may run beside these.)"""
     def files():
-        return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in REPO.rglob("*")
-                if p.is_file() and ".git" not in p.parts and "__pycache__" not in p.parts
-                and ".pytest_cache" not in p.parts}
+        found = {}
+        for pattern in ("*.md", "lessons/*/*.md", "lessons/*/*.json", "benchmarks/*.md",
+                        "benchmarks/results/**/*.json", "benchmarks/results/**/*.md"):
+            for path in REPO.glob(pattern):
+                info = path.stat()
+                found[path] = (info.st_mtime_ns, info.st_size)
+        return found
 
-    before = files()
+    before, home_before = files(), (Path.cwd() / ".hypothesis").exists()
     yield
     assert files() == before
+    assert (Path.cwd() / ".hypothesis").exists() == home_before
 
 
 # -- the escaping function ------------------------------------------------------------------------
