@@ -1,5 +1,7 @@
 """Text for a terminal: how wide it is, long lines folded at spaces, a command folded as a shell
-reads it, and argparse help that keeps hyphenated names whole. The one home of the course's wrapping."""
+reads it, and argparse help that keeps hyphenated names whole. The one home of the course's wrapping,
+and of its markdown: a value from a file made inert text (``markdown_escape``, ``markdown_inert``),
+and a table."""
 
 from __future__ import annotations
 
