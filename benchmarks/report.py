@@ -61,14 +61,17 @@ def evidence_dirs() -> list[Path]:
             if step.is_dir()]
 
 
-def read(path: Path) -> dict:
+def read(path: Path, objects_only: bool = True) -> dict | None:
     """A result file, read within ``utilities.json_input``'s bounds, every string in it made text
-    (``markdown_inert``); one ``UsageError`` line for a file that is not a JSON object."""
+    (``markdown_inert``); one ``UsageError`` line for a file that is not a JSON object (None for
+    one that is JSON of another kind, unless ``objects_only``)."""
     try:
         data = read_json(path)
     except UsageError as e:
         raise UsageError(f"result file {str(path)!r} cannot be read: {e}") from None
     if not isinstance(data, dict):
+        if not objects_only:
+            return None
         raise UsageError(f"result file {str(path)!r} cannot be read: it holds a JSON "
                          f"{type(data).__name__}, not an object")
     return markdown_inert(data) | {"_file": str(path)}
@@ -79,8 +82,8 @@ def load_all(directories: Path | list[Path]) -> dict[str, list[dict]]:
     found: dict[str, list[dict]] = {}
     directories = [directories] if isinstance(directories, Path) else directories
     for path in sorted(p for d in directories for p in d.glob("*.json")):
-        data = read(path)
-        if "benchmark" in data:
+        data = read(path, objects_only=False)
+        if data is not None and "benchmark" in data:
             found.setdefault(str(data["benchmark"]), []).append(data)
     return found
 
