@@ -1,7 +1,9 @@
 """JSON the course reads from files it did not write itself (a ``--model`` config.json, a committed
 or user-edited results file), read within bounds: a regular file of at most ``MAX_JSON_BYTES``
 (its size is checked before a byte is read, so a huge sparse file costs nothing), nested at most
-``MAX_JSON_DEPTH`` deep. Anything else is one ``UsageError`` line saying which bound it broke."""
+``MAX_JSON_DEPTH`` deep, its numbers at most ``MAX_JSON_NUMBER_CHARS`` characters long (no
+4,000-digit integer that no count reaches and no float converts). Anything else is one
+``UsageError`` line saying which bound it broke."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from utilities.errors import UsageError
 MAX_JSON_BYTES = 16 * 2**20
 # Configs nest a sub-config or two (text_config, rope_scaling); results a variant's fields.
 MAX_JSON_DEPTH = 64
+# The largest count the course writes (bytes of a cluster, tokens of a run) has under 20 digits; a
+# float's shortest repr under 25 characters.
+MAX_JSON_NUMBER_CHARS = 40
 
 
 def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES,
@@ -40,7 +45,7 @@ def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES,
     if len(data) > max_bytes:  # it grew after the size was read
         raise UsageError(f"it holds more than the {max_bytes:,} bytes a JSON file here may hold")
     try:
-        value = json.loads(data.decode("utf-8"))
+        value = json.loads(data.decode("utf-8"), parse_int=_bounded(int), parse_float=_bounded(float))
     except RecursionError:
         raise UsageError(f"it is nested deeper than {max_depth} levels") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -48,6 +53,15 @@ def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES,
     if json_depth(value) > max_depth:
         raise UsageError(f"it is nested deeper than {max_depth} levels")
     return value
+
+
+def _bounded(kind: type) -> Any:
+    def parse(literal: str) -> Any:
+        if len(literal) > MAX_JSON_NUMBER_CHARS:
+            raise UsageError(f"it holds a number of {len(literal):,} characters ({literal[:12]}...); "
+                             f"numbers here have at most {MAX_JSON_NUMBER_CHARS}")
+        return kind(literal)
+    return parse
 
 
 def json_depth(value: Any) -> int:

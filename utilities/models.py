@@ -323,6 +323,9 @@ LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encod
 # Experts of a mixture-of-experts layer are modules too (DeepSeek-V3: 256 per layer).
 MAX_EXPERTS = 1024
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+# A width, head count or vocabulary beyond int32 is no model's (the largest vocabularies hold about
+# 256K tokens); past it, one tensor's element count overflows what torch indexes.
+MAX_SIZE = 2**31 - 1
 # how many close matches an unknown model_type is answered with
 CLOSE_MATCHES = 3
 
@@ -356,6 +359,10 @@ def check_config_sizes(raw: dict) -> tuple[str, ...]:
     for given, defaults in scopes:
         for name, value in given.items():
             _check_size_value(name, value, defaults)
+    names = raw.get("architectures")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        shown = repr(names) if len(repr(names)) <= 40 else repr(names)[:37] + "..."
+        raise UsageError(f"architectures {shown} is not allowed; allowed: a list of class names")
     missing, present = [], []
     for standard, names in SIZE_FIELDS.items():
         names = (*names, aliases[standard]) if standard in aliases else names
@@ -380,8 +387,10 @@ def _check_size_value(name: str, value: object, defaults: dict) -> None:
         return
     low = 0 if name in EXPERT_FIELDS else 1
     high = MAX_LAYERS if name in LAYER_FIELDS else MAX_EXPERTS if name in EXPERT_FIELDS else None
-    allowed = f"integers in [{low}, {high}]" if high else f"integers >= {low}"
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+    allowed = (f"integers in [{low}, {high}]" if high else
+               f"integers >= {low} (at most {MAX_SIZE:,}: no tensor dimension is larger)")
+    if (isinstance(value, bool) or not isinstance(value, int) or value < low
+            or value > (high or MAX_SIZE)):
         shown = value if not isinstance(value, str) or len(value) <= 40 else value[:40] + "..."
         raise bad_value(name, shown, allowed + (" (the planner builds and traces every layer; the "
                                                  "deepest published model has 126)"

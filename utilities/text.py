@@ -1,5 +1,7 @@
 """Text for a terminal: how wide it is, long lines folded at spaces, a command folded as a shell
-reads it, and argparse help that keeps hyphenated names whole. The one home of the course's wrapping."""
+reads it, and argparse help that keeps hyphenated names whole. The one home of the course's wrapping,
+and of its markdown: a value from a file made inert text (``markdown_escape``, ``markdown_inert``),
+and a table."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import argparse
 import re
 import shutil
 import textwrap
+from typing import Any
 
 
 def width() -> int:
@@ -33,13 +36,48 @@ def wrap_lines(text: str, columns: int | None = None, indent: str | None = None)
 
 
 _BARE_AMPERSAND = re.compile(r"&(?!#?\w+;)")
+# Characters that start markup anywhere in a line, as character references (which markdown always
+# shows as the character, never reads as markup): HTML tags and comments, code spans (and a fence's
+# backticks), links and images, backslash escapes (a ``\\|`` that would end a table cell), autolinks.
+_INLINE = str.maketrans({"<": "&lt;", "`": "&#96;", "[": "&#91;", "]": "&#93;", "\\": "&#92;"})
+_AUTOLINK = re.compile(r"(:)(?=//)|(?<=www)(\.)|(?<=\w)(@)(?=\w)", re.I)
+# What starts a block when it begins a line: an ATX heading, a quote, a list item, a thematic break
+# or setext underline, a ~~~ fence (a ``` fence has its backticks escaped above).
+_LINE_START = re.compile(r"#{1,6}(?=[ \t]|$)|>|[-+*](?=[ \t]|$)|\d{1,9}[.)](?=[ \t]|$)"
+                         r"|([-_*])[ \t]*(?:\1[ \t]*){2,}$|=+[ \t]*$|~{3,}")
 
 
 def markdown_escape(text: str) -> str:
-    """``text`` made inert in a markdown file: no HTML can start in it (``<`` and a bare ``&``
-    become entities, so no tag, and no comment such as a README's ``<!-- /results -->`` marker),
-    and it stays on one line. Escaping twice gives the same text."""
-    return _BARE_AMPERSAND.sub("&amp;", text).replace("<", "&lt;").replace("\r", " ").replace("\n", " ")
+    """``text`` (a value read from a file: a device name, a note, a key) made inert wherever a
+    markdown file puts it, in a table cell, inside a line, at a line's start or in a code span:
+    no HTML can start in it (``<`` and a bare ``&`` become entities, so no tag, and no comment
+    such as a README's ``<!-- /results -->`` marker), no code span or fence (backticks), no link,
+    image or autolink (``[``, ``]``, ``://``, ``www.``, ``@``), no backslash escape, and it stays on
+    one line that starts no heading, quote, list item, rule or fence. Text without those
+    characters is left as it is (``->``, ``|``, ``_`` inside words: a table cell's ``|`` is
+    ``markdown``'s to escape); escaping twice gives the same text."""
+    text = _BARE_AMPERSAND.sub("&amp;", str(text))
+    text = text.translate(_INLINE)
+    text = _AUTOLINK.sub(lambda m: f"&#{ord(m.group(0))};", text)
+    text = " ".join(text.replace("\r", "\n").split("\n")).lstrip(" \t")
+    lead = _LINE_START.match(text)
+    if lead:
+        i = next(k for k, c in enumerate(lead.group(0)) if not c.isdigit())
+        text = f"{text[:i]}&#{ord(text[i])};{text[i + 1:]}"
+    return text
+
+
+def markdown_inert(value: Any) -> Any:
+    """A JSON value read from a file with every string in it (keys too) ``markdown_escape``d: what
+    the file holds is shown as text, never read as markup or as a README's marker. Every renderer
+    of a README passes what it loads through this before a string of it reaches the page."""
+    if isinstance(value, str):
+        return markdown_escape(value)
+    if isinstance(value, dict):
+        return {markdown_inert(k): markdown_inert(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [markdown_inert(v) for v in value]
+    return value
 
 
 def rate_text(per_second: float) -> str:
@@ -51,9 +89,10 @@ def rate_text(per_second: float) -> str:
 
 
 def markdown(rows: list[list[str]]) -> str:
-    """A markdown table: ``rows[0]`` its header, the rest its rows (each cell ``markdown_escape``d,
-    a ``|`` in it escaped)."""
-    cells = [[markdown_escape(cell).replace("|", "\\|") for cell in row] for row in rows]
+    """A markdown table: ``rows[0]`` its header, the rest its rows. A cell is markdown already
+    (the renderer's own bold or code around values that ``markdown_inert`` made text); here it is
+    kept on one line and a ``|`` in it escaped, so that it stays one cell."""
+    cells = [[" ".join(str(cell).splitlines()).replace("|", "\\|") for cell in row] for row in rows]
     lines = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells[1:]])
 

@@ -25,25 +25,27 @@ compare what the committed run claims with the quick run the suite already makes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from utilities.course.catalog import LESSONS
 from utilities.errors import UsageError
-from utilities.measure.results import idle_category_notes, markdown_table
+from utilities.measure.results import idle_category_notes, markdown_table, write_atomically
 from utilities.measure.results import load as load_results
 from utilities.measure.step_time import predicted_batch_text, predicted_rows
-from utilities.text import markdown, markdown_escape
+from utilities.text import markdown, markdown_escape, markdown_inert
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
-BLOCK = re.compile(r"(<!-- results:(\d\d) (\S+)[^\n]*-->\n)(.*?)(<!-- /results -->)", re.S)
+BLOCK = re.compile(r"^(<!-- results:(\d\d) (\S+)[^\n]*-->\n)(.*?)^(<!-- /results -->)$", re.S | re.M)
 # a lesson's prediction on a cluster (results.json "predicted", saved as is), rendered the same way
-PREDICTED = re.compile(r"(<!-- predicted:(\d\d) (\S+)[^\n]*-->\n)(.*?)(<!-- /predicted -->)", re.S)
+PREDICTED = re.compile(r"^(<!-- predicted:(\d\d) (\S+)[^\n]*-->\n)(.*?)^(<!-- /predicted -->)$", re.S | re.M)
 
 
 # -- what a lesson's table ends with, from the same run ---------------------------------------------
@@ -144,6 +146,12 @@ def settings_flags(results: dict[str, Any], first: dict[str, Any]) -> str:
     return " ".join(flags)
 
 
+def source_link(source: str) -> str:
+    """A link to the results file a table is rendered from (a path relative to the README): its
+    name as text, its path percent-encoded as the target, so no name ends the link early."""
+    return f"[`{markdown_escape(source)}`]({quote(source, safe='/._-~')})"
+
+
 def caption(results: dict[str, Any], source: str, first: dict[str, Any] | None = None) -> str:
     """One line naming a run: its file, command, machine, torch, date, model and sizes."""
     s = results["settings"]
@@ -159,15 +167,32 @@ def caption(results: dict[str, Any], source: str, first: dict[str, Any] | None =
         same = all(results.get(k) == first.get(k) for k in ("device_name", "machine", "torch", "model"))
         where = "" if same else (f" on {results['world_size']} ranks ({machine(results)}), "
                                  f"torch {results['torch']}")
-        return (f"_And [`{source}`]({source}): `{command}` (variants: {names}){where}, "
+        return (f"_And {source_link(source)}: `{command}` (variants: {names}){where}, "
                 f"{results['date'][:10]}._")
     batch = f", batch {s['batch_size']} x {s['seq_len']} tokens per rank" if "seq_len" in s else ""
     info = LESSONS.get(results["lesson"])
     sizes = info.sizes if info is not None and info.sizes else f"{s['steps']} steps{batch}"
-    return (f"_Rendered from [`{source}`]({source}): `{command}` on {results['world_size']} "
+    return (f"_Rendered from {source_link(source)}: `{command}` on {results['world_size']} "
             f"ranks ({results['device']}, {s.get('backend', '?')}) of one machine ({machine(results)}), "
             f"torch {results['torch']}, {results['date'][:10]}; {results['model']['name']}, "
             f"{sizes}._")
+
+
+@contextlib.contextmanager
+def shape_refused(sources: str) -> Iterator[None]:
+    """A results file whose sections (a lesson's own: ``capacity``, a checkpoint's ``layout``...)
+    are not what its table reads: one ``UsageError`` line naming it, not a traceback. The keys
+    every results file has are checked when it is read (``utilities.measure.results.check``)."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError,
+            OverflowError) as e:
+        said = " ".join(str(e).split())
+        said = said if len(said) <= 80 else f"{said[:77]}..."
+        raise UsageError(f"results file {sources} does not hold what its table reads "
+                         f"({type(e).__name__}: {said})") from None
 
 
 def render(lesson: str, runs: dict[str, Any] | list[tuple[str, dict[str, Any]]],
@@ -176,10 +201,16 @@ def render(lesson: str, runs: dict[str, Any] | list[tuple[str, dict[str, Any]]],
     """The markdown between the markers: a caption naming each run (``runs``: one results.json,
     or (file, results) pairs whose rows follow one another), then the lesson's table as its run
     printed it (``picked``: these columns instead), or its summary ``name``; then the takeaway
-    and what a run skipped."""
+    and what a run skipped. Every string of the runs is ``markdown_inert`` first."""
     if isinstance(runs, dict):
         runs = [(source, runs)]
-    runs = [(src, inert(r)) for src, r in runs]
+    runs = [(src, markdown_inert(r)) for src, r in runs]
+    with shape_refused(", ".join(repr(src) for src, _ in runs)):
+        return _render(lesson, runs, name, picked)
+
+
+def _render(lesson: str, runs: list[tuple[str, dict[str, Any]]], name: str | None,
+            picked: tuple[str, ...]) -> str:
     first = runs[0][1]
     lines = "\n\n".join(caption(r, src, first if len(runs) > 1 else None) for src, r in runs).split("\n")
     if name is not None:
@@ -203,24 +234,13 @@ def render(lesson: str, runs: dict[str, Any] | list[tuple[str, dict[str, Any]]],
     return "\n".join(lines) + "\n"
 
 
-def inert(value: Any) -> Any:
-    """A results file's content with every string in it (keys too) ``markdown_escape``d: what a
-    run recorded is shown as text, never read as HTML or as a README marker."""
-    if isinstance(value, str):
-        return markdown_escape(value)
-    if isinstance(value, dict):
-        return {inert(k): inert(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [inert(v) for v in value]
-    return value
-
-
 def render_predicted(block: dict[str, Any], source: str) -> str:
     """The markdown of a lesson's ``predicted`` block: what it is, then the table the lesson prints."""
-    block = inert(block)
-    return (f"_PREDICTED by the course's step-time model, not measured: rendered from [`{source}`]"
-            f"({source}), {block['model']} at {predicted_batch_text(block)}, "
-            f"{block['precision']}, on {block['cluster']}._\n\n{markdown(predicted_rows(block))}\n")
+    block = markdown_inert(block)
+    with shape_refused(repr(source)):
+        return (f"_PREDICTED by the course's step-time model, not measured: rendered from "
+                f"{source_link(source)}, {block['model']} at {predicted_batch_text(block)}, "
+                f"{block['precision']}, on {block['cluster']}._\n\n{markdown(predicted_rows(block))}\n")
 
 
 # -- READMEs ---------------------------------------------------------------------------------------
@@ -258,8 +278,8 @@ def check(lesson: str, write: bool = False) -> list[str]:
                                                  f"rendered from {m.group(3)}", lineterm=""))
         return m.group(1) + fresh + m.group(5)
 
-    def load(source: str) -> dict[str, Any]:
-        return load_results(folder / source)
+    def load(source: str, results: bool = True) -> dict[str, Any]:
+        return load_results(folder / source, results)
 
     def option(m: re.Match, key: str) -> str | None:
         given = re.search(rf" {key}=(\S+)", m.group(1))
@@ -268,11 +288,12 @@ def check(lesson: str, write: bool = False) -> list[str]:
     new = BLOCK.sub(lambda m: replace(m, lambda src: render(
         lesson, [(one, load(one)) for one in src.split(",")], name=option(m, "table"),
         picked=tuple((option(m, "columns") or "").split(",")) if option(m, "columns") else ())), text)
-    new = PREDICTED.sub(lambda m: replace(m, lambda src: render_predicted(load(src), src)), new)
+    new = PREDICTED.sub(lambda m: replace(m, lambda src: render_predicted(load(src, results=False), src)),
+                        new)
     if not any(m.group(2) == lesson for pattern in (BLOCK, PREDICTED) for m in pattern.finditer(text)):
         return [f"{readme} has no <!-- results:{lesson} ... --> or <!-- predicted:{lesson} ... --> block"]
     if write and new != text:
-        readme.write_text(new)
+        write_atomically(readme, new)
     return problems
 
 

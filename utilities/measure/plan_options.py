@@ -221,10 +221,17 @@ def add_lora(model: nn.Module, blocks: list[nn.Module], rank: int) -> int:
 
 def freeze_fraction(model: nn.Module, blocks: list[nn.Module], trainable: float) -> int:
     """Freeze whole parameter tensors, the first blocks' first, until at most ``1 - trainable`` of
-    the parameters are frozen (then the others, never past it); the trainable count."""
+    the parameters are frozen (then the others, never past it); the trainable count. A fraction
+    smaller than the model's smallest tensor, which would freeze them all and leave the optimizer
+    nothing, is refused in one line naming the smallest fraction that trains."""
     params = list(dict.fromkeys(p for b in blocks for p in b.parameters()))
     params += [p for p in model.parameters() if p not in set(params)]
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in params)
+    smallest = min((p.numel() for p in params), default=0)
+    if not smallest or trainable * total < max(smallest, 1) - 0.5 or trainable * total <= 0.5:
+        raise bad_value("--trainable", trainable, f"fractions in [{smallest / max(total, 1):.3g}, 1] for "
+                        f"this model (whole tensors are frozen; its smallest holds {smallest:,} of "
+                        f"{total:,} parameters)")
     budget = (1 - trainable) * total
     frozen = 0
     for p in params:
@@ -232,6 +239,18 @@ def freeze_fraction(model: nn.Module, blocks: list[nn.Module], trainable: float)
             p.requires_grad_(False)
             frozen += p.numel()
     return total - frozen
+
+
+def trainable_note(spec: Any, trainable: float) -> str:
+    """What ``--trainable`` trains in ``spec``'s model (whole tensors, so not exactly the fraction
+    asked for), by freezing a meta copy as the plan's trace does; refused in one line when
+    nothing would train (``freeze_fraction``)."""
+    model = spec.build(device="meta")
+    block = spec.block_class()
+    trained = freeze_fraction(model, [m for m in model.modules() if isinstance(m, block)], trainable)
+    total = sum(p.numel() for p in model.parameters())
+    return (f"--trainable {trainable:g}: {trained:,} of {total:,} parameters train "
+            f"({100 * trained / total:.3g}%; whole tensors freeze, the earliest blocks' first)")
 
 
 def apply_to_model(model: nn.Module, blocks: list[nn.Module], o: PlanOptions) -> None:

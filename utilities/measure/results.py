@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -171,11 +172,25 @@ def _why(e: OSError) -> str:
 
 def write_json(path: Path, data: Any) -> Path:
     """Write JSON to a temporary file beside ``path`` and rename it into place (never half-written)."""
+    return write_atomically(path, json.dumps(data, indent=2))
+
+
+def write_atomically(path: Path, text: str) -> Path:
+    """Write ``text`` to a temporary file beside ``path`` and rename it into place: a reader (or a
+    run stopped midway) sees the old file or the new one, never half of one; it keeps the old
+    file's permissions (a new one gets the umask's)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
+            f.write(text)
+            os.fchmod(f.fileno(), mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -183,9 +198,10 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
-def load(path: str | os.PathLike) -> dict[str, Any]:
+def load(path: str | os.PathLike, results: bool = True) -> dict[str, Any]:
     """A results.json (``path`` or ``path/results.json``), read within ``utilities.json_input``'s
-    bounds; one ``UsageError`` line for a file that is not one."""
+    bounds and checked by ``check``; one ``UsageError`` line for a file that is not one. With
+    ``results`` False, any JSON object (a lesson's saved ``predicted`` block)."""
     from utilities.errors import UsageError
     from utilities.json_input import read_json
 
@@ -194,12 +210,98 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         p = p / "results.json"
     try:
         data = read_json(p)
+        if not isinstance(data, dict):
+            raise UsageError(f"it holds a JSON {type(data).__name__}, not an object")
+        if results:
+            check(data)
     except UsageError as e:
         raise UsageError(f"results file {str(p)!r} cannot be read: {e}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"results file {str(p)!r} cannot be read: it holds a JSON "
-                         f"{type(data).__name__}, not an object")
     return data
+
+
+# What the table, the README renderers and the CLI read from a results file, by key: the kinds of
+# JSON value allowed (None: null), and for the model, the machine and a variant their own keys.
+# Numbers are never negative. A key not listed may hold anything; of those listed only
+# ``variants`` must be there (``Results`` writes them all; a renderer that needs one that is
+# absent says so in one line).
+_NUMBER = (int, float)
+_KEYS = {"lesson": (str,), "title": (str,), "device": (str,), "device_name": (str,),
+         "world_size": (int,), "torch": (str,), "date": (str,), "model": (dict,),
+         "settings": (dict,), "variants": (list,), "machine": (dict, None), "notes": (list,),
+         "columns": (list,), "takeaway": (str,), "skipped": (dict,), "predicted": (dict,)}
+_SECTIONS = {
+    "model": {"name": (str, None), "parameters": (*_NUMBER, None)},
+    "machine": {"cpu_cores": (int, None), "memory_bytes": (*_NUMBER, None)},
+    "variant": {"name": (str,), "step_time_s": (*_NUMBER, None), "tokens_per_s": (*_NUMBER, None),
+                "mfu": (*_NUMBER, None), "peak_memory_bytes": (dict, None), "losses": (list, None),
+                "step_times_s": (list, None)},
+}
+# at most as many ranks as a results file could come from (the planner's largest cluster)
+MAX_WORLD_SIZE = 1 << 20
+
+
+def check(data: Any) -> None:
+    """``data`` holds what a results.json holds, each value of the kind the course reads (a
+    string where text is shown, a list of variants each an object with a name, numbers not
+    negative where they count or time something); ``UsageError`` naming the first value that does
+    not (its key and what is allowed)."""
+    from utilities.errors import UsageError
+
+    def kinds_text(kinds: tuple) -> str:
+        names = {str: "a string", int: "an integer", float: "a number", dict: "an object",
+                 list: "a list", None: "null"}
+        return " or ".join(dict.fromkeys(names[k] for k in kinds if not (k is float and int in kinds)))
+
+    def value(key: str, got: Any, kinds: tuple) -> None:
+        ok = (got is None and None in kinds) or (
+            got is not None and not isinstance(got, bool)
+            and isinstance(got, tuple(k for k in kinds if k is not None)))
+        if not ok:
+            raise UsageError(f"{key} is {_brief(got)}; allowed: {kinds_text(kinds)}")
+        if isinstance(got, _NUMBER) and got < 0:
+            raise UsageError(f"{key} is {_brief(got)}; allowed: numbers >= 0")
+
+    if not isinstance(data, dict):
+        raise UsageError(f"it holds a JSON {type(data).__name__}, not an object")
+    if "variants" not in data:
+        raise UsageError("it has no 'variants' (a results.json lists what the lesson ran there)")
+    for key, kinds in _KEYS.items():
+        if key in data:
+            value(key, data[key], kinds)
+    if not 1 <= data.get("world_size", 1) <= MAX_WORLD_SIZE:
+        raise UsageError(f"world_size is {_brief(data['world_size'])}; allowed: integers in "
+                         f"[1, {MAX_WORLD_SIZE}]")
+    sections = [("model", data.get("model") or {}, "model"),
+                ("machine", data.get("machine") or {}, "machine")]
+    sections += [(f"variants[{i}]", v, "variant") for i, v in enumerate(data["variants"])]
+    for where, section, kind in sections:
+        value(where, section, (dict,))
+        for key, kinds in _SECTIONS[kind].items():
+            if key in section:
+                value(f"{where}.{key}", section[key], kinds)
+        for key in ("losses", "step_times_s"):
+            for i, x in enumerate(section.get(key) or ()):
+                value(f"{where}.{key}[{i}]", x, _NUMBER)
+        for key, x in (section.get("peak_memory_bytes") or {}).items():
+            if key != "detail":
+                value(f"{where}.peak_memory_bytes.{_key(key)}", x, (*_NUMBER, None))
+    for key in ("notes", "columns"):
+        for i, x in enumerate(data.get(key) or ()):
+            value(f"{key}[{i}]", x, (str,))
+    for name, why in (data.get("skipped") or {}).items():
+        value(f"skipped.{_key(name)}", why, (str,))
+
+
+def _key(key: str) -> str:
+    """A key from the file as an error line names it: as is when it is a plain name, else its
+    repr cut to 40 characters (never a line break)."""
+    return key if re.fullmatch(r"[\w.-]{1,40}", key, re.ASCII) else _brief(key)
+
+
+def _brief(value: Any) -> str:
+    """A value as an error line shows it: its repr, cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def variant(results: dict[str, Any], name: str) -> dict[str, Any]:
