@@ -215,3 +215,54 @@ def test_a_bad_option_is_one_line(flags, named):
     proc = cli_here("plan", "--model", MODEL, "--gpus", "4", "--no-time", *flags)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().count("\n") == 0 and named in proc.stderr and "allowed" in proc.stderr
+
+
+def test_reshard_after_forward_n_files_the_kept_shards_under_parameters():
+    """reshard_after_forward=2 keeps each unit's parameters on groups of 2 ranks until backward:
+    parameters (as False files the whole gathered ones), not activations."""
+    base, kept, whole = tiny(4), tiny(4, reshard_after_forward=2), tiny(4, reshard_after_forward=False)
+    assert kept.detail["unsharded_parameters"] > base.detail["unsharded_parameters"]
+    assert kept.peak_bytes["activations"] <= whole.peak_bytes["activations"]
+    assert kept.peak_bytes["parameters"] > base.peak_bytes["parameters"]
+
+
+def test_lora_under_selective_checkpointing_keeps_no_more_than_full_fine_tuning():
+    """Op-level selective AC saves every second matmul's output: a LoRA Linear's adapter matmuls
+    are not counted as matmuls of their own, so LoRA keeps no more activations than full
+    fine-tuning (it kept 1.4x on llama-1b when they were)."""
+    def activations(**options):
+        return P.plan(MODEL, 2, 10**12, "full_shard", "bf16", "selective", 4, 256, "cpu",
+                      options=options).peak_bytes["activations"]
+
+    assert activations(lora_rank=8) <= activations()
+
+
+def test_trainable_says_the_fraction_of_whole_tensors_planned():
+    """--trainable trains whole tensors: the plan says how many parameters that is, which can be
+    far more than asked."""
+    import re
+
+    from utilities.measure.plan_options import freeze_fraction
+    from utilities.models import get_model_spec
+
+    p = tiny(2, trainable=0.01)
+    note = next(n for n in p.notes if n.startswith("--trainable 0.01 planned"))
+    spec = get_model_spec(MODEL)
+    model = spec.build(device="meta")
+    blocks = [m for m in model.modules() if isinstance(m, spec.block_class())]
+    trained = freeze_fraction(model, blocks, 0.01)
+    assert f"{trained:,} of {spec.num_parameters:,}" in note
+    shown = float(re.search(r"\(([\d.]+)%\)", note).group(1))
+    assert shown == pytest.approx(100 * trained / spec.num_parameters, abs=0.01) and shown > 1
+
+
+def test_an_odd_rotary_head_dim_is_one_line(tmp_path):
+    """hidden 4000 over 32 heads: head_dim 125, which rotary embeddings cannot rotate."""
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 4000, "intermediate_size": 512,
+                                "num_hidden_layers": 2, "num_attention_heads": 32,
+                                "num_key_value_heads": 32, "vocab_size": 256}))
+    r = cli_here("plan", "--model", str(path), "--no-time")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "head_dim" in lines[0] and "125" in lines[0], r.stderr

@@ -412,3 +412,75 @@ def test_trace_slices_carry_the_bytes_and_flops_the_time_model_charged(strategy,
     (opt,) = [e["args"] for e in slices if e["args"]["phase"] == "optimizer"]
     assert opt["bytes"] == 32 * sum(u.shard_numel(8) for u in prof.units)
     assert t.as_dict(timeline=True)["timeline"][0]["args"]
+
+
+# -- MFU counts the work that runs ------------------------------------------------------------------
+
+def test_mfu_of_a_frozen_model_counts_the_backward_that_runs():
+    """``--trainable 0.01`` on llama-8b (the LM head trains, the backward stops there): the
+    convention's 6N would put MFU over 100% at batch 8; counting the traced backward keeps it
+    below, and says so. Full training counts exactly the convention."""
+    from utilities.measure.plan_options import PlanOptions
+    from utilities.models import get_model_spec
+
+    spec = get_model_spec("llama-8b")
+    t = st.estimate_step_time(spec, 8, batch=8, seq=2048, plan_options=PlanOptions(trainable=0.01))
+    convention = t.tokens_per_s_per_gpu * spec.flops_per_token(2048) / st.get_gpu("h100").peak_flops["bf16"]
+    assert convention > 1 > t.mfu > 0.25 * convention
+    assert any(a.startswith("MFU counts what runs") for a in t.assumptions)
+    dense = trace("llama-1b", 8, "full_shard", "bf16", "none", 1, 2048)
+    count, said = st.model_flops_per_token(get_model_spec("llama-1b"), dense, 2048)
+    assert count == pytest.approx(get_model_spec("llama-1b").flops_per_token(2048), rel=1e-12)
+    assert said == ""
+
+
+TINY_MOE = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "vocab_size": 256, "max_position_embeddings": 256}
+
+
+def test_mfu_of_a_mixture_of_experts_counts_its_active_experts(tmp_path):
+    """A mixture of experts (Mixtral's grouped GEMMs) runs num_experts_per_tok of its experts per
+    token: the trace counts those GEMMs' FLOPs (3 per expert: gate, up, down), and MFU's N leaves
+    the idle experts' parameters out."""
+    import json
+
+    from utilities.models import _attention_shape, get_model_spec
+
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(TINY_MOE))
+    spec = get_model_spec(str(path))
+    seq, c = 64, TINY_MOE
+    prof = trace(spec, 2, "full_shard", "bf16", "none", 2, seq)
+    tokens = 2 * seq
+    grouped = sum(float(s.flops[s.kind == st.MATMUL].sum()) for s in prof.segments
+                  if s.phase == "forward" and s.unit != "root") / tokens
+    experts = 2 * c["num_experts_per_tok"] * 3 * c["hidden_size"] * c["intermediate_size"]
+    assert grouped >= experts * c["num_hidden_layers"]  # the experts' GEMMs are counted
+    assert grouped < (experts * c["num_local_experts"] / c["num_experts_per_tok"]
+                      * c["num_hidden_layers"])  # not every expert's
+    count, said = st.model_flops_per_token(spec, prof, seq)
+    idle = (c["num_local_experts"] - c["num_experts_per_tok"]) * 3 * c["hidden_size"] * c[
+        "intermediate_size"] * c["num_hidden_layers"]
+    layers, heads, head_dim = _attention_shape(spec.config())
+    assert count == pytest.approx(6 * (spec.num_parameters - idle) + 12 * layers * heads * head_dim * seq)
+    assert "2 of 8 experts" in said
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(ac="selective", plan_options={"lora_rank": 8}),
+    dict(ac="every-2nd-block", fp8=True, compile=True, gpu="h100"),
+    dict(tp=2, batch=16, compile=True, gpu="a100-80gb"),
+], ids=["lora-selective", "fp8-compile", "tp2"])
+def test_mfu_is_at_most_one_for_every_knob(knobs):
+    """MFU never passes 100% of the bf16 peak, whatever the knob (llama-1b at a batch where the
+    matmuls dominate)."""
+    from utilities.measure.plan_options import PlanOptions
+
+    knobs = dict(knobs)
+    po = knobs.pop("plan_options", None)
+    batch = knobs.pop("batch", 8)
+    t = st.estimate_step_time("llama-1b", 8, batch=batch, seq=2048,
+                              plan_options=PlanOptions(**po) if po else None, **knobs)
+    assert 0 < t.mfu <= 1

@@ -43,31 +43,35 @@ def test_lightning_table_within_ten_percent():
         assert row["peak_bytes"]["total"] == pytest.approx(20 * psi / tp, rel=0.001), row
 
 
-@pytest.fixture(scope="module")
-def real_sp_step(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["loss-parallel", "whole-logits"])
+def real_sp_step(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_plan") / "real.json"
     subprocess.run([sys.executable, str(REPO / "tests" / "tp_plan_run.py"), str(out), MODEL,
-                    str(BATCH), str(SEQ), "1"], check=True, cwd=REPO, capture_output=True,
-                   timeout=300)
-    return json.loads(out.read_text())
+                    str(BATCH), str(SEQ), "1", "1" if request.param else "0"], check=True, cwd=REPO,
+                   capture_output=True, timeout=300)
+    return request.param, json.loads(out.read_text())
 
 
-def fake_2d_peak(dp: int, tp: int, foreach: bool) -> dict:
+def fake_2d_peak(dp: int, tp: int, foreach: bool, loss_parallel: bool = True) -> dict:
+    from utilities.measure.plan_options import PlanOptions
+
     spec = get_model_spec(MODEL)
     with fake_world(dp * tp):
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = prepare(spec, "full_shard", "bf16", "none", mesh, fake_mode, CPU, tp=tp)
+        model = prepare(spec, "full_shard", "bf16", "none", mesh, fake_mode, CPU,
+                        PlanOptions(loss_parallel=loss_parallel), tp=tp)
         with fake_mode:
             batch = fake_batch(spec, BATCH, SEQ, CPU)
             return tp_lib.fake_step_peak(model, tp_lib.causal_lm_loss(batch), CPU, foreach)
 
 
 def test_fake_2d_step_books_what_a_real_gloo_step_holds(real_sp_step):
-    """dp=1 x tp=2 with sequence parallelism, bf16, on 2 gloo ranks for real and on a fake group:
-    parameters, gradients and AdamW state equal to the byte (at the peak and after the step),
-    activations and the total within the planner's tolerance."""
-    fake = fake_2d_peak(1, 2, foreach=False)
+    """dp=1 x tp=2 with sequence parallelism, bf16, with loss parallel and without, on 2 gloo ranks
+    for real and on a fake group: parameters, gradients and AdamW state equal to the byte (at the
+    peak and after the step), activations and the total within the planner's tolerance."""
+    loss_parallel, real_sp_step = real_sp_step
+    fake = fake_2d_peak(1, 2, foreach=False, loss_parallel=loss_parallel)
     for c in ("parameters", "gradients", "optimizer"):
         assert fake[c] == real_sp_step[c], c
     assert fake["detail"]["resident_after_step"] == real_sp_step["detail"]["resident_after_step"]
@@ -182,6 +186,10 @@ def test_plan_tp_shards_states_over_every_gpu_and_splits_activations():
     assert sum(two.model_states.values()) == pytest.approx(sum(one.model_states.values()), rel=0.02)
     assert two.peak_bytes["activations"] < one.peak_bytes["activations"]
     assert two.tp == 2 and "across TP groups of 2" in P.format_plan(two)
+    assert "per TP group" in P.format_plan(two) and "per rank" not in P.format_plan(two).splitlines()[0]
+    assert any(n.startswith("loss parallel") for n in two.notes)
+    whole = P.plan(MODEL, 4, 80 * 2**30, batch=BATCH, seq=SEQ, tp=2, options={"loss_parallel": False})
+    assert two.peak_bytes["total"] < whole.peak_bytes["total"]  # the logits split over the vocabulary
     step = P.predict_time(two, {})
     assert any(e.args.get("tp_comm_s", 0) > 0 for e in step.timeline if e.unit != "root")
     assert any("tensor parallelism: 2 GPUs per group" in a for a in step.assumptions)

@@ -3,7 +3,7 @@
 (``utilities.measure.tensor_parallel.fake_step_peak``, the lessons' MemoryProbe underneath): what
 tests/test_tensor_parallel_plan.py holds the fake prediction to.
 
-    python tests/tp_plan_run.py OUT.json MODEL BATCH SEQ SEQUENCE_PARALLEL(0|1)
+    python tests/tp_plan_run.py OUT.json MODEL BATCH SEQ SEQUENCE_PARALLEL(0|1) LOSS_PARALLEL(0|1)
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import free_port  # noqa: E402 (this script runs from tests/, beside conftest)
 
 
-def measured_peak(model_name: str, batch: int, seq: int, sequence_parallel: bool) -> dict:
+def measured_peak(model_name: str, batch: int, seq: int, sequence_parallel: bool,
+                  loss_parallel: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from utilities.measure import tensor_parallel as tp_lib
@@ -32,7 +33,8 @@ def measured_peak(model_name: str, batch: int, seq: int, sequence_parallel: bool
     torch.manual_seed(0)
     model = spec.build(device="cpu")
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
-    tp_lib.shard_2d(model, spec.block_class(), mesh, "bf16", "none", sequence_parallel)
+    tp_lib.shard_2d(model, spec.block_class(), mesh, "bf16", "none", sequence_parallel,
+                    loss_parallel)
     ids = torch.randint(0, spec.config().vocab_size, (batch, seq))
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     return tp_lib.fake_step_peak(model, tp_lib.causal_lm_loss(data), torch.device("cpu"),
@@ -40,12 +42,12 @@ def measured_peak(model_name: str, batch: int, seq: int, sequence_parallel: bool
 
 
 def worker(rank: int, world: int, port: int, out: str, model: str, batch: int, seq: int,
-           sequence_parallel: bool) -> None:
+           sequence_parallel: bool, loss_parallel: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        peak = measured_peak(model, batch, seq, sequence_parallel)
+        peak = measured_peak(model, batch, seq, sequence_parallel, loss_parallel)
         if rank == 0:
             Path(out).write_text(json.dumps(peak))
     finally:
@@ -53,9 +55,10 @@ def worker(rank: int, world: int, port: int, out: str, model: str, batch: int, s
 
 
 def main(argv: list[str]) -> None:
-    out, model, batch, seq, sp = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4] == "1"
+    out, model, batch, seq = argv[0], argv[1], int(argv[2]), int(argv[3])
+    sp, lp = argv[4] == "1", argv[5] == "1"
     port = free_port()
-    mp.spawn(worker, args=(2, port, out, model, batch, seq, sp), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, port, out, model, batch, seq, sp, lp), nprocs=2, join=True)
 
 
 if __name__ == "__main__":

@@ -73,12 +73,17 @@ def apply_activation_checkpointing(model: nn.Module, block_class: type[nn.Module
     return checkpointed_blocks(model)
 
 
-def matmul_saving_policy():
+def matmul_saving_policy(adapter_ranks: frozenset[int] = frozenset()):
     """A fresh op-level policy for one block's forward: keep the outputs of the expensive ops
     (matrix multiplications and attention) and recompute the cheap ones (norms, activations,
     elementwise) in backward, but recompute every second matmul, so the saved activations are
     about half the matmul outputs. This is what torchtitan's "selective" (op) checkpointing does;
-    the course's lesson 02 "selective" is block-level (every second block whole)."""
+    the course's lesson 02 "selective" is block-level (every second block whole).
+
+    ``adapter_ranks``: the ranks of LoRA adapters in the block. A LoRA Linear runs three matmuls
+    (the frozen weight's, then ``x A^T`` and ``(x A^T) B^T``): the adapter's two are not counted
+    as matmuls of their own (else a Linear's two full-width outputs would both be kept, more than
+    full fine-tuning keeps): ``x A^T`` (rank wide) is kept, ``(x A^T) B^T`` recomputed from it."""
     import torch
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -93,6 +98,12 @@ def matmul_saving_policy():
     def policy(ctx, op, *args, **kwargs):
         if op in attention:
             return CheckpointPolicy.MUST_SAVE
+        if op in matmuls and adapter_ranks:
+            a, b = args[-2], args[-1]  # addmm's bias comes first
+            if b.shape[-1] in adapter_ranks:
+                return CheckpointPolicy.MUST_SAVE  # x A^T: the adapter's narrow output
+            if a.shape[-1] in adapter_ranks:
+                return CheckpointPolicy.PREFER_RECOMPUTE  # (x A^T) B^T, cheap from x A^T
         if op in matmuls:
             phase = "recompute" if ctx.is_recompute else "forward"
             seen[phase] += 1
@@ -107,8 +118,11 @@ def apply_op_selective_checkpointing(model: nn.Module, block_class: type[nn.Modu
     each block saves what ``matmul_saving_policy`` keeps and recomputes the rest."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    ranks = frozenset(m.lora_a.shape[0] for m in model.modules()
+                      if isinstance(getattr(m, "lora_a", None), nn.Parameter))
+
     def contexts():
-        return create_selective_checkpoint_contexts(matmul_saving_policy())
+        return create_selective_checkpoint_contexts(matmul_saving_policy(ranks))
 
     chosen = {id(m) for m in _blocks(model, block_class)}
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,

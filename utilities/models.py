@@ -250,7 +250,10 @@ def spec_from_config_file(path: str, mtime_ns: int = 0) -> ModelSpec:
     try:
         config = _config_from_dict(raw["model_type"], raw)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; each becomes one line
-        raise refuse(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise refuse(f"{type(e).__name__}: {_one_line(e)}") from None
+    odd = _odd_rotary_dim(config)
+    if odd:
+        raise refuse(odd)
     task = _task_of(config)
     try:
         model_class = _task_model_class(config, task)
@@ -259,7 +262,7 @@ def spec_from_config_file(path: str, mtime_ns: int = 0) -> ModelSpec:
         with torch.device("meta"):
             model = model_class(config)
     except Exception as e:  # noqa: BLE001
-        raise refuse(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise refuse(f"{type(e).__name__}: {_one_line(e)}") from None
     block = _pick_block_class(model)
     if block is None:
         raise refuse("no repeated transformer block found to shard (no _no_split_modules, no ModuleList)")
@@ -277,6 +280,28 @@ def spec_from_config_file(path: str, mtime_ns: int = 0) -> ModelSpec:
                      make_config=functools.partial(_config_from_dict, raw["model_type"], frozen),
                      block_class_name=block.__name__, default_seq_len=seq, task=task,
                      warnings=warnings)
+
+
+def _one_line(e: Exception, limit: int = 300) -> str:
+    """An exception's whole message on one line (transformers puts the reason on the second)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _odd_rotary_dim(config) -> str:
+    """Why rotary position embeddings cannot run on ``config`` (an odd head dimension: RoPE
+    rotates pairs of features), or "" (transformers 5 refuses it itself; older ones fail inside
+    the step)."""
+    if getattr(config, "rope_theta", None) is None and not getattr(config, "rope_parameters", None):
+        return ""
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    head_dim = getattr(config, "head_dim", None) or (
+        hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None)
+    if not isinstance(head_dim, int) or head_dim % 2 == 0:
+        return ""
+    return (f"head_dim {head_dim} (hidden_size {hidden} / {heads} heads) is odd; allowed: an even "
+            "head dimension (rotary position embeddings rotate pairs of features)")
 
 
 # The sizes a plan depends on, by transformers' standard name, and the names families give them

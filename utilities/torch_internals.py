@@ -17,6 +17,7 @@ and fails on any private import anywhere in the course that the list does not na
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from copy import deepcopy
 from types import MethodType
@@ -209,6 +210,30 @@ def clear_dtensor_sharding_cache() -> bool:
 
 # -- cuBLAS workspaces ----------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def dtensor_meta_from_cache():
+    """DTensor's output-metadata propagation answered from its cache, even under FakeTensorMode.
+
+    ``loss_parallel()``'s handlers ask the sharding propagator for each op's output metadata, and
+    under an active fake mode it skips its cache and runs the op at its whole, unsplit size in that
+    mode: under the planner's fake step, the memory tracker then booked a whole-vocabulary
+    log-softmax on every rank (what loss parallel exists to avoid). The step's untracked warm-up
+    fills the cache; the tracked step reads it. Yields whether the cache is used (not on a torch
+    without these private names)."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    cached = getattr(propagator, "_propagate_tensor_meta_cached", None)
+    if cached is None or not hasattr(propagator, "_propagate_tensor_meta"):
+        yield False
+        return
+    propagator._propagate_tensor_meta = cached
+    try:
+        yield True
+    finally:
+        del propagator._propagate_tensor_meta
+
+
 def clear_cublas_workspaces() -> bool:
     """Free the workspaces cuBLAS keeps per (handle, stream): 32 MiB each on sm90, one for the
     forward thread and one for the autograd thread, allocated through the caching allocator (so
@@ -261,19 +286,31 @@ def fsdp_mem_tracker():
             and hasattr(module._FSDPRefType, "ALL_GATHER")):
         return stock
     all_gather = module.c10d._allgather_base_.default
+    clone = torch.ops.aten.clone.default
     booked = (module._FSDPState.PRE_FW, module._FSDPState.PRE_BW)
+    post_forward = getattr(module._FSDPState, "POST_FW", None)
+    kept = getattr(module._FSDPRefType, "UNSHARDED_PARAM", None)
 
     class FSDPMemTracker(stock):  # the name results.json reports as the method
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if (func is all_gather and out is not NotImplemented
-                    and getattr(self, "_fsdp_state", None) not in booked):
-                try:
-                    self._update_and_maybe_create_winfos(args[0], module._FSDPRefType.ALL_GATHER,
-                                                         update_existing=True)
-                except KeyError:
-                    pass  # a buffer the tracker did not see allocated (under another fake mode)
+            state = getattr(self, "_fsdp_state", None)
+            if func is all_gather and out is not NotImplemented and state not in booked:
+                self._rebook(args[0], module._FSDPRefType.ALL_GATHER)
+            elif (func is clone and state is post_forward and kept is not None
+                  and isinstance(out, torch.Tensor)):
+                # reshard_after_forward=N: the parameters' copy kept on groups of N ranks until
+                # backward (FSDPParam.to_sharded_post_forward clones it out of the all-gather),
+                # which the stock tracker books as an activation; False keeps the whole
+                # gathered parameters, booked as unsharded parameters: so is this
+                self._rebook(out, kept)
             return out
+
+        def _rebook(self, t, category) -> None:
+            try:
+                self._update_and_maybe_create_winfos(t, category, update_existing=True)
+            except KeyError:
+                pass  # a buffer the tracker did not see allocated (under another fake mode)
 
     return FSDPMemTracker
 

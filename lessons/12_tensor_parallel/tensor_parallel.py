@@ -45,6 +45,7 @@ from tp_helpers import ratios_vs_tp1, run_llama, run_mlp
 from utilities import distributed as D
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.errors import UsageError, positive_int
+from utilities.measure.plan_options import PlanOptions
 from utilities.measure.planner import plan
 from utilities.measure.step_time import (
     add_prediction_arguments,
@@ -146,7 +147,9 @@ def prediction_knobs(model: str, batch: int, gpus_per_node: int) -> dict[str, di
             return False
         return gpus_per_node % tp == 0
 
-    return {("fsdp-only" if tp == 1 else f"2d-tp{tp}"): ({"tp": tp, "batch": batch * tp} if tp > 1
+    whole_logits = PlanOptions(loss_parallel=False)  # as this lesson's TP plan runs its loss
+    return {("fsdp-only" if tp == 1 else f"2d-tp{tp}"): ({"tp": tp, "batch": batch * tp,
+                                                         "plan_options": whole_logits} if tp > 1
                                                         else {})
             for tp in PREDICT_TP if tp == 1 or splits(tp)}
 
@@ -166,7 +169,8 @@ def predict(args) -> dict | None:
     for row in block["variants"]:
         k = knobs[row["name"]]
         p = plan(block["model"], cluster.gpus, memory, ac=PREDICT_AC, seq=block["seq"],
-                 batch=k.get("batch", block["batch"]), tp=k.get("tp", 1))
+                 batch=k.get("batch", block["batch"]), tp=k.get("tp", 1),
+                 options=k.get("plan_options"))
         row.update(peak_bytes=p.peak_bytes["total"], fits=p.fits)
     return block
 

@@ -148,7 +148,8 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
     if tp > 1:
         from utilities.measure.tensor_parallel import shard_2d
 
-        shard_2d(model, block, mesh, precision, ac, **shard_kwargs(options, strategy))
+        shard_2d(model, block, mesh, precision, ac, loss_parallel=options.loss_parallel,
+                 **shard_kwargs(options, strategy))
     else:
         if ac == "selective":
             apply_op_selective_checkpointing(model, block)
@@ -244,6 +245,7 @@ def _unit_states(model, optimizer) -> dict[str, dict[str, int]]:
 # -- what the time model reads -------------------------------------------------------------------
 
 MATMUL, ATTENTION, MEMORY, FSDP_COPY = 0, 1, 2, 3
+ATTENTION_BACKWARD = 2.5  # FlashAttention's backward work / its forward's (``_attention_flops``)
 _FP32, _FP8_OK = 1, 2  # a matmul's flag: computes in fp32; a block Linear's GEMM (Float8-able)
 
 
@@ -306,7 +308,7 @@ def _classify(func) -> int | None:
     if "attention" in name:
         return ATTENTION
     if name in ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
-                "_scaled_mm"):
+                "_scaled_mm", "_grouped_mm"):
         return MATMUL
     return MEMORY
 
@@ -325,6 +327,19 @@ def _kernel_bytes(x) -> int:
     return 0
 
 
+def _grouped_mm_flops(a, b) -> float:
+    """``_grouped_mm(a, b, offs)``'s work (a mixture of experts' GEMM, which torch's FLOP counter
+    does not know): 2 x rows x inner x columns over the groups, whichever operand ``offs`` splits,
+    so a token's work counts the experts it was routed to, not every expert."""
+    if a.dim() == 2 and b.dim() == 2:  # offs splits the inner dim (a weight's gradient)
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    if a.dim() == 2:  # (tokens, in) x (experts, in, out)
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[-1]
+    if b.dim() == 2:  # (experts, m, in) x (in, columns)
+        return 2.0 * a.shape[1] * a.shape[2] * b.shape[1]
+    return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]  # batched, no offs
+
+
 def _attention_flops(func, args, kwargs, causal_default: bool) -> float:
     """FlashAttention's work: 4 B H Sq Sk D forward (two GEMMs), 2.5x that backward (five GEMMs,
     S recomputed), halved under a causal mask. ``causal_default``: a decoder-only model's mask is
@@ -338,7 +353,7 @@ def _attention_flops(func, args, kwargs, causal_default: bool) -> float:
     sk = k.shape[-2]
     flops = 4.0 * b * h * sq * sk * d
     if "backward" in func.__name__:
-        flops *= 2.5
+        flops *= ATTENTION_BACKWARD
     causal = bool(named.get("is_causal", False)) or causal_default
     return flops * (0.5 if causal else 1.0)
 
@@ -453,7 +468,10 @@ class OpRecorder:
         fp32 = False
         if kind == MATMUL:
             f = self.flop_registry.get(func._overloadpacket)
-            flops = float(f(*args, **kwargs, out_val=out)) if f else 0.0
+            if f is None and func.__name__.startswith("_grouped_mm"):
+                flops = _grouped_mm_flops(args[0], args[1])
+            else:
+                flops = float(f(*args, **kwargs, out_val=out)) if f else 0.0
             fp32 = isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32
         elif kind == ATTENTION:
             flops = _attention_flops(func, args, kwargs, self.causal)
@@ -654,7 +672,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
         traced_micro_batches,
         trainable_parameters,
     )
-    from utilities.measure.tensor_parallel import HEAD_VIEW_WARNING
+    from utilities.measure.tensor_parallel import HEAD_VIEW_WARNING, loss_parallel_context
     from utilities.torch_internals import fsdp_mem_tracker, global_peak_only, mod_tracker_of
 
     options = options or PlanOptions()
@@ -685,7 +703,8 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
         with fake_mode:
             data = fake_batch(spec, batch, seq, device)
             if tp > 1:
-                model(**data).loss.backward()
+                with loss_parallel_context(model):
+                    model(**data).loss.backward()
                 model.zero_grad(set_to_none=True)
             params = trainable_parameters(model)
             optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=adamw_foreach(device))
@@ -710,7 +729,8 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
             with ops.mode, TrackerHooks(), tracker:  # the hooks go, so the model can be collected
                 start = len(recorder.events)
                 optimizer.zero_grad(set_to_none=True)
-                accumulate(model, data, options, traced_micro_batches(options), between)
+                with loss_parallel_context(model):
+                    accumulate(model, data, options, traced_micro_batches(options), between)
                 ops.param_units = {id(getattr(p, "_local_tensor", p)): unit_label(fqn)
                                    for fqn, own in _unit_parameters(model) for p in own}
                 ops.recording = False

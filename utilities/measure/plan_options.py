@@ -30,6 +30,11 @@ flag                       field                       mechanism (memory; time)
 ``--param-dtype``          ``param_dtype``             ``fp32`` (masters kept) or ``bf16``: the model
                                                        stored in bf16, no fp32 master copy
 ``--gpus-per-node``        ``gpus_per_node``           ranks sharing one host's memory
+``--no-loss-parallel``     ``loss_parallel``           with ``--tp``: True (default, torchtitan's) keeps
+                                                       the LM head's logits split over the vocabulary
+                                                       and computes the loss on the shards
+                                                       (``loss_parallel()``); False gathers whole
+                                                       logits on every rank
 =========================  ==========================  ===============================================
 
 What bf16 parameters cost: AdamW adds ``lr x update`` to a bf16 weight whose 8-bit mantissa
@@ -73,6 +78,7 @@ class PlanOptions:
     param_dtype: str = "fp32"
     host_memory_bytes: int = HOST_MEMORY_BYTES
     gpus_per_node: int = 8
+    loss_parallel: bool = True  # with TP: the logits split over the vocabulary (torchtitan's default)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,7 +86,8 @@ class PlanOptions:
     @property
     def default(self) -> bool:
         return self == PlanOptions(host_memory_bytes=self.host_memory_bytes,
-                                   gpus_per_node=self.gpus_per_node)
+                                   gpus_per_node=self.gpus_per_node,
+                                   loss_parallel=self.loss_parallel)
 
     @property
     def frozen(self) -> bool:
@@ -129,6 +136,8 @@ def check_options(o: PlanOptions, strategy: str = "full_shard", precision: str =
                         "parameters compute in bf16: use --precision bf16)")
     if not isinstance(o.host_memory_bytes, int) or o.host_memory_bytes < 1:
         raise bad_value("--host-memory", o.host_memory_bytes, "sizes > 0")
+    if not isinstance(o.loss_parallel, bool):
+        raise bad_value("--no-loss-parallel", o.loss_parallel, "true or false")
     if not isinstance(o.gpus_per_node, int) or o.gpus_per_node < 1:
         raise bad_value("--gpus-per-node", o.gpus_per_node, "integers >= 1")
     if strategy == "no_shard" and (o.offload or r is not None):

@@ -217,6 +217,10 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
                      "are alike, " + ("the memory samples and the reserved memory's replay are "
                                       "extended linearly" if step.reserved_scaled_linearly else
                                       "the middle block's allocations repeated"))
+    if o.trainable is not None and o.trainable < 1:
+        notes.append(trainable_note(step.units, o.trainable))
+    if tp > 1:
+        notes.append(loss_parallel_note(o.loss_parallel, tp))
     cats = categorize(snap)
     detail = cats.pop("detail")
     if strategy == "no_shard":
@@ -259,6 +263,35 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
         method="FSDPMemTracker on FakeTensorMode + fake process group", notes=notes,
         model_states=states, warnings=warnings, options=o.as_dict(), host=host,
         reserved=reserved, tp=tp)
+
+
+def loss_parallel_note(loss_parallel: bool, tp: int) -> str:
+    """What a 2-D plan assumes of the loss (``PlanOptions.loss_parallel``)."""
+    if loss_parallel:
+        return (f"loss parallel (torchtitan's default with TP): the LM head's logits stay split "
+                f"over the vocabulary, 1/{tp} on each rank of a TP group, and the loss is computed "
+                "on the shards (torch.distributed.tensor.parallel.loss_parallel); "
+                "--no-loss-parallel gathers the whole logits on every rank")
+    return ("--no-loss-parallel: the LM head gathers the whole logits (batch x seq x vocabulary) "
+            "on every rank of a TP group before the loss")
+
+
+def trainable_note(units, asked: float) -> str:
+    """What ``--trainable`` planned: whole tensors stay trainable, so the fraction trained is at
+    least the one asked and can be far more (a 525M-parameter LM head is 6.5% of llama-8b)."""
+    total = trained = 0
+    where = []
+    for u in units:
+        flags = u.trainable or [True] * len(u.shapes)
+        n = sum(math.prod(s) for s, t in zip(u.shapes, flags) if t)
+        total += u.numel
+        trained += n
+        if n:
+            where.append(u.name)
+    shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
+    return (f"--trainable {asked:g} planned {trained:,} of {total:,} parameters trainable "
+            f"({trained / max(total, 1):.2%}): whole tensors, the earliest blocks frozen first, "
+            f"at least the fraction asked; trainable tensors in {shown or 'no unit'}")
 
 
 # the tracker's categories an offloaded rank keeps on the host
@@ -658,12 +691,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="tensor parallelism: GPUs per TP group (a divisor of --gpus and of a "
                         "node's), FSDP2 across the groups (2-D, as torchtitan; Llama models); "
                         "--batch is then one group's; default 1 (FSDP only)")
+    parser.add_argument("--no-loss-parallel", action="store_true",
+                        help="with --tp: gather the whole logits on every rank of a TP group "
+                        "(default: loss parallel, torchtitan's, the LM head's logits split over "
+                        "the vocabulary and the loss computed on the shards)")
     parser.add_argument("--precision", default="bf16", help=f"one of {', '.join(PRECISIONS)}")
     parser.add_argument("--ac", default="none",
                         help="activation checkpointing: none; selective (op-level, as torchtitan: "
                         "keep matmul and attention outputs, recompute the rest); every-2nd-block "
                         "(block-level, lesson 02's 'selective'); full (every block)")
-    parser.add_argument("--batch", default="1", help="per-rank batch size; default 1")
+    parser.add_argument("--batch", default="1",
+                        help="per-rank batch size (with --tp: per TP group, whose ranks all run "
+                        "the same tokens); default 1")
     parser.add_argument("--seq", default=None, help="sequence length (default: the model's)")
     parser.add_argument("--gpu", default=None,
                         help="the GPU the step time is predicted for (h100, h100-96gb, h200, "
@@ -741,7 +780,8 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         param_dtype=str(getattr(args, "param_dtype", "fp32")),
         host_memory_bytes=(parse_memory(host, "--host-memory") if host is not None
                            else PlanOptions().host_memory_bytes),
-        gpus_per_node=_int_arg("--gpus-per-node", getattr(args, "gpus_per_node", "8")))
+        gpus_per_node=_int_arg("--gpus-per-node", getattr(args, "gpus_per_node", "8")),
+        loss_parallel=not getattr(args, "no_loss_parallel", False))
     check_options(o)
     return o
 
@@ -862,7 +902,9 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
              f"{fmt_bytes(p.gpu_memory_bytes)}: {p.strategy}"
              f"{f' (shard groups of {p.shard_size})' if p.shard_size else ''}"
              f"{f' across TP groups of {p.tp}' if p.tp > 1 else ''}, {p.precision}, "
-             f"AC {p.ac}, batch {p.batch} x seq {p.seq} per rank",
+             f"AC {p.ac}, batch {p.batch} x seq {p.seq} "
+             + (f"per TP group (each of its {p.tp} ranks runs these tokens)" if p.tp > 1 else
+                "per rank"),
              f"{'category':<13}{'peak per rank' if p.detail else 'at least':>14}{'share':>7}"
              f"{'FSDP2 formula':>15}{'ZeRO paper':>12}"]
     total = max(p.peak_bytes["total"], 1)

@@ -49,6 +49,7 @@ The API (what ``fsdp-course plan`` builds on):
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -59,6 +60,7 @@ import numpy as np
 from utilities.errors import UsageError, bad_value
 from utilities.measure.fake_step import (
     ATTENTION,
+    ATTENTION_BACKWARD,
     FSDP_COPY,
     MATMUL,
     MEMORY,
@@ -781,7 +783,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     comm_s = sum(e.end - e.start for e in lanes.events if e.lane == "comm")
     step_s = max(e.end for e in lanes.events)
     tps = batch * seq * po.grad_accum / step_s / tp  # a TP group's tokens per step, per GPU
-    mfu = tps * spec.flops_per_token(seq) / g.peak_flops["bf16"]
+    flops_per_token, counted = model_flops_per_token(spec, profile, seq)
+    mfu = tps * flops_per_token / g.peak_flops["bf16"]
     per_unit: dict[str, dict[str, float]] = {}
     for e in lanes.events:
         d = per_unit.setdefault(e.unit, {})
@@ -790,12 +793,17 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                           group, replicas, eff, g, bwd_mode, fwd_depth, bwd_depth,
                           limit_all_gathers, profile, tf32)
     notes += options_assumptions(po, g)
+    if counted:
+        notes.append(counted)
     if tp > 1:
         notes.append(f"tensor parallelism: {tp} GPUs per group (Megatron-style, sequence "
                      "parallel, as torchtitan: q/k/v and gate/up split by columns, o and down by "
                      "rows), FSDP2 across the groups; the collectives TP issued in the trace are "
                      "timed inside the group and wait on the compute lane (no async TP); tokens/s "
-                     f"per GPU is a group's tokens / {tp}")
+                     f"per GPU is a group's tokens / {tp}; "
+                     + ("loss parallel: the logits split over the vocabulary, the loss's "
+                        "all-reduces traced" if po.loss_parallel else
+                        "whole logits gathered on every rank (--no-loss-parallel)"))
     return StepTime(
         model=spec.name, gpus=gpus, gpu=g.name, strategy=strategy, precision=precision, ac=ac,
         batch=batch, seq=seq, compile=compile, fp8=fp8_used, step_s=step_s, compute_s=compute_s,
@@ -803,6 +811,53 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
         tokens_per_s_per_gpu=tps, mfu=mfu, assumptions=notes, timeline=lanes.events,
         per_unit=per_unit, trace_s=profile.trace_s,
         unit_fqns={u.name: u.fqn for u in profile.units if u.fqn})
+
+
+def model_flops_per_token(spec, profile, seq: int) -> tuple[float, str]:
+    """MFU's FLOPs per token: the convention's ``6N + 12 x layers x heads x head_dim x seq``
+    counting only the work that runs, and the assumption that says so ("" when all of it runs).
+
+    A mixture of experts runs ``num_experts_per_tok`` of its experts per token: the experts' 3-D
+    weights count that share of their parameters. Frozen parameters skip their weight-gradient
+    matmuls, and the backward stops below the lowest trainable one: each term is scaled by the
+    traced step's backward work against a full backward's (2 x the forward's matmuls,
+    ``ATTENTION_BACKWARD`` x its attention), both from the ops the fake step ran."""
+    from utilities.models import EXPERT_FIELDS, _attention_shape
+
+    config = spec.config()
+    layers, heads, head_dim = _attention_shape(config)
+    attention = 12.0 * layers * heads * head_dim * seq
+    dense = spec.flops_per_token(seq) - attention
+    said = []
+    experts = next((getattr(config, f) for f in EXPERT_FIELDS
+                    if isinstance(getattr(config, f, None), int)), 0)
+    active = getattr(config, "num_experts_per_tok", None)
+    if isinstance(active, int) and 0 < active < experts:
+        idle = sum(math.prod(s) for u in profile.units for s in u.shapes
+                   if len(s) == 3 and s[0] == experts) * (1 - active / experts)
+        if idle:
+            dense -= 6.0 * idle
+            said.append(f"{active} of {experts} experts per token ({idle / 1e9:.1f}B idle "
+                        "parameters left out of N)")
+    work = {(phase, kind): 0.0 for phase in ("forward", "backward") for kind in (MATMUL, ATTENTION)}
+    for s in profile.segments:
+        for kind in (MATMUL, ATTENTION):
+            if (s.phase, kind) in work:
+                work[(s.phase, kind)] += float(s.flops[s.kind == kind].sum())
+    shares = []
+    for kind, backward in ((MATMUL, 2.0), (ATTENTION, ATTENTION_BACKWARD)):
+        forward = work[("forward", kind)]
+        share = (forward + work[("backward", kind)]) / ((1 + backward) * forward) if forward else 1.0
+        shares.append(1.0 if share > 1 - 1e-6 else share)  # a forward-only op (rotary) is noise
+    if shares[0] < 1 or shares[1] < 1:
+        said.append(f"the traced backward runs {shares[0]:.1%} of a full step's matmul work and "
+                    f"{shares[1]:.1%} of its attention work (frozen parameters: no weight "
+                    "gradients, no backward below the lowest trainable one)")
+    flops = dense * shares[0] + attention * shares[1]
+    if not said:
+        return flops, ""
+    return flops, (f"MFU counts what runs: {flops / 1e9:.2f} GFLOP per token, not the "
+                   f"convention's {spec.flops_per_token(seq) / 1e9:.2f}: " + "; ".join(said))
 
 
 def _efficiency_note(name: str) -> str:

@@ -52,6 +52,8 @@ from utilities.errors import bad_value
 # in-place op on the root's output would skip its pre-backward hook. The step does none.
 HEAD_VIEW_WARNING = r"FSDP2-wrapped module \(FSDP\w+ForCausalLM\) returned a view tensor"
 TP_FAMILIES = ("llama",)  # the model families with a plan here
+# set on a model whose LM head keeps its logits split over the vocabulary (loss parallel)
+LOSS_PARALLEL_ATTRIBUTE = "tp_loss_parallel"
 T5_REFUSAL = ("llama (T5 has no TP plan here: its encoder-decoder blocks share a relative-position "
               "bias computed once per stack, and its cross-attention needs a plan of its own)")
 
@@ -114,18 +116,47 @@ def llama_block_plan(sequence_parallel: bool = True) -> dict[str, ParallelStyle]
     return plan
 
 
-def llama_root_plan() -> dict[str, ParallelStyle]:
+def llama_root_plan(loss_parallel: bool = False) -> dict[str, ParallelStyle]:
     """Sequence parallelism outside the blocks (as torchtitan's Llama does it): the embedding is
     split over the vocabulary and hands out sequence shards, the final norm works on them, the LM
     head gathers the sequence, is split over the vocabulary and gathers whole logits. The
     embedding's output stays a DTensor so the model's own code (positions, rotary embeddings,
-    masks) still sees the whole sequence length. Without SP these stay whole on every rank."""
+    masks) still sees the whole sequence length. Without SP these stay whole on every rank.
+
+    ``loss_parallel`` (torchtitan's default with TP): the head's logits stay split over the
+    vocabulary (a DTensor sharded on its last dim) and the loss is computed on the shards under
+    ``loss_parallel_context``: no rank ever holds batch x seq x the whole vocabulary."""
     return {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
                                               use_local_output=False),
         "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "lm_head": lm_head_style(Shard(1), loss_parallel),
     }
+
+
+def lm_head_style(input_layout, loss_parallel: bool) -> ParallelStyle:
+    """The LM head split over the vocabulary (column-wise): whole logits gathered on every rank,
+    or with ``loss_parallel`` left split for the loss."""
+    if loss_parallel:
+        return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1),
+                               use_local_output=False)
+    return ColwiseParallel(input_layouts=input_layout, output_layouts=Replicate())
+
+
+def loss_parallel_context(model: nn.Module):
+    """torch's ``loss_parallel()`` for a model whose LM head hands out vocabulary shards
+    (``apply_tensor_parallel(..., loss_parallel=True)``), else nothing: the forward that computes
+    the loss and its backward both run under it."""
+    if not getattr(model, LOSS_PARALLEL_ATTRIBUTE, False):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from utilities.torch_internals import dtensor_meta_from_cache
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(loss_parallel())
+    stack.enter_context(dtensor_meta_from_cache())
+    return stack
 
 
 # -- checking and applying ---------------------------------------------------------------------
@@ -157,17 +188,22 @@ def check_tensor_parallel(config, tp: int, sequence_parallel: bool = True) -> No
 
 
 def apply_tensor_parallel(model: nn.Module, block_class: type[nn.Module], tp_mesh: DeviceMesh,
-                          sequence_parallel: bool = True) -> nn.Module:
+                          sequence_parallel: bool = True, loss_parallel: bool = False) -> nn.Module:
     """Split every ``block_class`` of a Hugging Face Llama over ``tp_mesh`` (1-D), in place; with
-    ``sequence_parallel`` also the embedding, the final norm and the head. Call it before
-    activation checkpointing and ``fully_shard`` (the plan's names are the block's own)."""
+    ``sequence_parallel`` also the embedding, the final norm and the head; with
+    ``loss_parallel`` the head's logits stay split for the loss (run the step under
+    ``loss_parallel_context(model)``). Call it before activation checkpointing and
+    ``fully_shard`` (the plan's names are the block's own)."""
     config = getattr(model, "config", None)
     if config is None:
         raise bad_value("tensor-parallel model", type(model).__name__,
                         "a transformers model with a config (a plain MLP: apply_mlp_tensor_parallel)")
-    check_tensor_parallel(config, tp_mesh.size(), sequence_parallel)
+    check_tensor_parallel(config, tp_mesh.size(), sequence_parallel or loss_parallel)
     if sequence_parallel:
-        parallelize_module(model, tp_mesh, llama_root_plan())
+        parallelize_module(model, tp_mesh, llama_root_plan(loss_parallel))
+    elif loss_parallel:
+        parallelize_module(model, tp_mesh, {"lm_head": lm_head_style(Replicate(), True)})
+    setattr(model, LOSS_PARALLEL_ATTRIBUTE, loss_parallel)
     for block in [m for m in model.modules() if isinstance(m, block_class)]:
         parallelize_module(block, tp_mesh, llama_block_plan(sequence_parallel))
     return model
@@ -185,11 +221,12 @@ def apply_mlp_tensor_parallel(mlp: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
 
 def shard_2d(model: nn.Module, block_class: type[nn.Module], mesh_2d: DeviceMesh,
              precision: str = "bf16", ac: str = "none", sequence_parallel: bool = True,
-             **fsdp_kwargs) -> nn.Module:
+             loss_parallel: bool = False, **fsdp_kwargs) -> nn.Module:
     """2-D parallelism, in place: TP on ``mesh_2d["tp"]``, activation checkpointing (``ac`` as
     the planner's: none, selective, every-2nd-block, full), then ``fully_shard`` of each block and
     of the root on ``mesh_2d["dp"]`` with ``precision``'s mixed-precision policy (and
-    ``fsdp_kwargs``, e.g. ``reshard_after_forward``). The planner's fake step
+    ``fsdp_kwargs``, e.g. ``reshard_after_forward``); ``loss_parallel``: as
+    ``apply_tensor_parallel``'s. The planner's fake step
     (``fake_step.prepare``) and a real 2-D run both call it.
 
     TP comes before checkpointing (the plan names the block's own submodules, which a checkpoint
@@ -203,7 +240,7 @@ def shard_2d(model: nn.Module, block_class: type[nn.Module], mesh_2d: DeviceMesh
     )
     from utilities.precision import fsdp2_policy
 
-    apply_tensor_parallel(model, block_class, mesh_2d["tp"], sequence_parallel)
+    apply_tensor_parallel(model, block_class, mesh_2d["tp"], sequence_parallel, loss_parallel)
     if ac == "selective":
         apply_op_selective_checkpointing(model, block_class)
     elif ac != "none":
@@ -243,6 +280,7 @@ def fake_step_peak(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor
         for tracked in (False, True):
             with MemoryProbe(model, optimizer, device) if tracked else contextlib.nullcontext() as probe:
                 optimizer.zero_grad(set_to_none=True)
-                loss_of(model).backward()
+                with loss_parallel_context(model):
+                    loss_of(model).backward()
                 optimizer.step()
     return probe.peak
