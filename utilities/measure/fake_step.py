@@ -43,12 +43,10 @@ import numpy as np
 import torch
 
 from utilities.errors import bad_value
+from utilities.parallelize import AC_MODES
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 PRECISIONS = ("fp32", "bf16")
-# activation checkpointing: "selective" is op-level, as in torchtitan (keep matmul and attention
-# outputs, recompute the rest); "every-2nd-block" is block-level (lesson 02's "selective")
-AC_MODES = ("none", "selective", "every-2nd-block", "full")
 MAX_GPUS = 65536
 # the depths a deep model is traced at: 2 first blocks + the middle + 2 last (see the docstring)
 EDGE_BLOCKS = 2
@@ -128,36 +126,20 @@ def fake_device(device_type: str) -> tuple[torch.device, list[str]]:
 
 def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, device: torch.device,
             options=None, tp: int = 1):
-    """Build on meta, apply the options (bf16 storage, freezing, adapters), split the blocks over
-    the mesh's "tp" dim when ``tp`` > 1 (``tensor_parallel.shard_2d``: TP, checkpointing, FSDP2 on
-    "dp"), else checkpoint and shard per block, then materialize as fake tensors on ``device``."""
-    from torch.distributed.fsdp import fully_shard
-
-    from utilities.activation_checkpointing import (
-        apply_activation_checkpointing,
-        apply_op_selective_checkpointing,
-        block_units,
-    )
+    """Build on meta, apply the options (bf16 storage, freezing, adapters), shard it with the
+    library's sequence (``utilities.parallelize.parallelize_model``: TP on the mesh's "tp" dim
+    when ``tp`` > 1, checkpointing, FSDP2 per block and the root), then materialize it as fake
+    tensors on ``device``."""
     from utilities.measure.plan_options import PlanOptions, apply_to_model, shard_kwargs
+    from utilities.parallelize import parallelize_model
     from utilities.precision import fsdp2_policy
 
     options = options or PlanOptions()
     model = spec.build(device="meta")
     block = spec.block_class()
     apply_to_model(model, [m for m in model.modules() if isinstance(m, block)], options)
-    if tp > 1:
-        from utilities.measure.tensor_parallel import shard_2d
-
-        shard_2d(model, block, mesh, precision, ac, **shard_kwargs(options, strategy))
-    else:
-        if ac == "selective":
-            apply_op_selective_checkpointing(model, block)
-        elif ac != "none":
-            apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
-        opts = dict(mesh=mesh, mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))
-        for unit in block_units(model, block):
-            fully_shard(unit, **opts)
-        fully_shard(model, **opts)
+    parallelize_model(model, block_class=block, mesh=mesh, ac=ac, mp_policy=fsdp2_policy(precision),
+                      **shard_kwargs(options, strategy))
     with fake_mode:
         model.to_empty(device=device)
     return model

@@ -16,8 +16,8 @@ a group, FSDP across the groups, the mesh dims named "dp" and "tp") is ``shard_2
 
 For the planner (memory) and the time model:
 
-* ``shard_2d`` splits and shards a model (real or meta); the planner's fake step
-  (``fake_step.prepare`` with ``tp``) builds one on meta, shards it so and materializes it;
+* ``shard_2d`` splits and shards a model (real or meta) with ``utilities.parallelize``'s
+  sequence; the planner's fake step (``fake_step.prepare`` with ``tp``) shards the same way;
 * ``fake_step_peak``: one training step of any ``nn.Module`` under the memory tracker (on a fake
   process group, ``fake_step.fake_world``, for Lightning's table).
 
@@ -189,30 +189,17 @@ def shard_2d(model: nn.Module, block_class: type[nn.Module], mesh_2d: DeviceMesh
     """2-D parallelism, in place: TP on ``mesh_2d["tp"]``, activation checkpointing (``ac`` as
     the planner's: none, selective, every-2nd-block, full), then ``fully_shard`` of each block and
     of the root on ``mesh_2d["dp"]`` with ``precision``'s mixed-precision policy (and
-    ``fsdp_kwargs``, e.g. ``reshard_after_forward``). The planner's fake step
-    (``fake_step.prepare``) and a real 2-D run both call it.
+    ``fsdp_kwargs``, e.g. ``reshard_after_forward``): ``utilities.parallelize.parallelize_model``
+    on a ("dp", "tp") mesh, the sequence the planner's fake step (``fake_step.prepare``) traces.
 
     TP comes before checkpointing (the plan names the block's own submodules, which a checkpoint
     wrapper would rename) and before FSDP (FSDP then shards TP's shards: 2-D DTensors)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from utilities.activation_checkpointing import (
-        apply_activation_checkpointing,
-        apply_op_selective_checkpointing,
-        block_units,
-    )
+    from utilities.parallelize import parallelize_model
     from utilities.precision import fsdp2_policy
 
-    apply_tensor_parallel(model, block_class, mesh_2d["tp"], sequence_parallel)
-    if ac == "selective":
-        apply_op_selective_checkpointing(model, block_class)
-    elif ac != "none":
-        apply_activation_checkpointing(model, block_class, every=1 if ac == "full" else 2)
-    opts = dict(mesh=mesh_2d["dp"], mp_policy=fsdp2_policy(precision), **fsdp_kwargs)
-    for unit in block_units(model, block_class):
-        fully_shard(unit, **opts)
-    fully_shard(model, **opts)
-    return model
+    return parallelize_model(model, block_class=block_class, mesh=mesh_2d, ac=ac,
+                             sequence_parallel=sequence_parallel, mp_policy=fsdp2_policy(precision),
+                             **fsdp_kwargs)
 
 
 def causal_lm_loss(batch: dict[str, torch.Tensor]) -> Callable[[nn.Module], torch.Tensor]:
