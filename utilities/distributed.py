@@ -151,6 +151,14 @@ def world_mesh() -> DeviceMesh:
     return _MESHES[key]
 
 
+def forget_world_meshes() -> None:
+    """Forget the meshes ``world_mesh`` made for the current process group (before it is
+    destroyed: a later group may reuse its id)."""
+    if dist.is_initialized():
+        for key in [k for k in _MESHES if k[1] == id(dist.group.WORLD)]:
+            del _MESHES[key]
+
+
 def pin_cuda_device(local_rank: int | None = None, gpus: int | None = None) -> torch.device:
     """Put this process on GPU ``local_rank % gpus`` (ranks sharing GPUs: rank i on GPU i % N) and
     initialize CUDA there, so that a DeviceMesh made later keeps this device: on a CUDA not yet

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from utilities.errors import bad_value
+from utilities.errors import UsageError, bad_value
 from utilities.parallelize import AC_MODES
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
@@ -103,6 +103,7 @@ def fake_world(world_size: int):
     """A ``world_size``-rank fake process group seen from rank 0 (restores any real one after)."""
     import torch.distributed as dist
 
+    from utilities.distributed import forget_world_meshes
     from utilities.torch_internals import fake_store
 
     if dist.is_initialized():
@@ -111,6 +112,7 @@ def fake_world(world_size: int):
     try:
         yield
     finally:
+        forget_world_meshes()  # ``world_mesh()`` of the fake world, if the user's code asked
         dist.destroy_process_group()
 
 
@@ -127,9 +129,10 @@ def fake_device(device_type: str) -> tuple[torch.device, list[str]]:
 def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, device: torch.device,
             options=None, tp: int = 1):
     """Build on meta, apply the options (bf16 storage, freezing, adapters), shard it with the
-    library's sequence (``utilities.parallelize.parallelize_model``: TP on the mesh's "tp" dim
-    when ``tp`` > 1, checkpointing, FSDP2 per block and the root), then materialize it as fake
-    tensors on ``device``."""
+    user's function (``spec.parallelize``, ``--parallelize``) or the library's sequence
+    (``utilities.parallelize.parallelize_model``: TP on the mesh's "tp" dim when ``tp`` > 1,
+    checkpointing, FSDP2 per block and the root), then materialize it as fake tensors on
+    ``device``."""
     from utilities.measure.plan_options import PlanOptions, apply_to_model, shard_kwargs
     from utilities.parallelize import parallelize_model
     from utilities.precision import fsdp2_policy
@@ -138,15 +141,32 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
     model = spec.build(device="meta")
     block = spec.block_class()
     apply_to_model(model, [m for m in model.modules() if isinstance(m, block)], options)
-    parallelize_model(model, block_class=block, mesh=mesh, ac=ac, mp_policy=fsdp2_policy(precision),
-                      **shard_kwargs(options, strategy))
+    yours = getattr(spec, "parallelize", None)
+    if yours is not None:  # the user's own sharding function (utilities.measure.user_code)
+        from utilities.measure.user_code import call_parallelize
+
+        call_parallelize(yours, model, mesh, device, spec.name.rpartition(" sharded by ")[2])
+    else:
+        parallelize_model(model, block_class=block, mesh=mesh, ac=ac,
+                          mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))
     with fake_mode:
         model.to_empty(device=device)
     return model
 
 
-def fake_batch(spec, batch: int, seq: int, device: torch.device) -> dict[str, torch.Tensor]:
+def fake_batch(spec, batch: int, seq: int, device: torch.device):
+    """The step's batch: token ids and labels (and an attention mask for a course model), or for a
+    model with its own batch function (``--batch-fn``) the loss of the model as a function of it
+    (``plan_options.step_loss`` takes either)."""
+    make_batch = getattr(spec, "make_batch", None)
+    if make_batch is not None:
+        from utilities.measure.user_code import user_batch
+
+        return user_batch(make_batch, batch, seq, spec.name)
     vocab = spec.config().vocab_size
+    if getattr(spec, "family", "") == "custom":  # a builder's model: Hugging Face's two names
+        ids = torch.randint(0, vocab, (batch, seq), device=device)
+        return {"input_ids": ids, "labels": ids.clone()}
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     if spec.is_seq2seq:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
@@ -633,6 +653,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
     from utilities.measure.plan_options import (
         PlanOptions,
         accumulate,
+        step_loss,
         traced_micro_batches,
         trainable_parameters,
     )
@@ -667,7 +688,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
         with fake_mode:
             data = fake_batch(spec, batch, seq, device)
             if tp > 1:
-                model(**data).loss.backward()
+                step_loss(model, data).backward()
                 model.zero_grad(set_to_none=True)
             params = trainable_parameters(model)
             optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=adamw_foreach(device))
@@ -741,10 +762,20 @@ def trace(spec, world: int, strategy: str = "full_shard", precision: str = "bf16
     block. Read it, do not change it (the cache hands the same object to every caller)."""
     from utilities.measure.plan_options import PlanOptions
     from utilities.models import get_model_spec
+    from utilities.torch_internals import untraceable_op
 
     spec = get_model_spec(spec) if isinstance(spec, str) else spec
-    return _trace(spec, world, strategy, precision, ac, batch, seq or spec.default_seq_len,
-                  fake_device(device_type)[0].type, shard_size, options or PlanOptions(), scale, tp)
+    try:
+        return _trace(spec, world, strategy, precision, ac, batch, seq or spec.default_seq_len,
+                      fake_device(device_type)[0].type, shard_size, options or PlanOptions(), scale,
+                      tp)
+    except Exception as e:
+        op = untraceable_op(e)
+        if op is None:
+            raise
+        raise UsageError(f"model {spec.name} is not allowed: its step runs {op}, which cannot run on "
+                         "fake tensors (no fake kernel, or an output that depends on the data); "
+                         "allowed: a step whose every op has a shape known without the data") from None
 
 
 @functools.lru_cache(maxsize=16)

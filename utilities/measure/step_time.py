@@ -782,6 +782,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     step_s = max(e.end for e in lanes.events)
     tps = batch * seq * po.grad_accum / step_s / tp  # a TP group's tokens per step, per GPU
     mfu = tps * spec.flops_per_token(seq) / g.peak_flops["bf16"]
+    if getattr(spec, "flops_from_trace", False):  # a model of yours: the FLOPs its traced ops do
+        mfu = tps * traced_flops_per_token(profile, batch * seq) / g.peak_flops["bf16"]
     per_unit: dict[str, dict[str, float]] = {}
     for e in lanes.events:
         d = per_unit.setdefault(e.unit, {})
@@ -790,6 +792,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                           group, replicas, eff, g, bwd_mode, fwd_depth, bwd_depth,
                           limit_all_gathers, profile, tf32)
     notes += options_assumptions(po, g)
+    if getattr(spec, "flops_from_trace", False):
+        notes = [n for n in notes if not n.startswith("MFU: ")] + [TRACED_MFU_NOTE]
     if tp > 1:
         notes.append(f"tensor parallelism: {tp} GPUs per group (Megatron-style, sequence "
                      "parallel, as torchtitan: q/k/v and gate/up split by columns, o and down by "
@@ -803,6 +807,18 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
         tokens_per_s_per_gpu=tps, mfu=mfu, assumptions=notes, timeline=lanes.events,
         per_unit=per_unit, trace_s=profile.trace_s,
         unit_fqns={u.name: u.fqn for u in profile.units if u.fqn})
+
+
+TRACED_MFU_NOTE = ("MFU: tokens/s/GPU x the FLOPs per token of the traced forward and backward "
+                   "(matmuls and attention, as the trace ran them; no recomputation) / the GPU's "
+                   "bf16 dense peak: a model of yours has no 6N formula the course knows")
+
+
+def traced_flops_per_token(profile, tokens: int) -> float:
+    """The FLOPs per token the traced step's forward and backward ran (recomputation left out,
+    as MFU leaves it out), over its ``tokens`` per rank."""
+    return sum(float(s.flops.sum()) for s in profile.segments
+               if s.phase in ("forward", "backward")) / max(tokens, 1)
 
 
 def _efficiency_note(name: str) -> str:
