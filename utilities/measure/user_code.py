@@ -62,6 +62,11 @@ class PlannedSpec(ModelSpec):
     flops_from_trace: bool = False
 
 
+class NoBlocks(nn.Module):
+    """The block class of a model without an ``nn.ModuleList``: nothing is one, the root is the
+    one unit the course's sequence shards."""
+
+
 _REGISTRY: dict[str, ModelSpec] = {}  # a plan's model name -> its spec (the time model's way back)
 
 
@@ -174,8 +179,9 @@ def builder_spec(builder: Callable[[], Any], ref: str | None = None,
     def make_model(_config):
         return build_user_model(builder, name)
 
+    block = block or NoBlocks  # without a list of blocks: the root is the one unit
     return PlannedSpec(name=name, family="custom", make_config=lambda: config,
-                       block_class_name=block.__name__ if block else "", default_seq_len=DEFAULT_SEQ,
+                       block_class_name=block.__name__, default_seq_len=DEFAULT_SEQ,
                        make_model=make_model, block_type=block, known_parameters=count,
                        make_batch=batch_fn, flops_from_trace=True)
 
@@ -205,10 +211,6 @@ def resolve_spec(model: Any, parallelize: Any = None, batch_fn: Any = None) -> M
     if parallelize is None:
         if getattr(spec, "parallelize", None) is not None:  # already the user's
             return spec
-        if getattr(spec, "family", "") == "custom" and spec.block_type is None:
-            raise UsageError(f"--model {spec.name} is not allowed without --parallelize: it has no "
-                             "nn.ModuleList of blocks to shard one unit each; allowed: "
-                             "--parallelize FILE.py:FUNCTION, your own sharding function")
         if isinstance(spec, PlannedSpec):
             _REGISTRY[spec.name] = spec
         return spec
@@ -261,8 +263,7 @@ def check_user_code(spec: ModelSpec, strategy: str, ac: str, options) -> None:
         if options.offload or options.reshard_after_forward is not None:
             raise bad_value("--parallelize", name, "without --offload and --reshard-after-forward "
                             "(your function passes fully_shard what it passes)")
-    if getattr(spec, "family", "") == "custom" and not options.default and (
-            options.frozen or spec.block_type is None):
+    if getattr(spec, "family", "") == "custom" and options.frozen:
         raise bad_value("--model", spec.name, "a course model or a config.json with --trainable "
                         "or --lora-rank (they pick a course model's blocks)")
 
