@@ -164,7 +164,7 @@ def fake_batch(spec, batch: int, seq: int, device: torch.device):
 
         return user_batch(make_batch, batch, seq, spec.name)
     vocab = spec.config().vocab_size
-    if getattr(spec, "family", "") == "custom":  # a builder's model: Hugging Face's two names
+    if getattr(spec, "flops_from_trace", False):  # a builder's model: Hugging Face's two names
         ids = torch.randint(0, vocab, (batch, seq), device=device)
         return {"input_ids": ids, "labels": ids.clone()}
     ids = torch.randint(0, vocab, (batch, seq), device=device)
@@ -633,10 +633,9 @@ class MemoryEvents:
 
 # -- tracing -------------------------------------------------------------------------------------
 
-def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, seq: int,
-         device: torch.device, shard_size: int | None, options, tp: int = 1
-         ) -> tuple[StepTrace, _Samples]:
-    """One step of ``spec`` under both recorders: the ``StepTrace`` and the tracker's samples.
+def _run(spec, config: StepConfig) -> tuple[StepTrace, _Samples]:
+    """One step of ``spec`` in ``config`` under both recorders: the ``StepTrace`` and the
+    tracker's samples.
 
     The optimizer state is created by one untracked AdamW step on zero gradients: the same tensors
     a first real step would create, at no forward's cost. Both steps take the same ``foreach``: a
@@ -660,7 +659,10 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
     from utilities.measure.tensor_parallel import HEAD_VIEW_WARNING
     from utilities.torch_internals import fsdp_mem_tracker, global_peak_only, mod_tracker_of
 
-    options = options or PlanOptions()
+    world, strategy, precision, ac = config.world, config.strategy, config.precision, config.ac
+    batch, seq, shard_size, tp = config.batch, config.seq, config.shard_size, config.tp
+    device = torch.device(config.device_type)
+    options = config.options or PlanOptions()
     t0 = time.perf_counter()
     with fake_world(world), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The module hierarchy tracking")
@@ -751,24 +753,49 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
     return step, samples
 
 
-def trace(spec, world: int, strategy: str = "full_shard", precision: str = "bf16",
+@dataclass(frozen=True)
+class StepConfig:
+    """One training step's configuration, as the trace takes it and caches it by: ``world``
+    ranks, the FSDP ``strategy`` (and HSDP's ``shard_size``), ``precision``, activation
+    checkpointing ``ac``, ``batch`` x ``seq`` tokens per rank, the fake tensors' ``device_type``,
+    the plan's ``options`` (``PlanOptions``), tensor parallelism ``tp``, and ``scale`` (trace a
+    deep model at small depths and extend it)."""
+
+    world: int
+    strategy: str = "full_shard"
+    precision: str = "bf16"
+    ac: str = "none"
+    batch: int = 1
+    seq: int | None = None
+    device_type: str = "cuda"
+    shard_size: int | None = None
+    options: Any = None
+    tp: int = 1
+    scale: bool = True
+
+
+def trace(spec, world: int | StepConfig, strategy: str = "full_shard", precision: str = "bf16",
           ac: str = "none", batch: int = 1, seq: int | None = None, device_type: str = "cuda",
           shard_size: int | None = None, options=None, scale: bool = True, tp: int = 1
           ) -> StepTrace:
     """One fake training step of ``spec`` (a ``ModelSpec`` or a course model's name) on ``world``
-    ranks, cached: the planner and the time model of one configuration share it. ``tp``: tensor
-    parallelism inside groups of ``tp`` ranks, FSDP2 across them. ``scale``: trace
-    a deep model at two small depths and scale (the module's docstring); False traces every
-    block. Read it, do not change it (the cache hands the same object to every caller)."""
+    ranks (or in the ``StepConfig`` given instead), cached by its ``StepConfig``: the planner and
+    the time model of one configuration share it. ``tp``: tensor parallelism inside groups of
+    ``tp`` ranks, FSDP2 across them. ``scale``: trace a deep model at two small depths and scale
+    (the module's docstring); False traces every block. Read it, do not change it (the cache
+    hands the same object to every caller)."""
     from utilities.measure.plan_options import PlanOptions
     from utilities.models import get_model_spec
     from utilities.torch_internals import untraceable_op
 
     spec = get_model_spec(spec) if isinstance(spec, str) else spec
+    config = world if isinstance(world, StepConfig) else StepConfig(
+        world, strategy, precision, ac, batch, seq, device_type, shard_size, options, tp, scale)
+    config = dataclasses.replace(config, seq=config.seq or spec.default_seq_len,
+                                 device_type=fake_device(config.device_type)[0].type,
+                                 options=config.options or PlanOptions())
     try:
-        return _trace(spec, world, strategy, precision, ac, batch, seq or spec.default_seq_len,
-                      fake_device(device_type)[0].type, shard_size, options or PlanOptions(), scale,
-                      tp)
+        return _trace(spec, config)
     except Exception as e:
         op = untraceable_op(e)
         if op is None:
@@ -779,28 +806,26 @@ def trace(spec, world: int, strategy: str = "full_shard", precision: str = "bf16
 
 
 @functools.lru_cache(maxsize=16)
-def _trace(spec, world, strategy, precision, ac, batch, seq, device_type, shard_size, options,
-           scale, tp) -> StepTrace:
-    device = torch.device(device_type)
-    args = (world, strategy, precision, ac, batch, seq, device, shard_size, options, tp)
-    depths = scaled_depths(spec, ac, options) if scale else None
+def _trace(spec, config: StepConfig) -> StepTrace:
+    device = torch.device(config.device_type)
+    depths = scaled_depths(spec, config.ac, config.options) if config.scale else None
     if depths is None:
-        return _whole(spec, args)
+        return _whole(spec, config)
     t0 = time.perf_counter()
-    small, small_samples = _run(_with_layers(spec, depths[0]), *args)
+    small, small_samples = _run(_with_layers(spec, depths[0]), config)
     if not adamw_foreach(device):
         scaled = _extended(spec, small, small_samples, depths[0], depths[1] - depths[0])
     else:  # AdamW's foreach: its temporaries span every block; two depths, extended linearly
-        large, large_samples = _run(_with_layers(spec, depths[1]), *args)
+        large, large_samples = _run(_with_layers(spec, depths[1]), config)
         scaled = _scale(spec, small, small_samples, large, large_samples, depths)
     if scaled is None:  # the blocks are not alike: trace them all
-        return _whole(spec, args)
+        return _whole(spec, config)
     scaled.trace_s = time.perf_counter() - t0
     return scaled
 
 
-def _whole(spec, args) -> StepTrace:
-    step, _ = _run(spec, *args)
+def _whole(spec, config: StepConfig) -> StepTrace:
+    step, _ = _run(spec, config)
     step.layers = _layers(spec)
     return step
 

@@ -37,6 +37,7 @@ from utilities.measure import categorize, fmt_bytes
 from utilities.measure.fake_step import (
     PRECISIONS,
     STRATEGIES,
+    StepConfig,
     check_step,
     check_tp,
     fake_device,
@@ -218,7 +219,8 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
             method="lower bound: parameter shards + AdamW state alone exceed the budget "
                    "(activations not simulated)", notes=notes, warnings=warnings,
             options=o.as_dict(), tp=tp)
-    step = trace(spec, world, strategy, precision, ac, batch, seq, device.type, shard_size, o, tp=tp)
+    step = trace(spec, StepConfig(world, strategy, precision, ac, batch, seq, device.type, shard_size,
+                                  o, tp))
     snap, states = dict(step.peak), dict(step.states)
     if step.traced_layers:
         depths = " and ".join(map(str, step.traced_layers))

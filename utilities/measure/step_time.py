@@ -64,6 +64,7 @@ from utilities.measure.fake_step import (
     MEMORY,
     STRATEGIES,
     Segment,
+    StepConfig,
     UnitInfo,
     check_step,
     check_tp,
@@ -688,7 +689,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     node = min(gpus, gpus_per_node)
     traced = strategy if strategy in ("full_shard", "shard_grad_op") else "full_shard"
     world = min(node, shard_size) if strategy == "hybrid_shard" else node
-    profile = trace(spec, world, traced, precision, ac, batch, seq, "cuda", None, po, tp=tp)
+    profile = trace(spec, StepConfig(world, traced, precision, ac, batch, seq, "cuda", None, po, tp))
     notes = [f"GPU: {g.name}: {g.source}", *g.notes, _efficiency_note(g.name)]
     fp8_used = fp8 and "fp8" in g.peak_flops and precision != "fp32"
     if fp8 and not fp8_used:

@@ -263,7 +263,7 @@ def check_user_code(spec: ModelSpec, strategy: str, ac: str, options) -> None:
         if options.offload or options.reshard_after_forward is not None:
             raise bad_value("--parallelize", name, "without --offload and --reshard-after-forward "
                             "(your function passes fully_shard what it passes)")
-    if getattr(spec, "family", "") == "custom" and options.frozen:
+    if getattr(spec, "flops_from_trace", False) and options.frozen:
         raise bad_value("--model", spec.name, "a course model or a config.json with --trainable "
                         "or --lora-rank (they pick a course model's blocks)")
 
