@@ -116,9 +116,17 @@ def _first_line(e: BaseException) -> str:
 
 
 def _name_of(fn: Callable[..., Any], ref: str | None) -> str:
+    """How a plan names a function: its ``FILE.py:FUNCTION``, else ``module.qualname`` (a
+    ``functools.partial`` with its arguments' names)."""
     if ref:
         return ref
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    base = getattr(fn, "func", fn)
+    name = f"{getattr(base, '__module__', '?')}.{getattr(base, '__qualname__', type(base).__name__)}"
+    if base is fn:
+        return name
+    args = [getattr(a, "__name__", repr(a)) for a in getattr(fn, "args", ())]
+    args += [f"{k}={getattr(v, '__name__', repr(v))}" for k, v in getattr(fn, "keywords", {}).items()]
+    return f"{name}({', '.join(args)})"
 
 
 def build_user_model(builder: Callable[[], Any], name: str) -> nn.Module:
