@@ -50,7 +50,12 @@ from utilities.measure.plan_options import (
     as_options,
     check_options,
 )
-from utilities.measure.user_code import check_user_code, planned_spec, resolve_spec
+from utilities.measure.user_code import (
+    check_user_code,
+    is_function_ref,
+    planned_spec,
+    resolve_spec,
+)
 from utilities.models import get_model_spec
 from utilities.text import rate_text, wrap_lines
 
@@ -1012,10 +1017,11 @@ def run_sweep(args: argparse.Namespace) -> int:
     if getattr(args, "trace", None):
         raise UsageError("--trace is not allowed with --sweep (one trace is one configuration); "
                          "allowed: --trace with a single plan")
-    for flag in ("parallelize", "batch_fn"):
-        if getattr(args, flag, None):
-            raise UsageError(f"--{flag.replace('_', '-')} is not allowed with --sweep; allowed: "
-                             "your own code with a single plan or --max-batch")
+    for flag in ("parallelize", "batch_fn", "model"):
+        value = getattr(args, flag, None)
+        if value and (flag != "model" or is_function_ref(value)):
+            raise UsageError(f"--{flag.replace('_', '-')} {value} is not allowed with --sweep; "
+                             "allowed: your own code with a single plan or --max-batch")
     gpu_memory_bytes, _ = resolve_memory_for(args)
     options = time_options(args)
     batch, seq = _int_arg("--batch", args.batch), _int_arg("--seq", args.seq)

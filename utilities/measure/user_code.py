@@ -296,8 +296,11 @@ def call_parallelize(fn: Callable[..., Any], model: nn.Module, mesh, device: tor
     every = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     offered = {"mesh": mesh, "world_size": mesh.size(), "device": device}
     kwargs = {k: v for k, v in offered.items() if every or k in params}
+    from utilities.distributed import run_device
+
     try:
-        fn(model, **kwargs)
+        with run_device(device):  # world_mesh() in the user's code: the planned world's device
+            fn(model, **kwargs)
     except UsageError:
         raise
     except Exception as e:
