@@ -660,8 +660,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     ``PlanOptions`` (offload copies and the host optimizer, accumulation's micro-batches,
     reshard_after_forward's all-gathers, frozen parameters' gradients, bf16 parameters).
     ``tp``: tensor parallelism inside groups of ``tp`` GPUs (2-D: FSDP across the groups); the
-    trace runs TP's own ops and collectives (``tensor_parallel.shard_2d``), which block the compute
-    lane; ``batch`` is one TP group's.
+    trace runs TP's own ops and collectives (``parallelize.parallelize_model``), which block the
+    compute lane; ``batch`` is one TP group's.
     """
     from utilities.measure.plan_options import PlanOptions
 
