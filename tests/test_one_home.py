@@ -156,3 +156,39 @@ def test_no_lesson_writes_into_results_data():
     found = [w for script in LESSON_SCRIPTS
              for w in results_data_writes(script.read_text(), str(script.relative_to(ROOT)))]
     assert not found, "write through Results' methods (record, setting, skipped, ...): " + "; ".join(found)
+
+
+# -- the sharding sequence has one home: utilities/parallelize.py ---------------------------------------
+SHARDING_HOME = ROOT / "utilities" / "parallelize.py"
+
+
+def fully_shard_calls(source: str, filename: str = "<library>") -> list[str]:
+    """Each call of ``fully_shard`` in ``source`` (by name or as an attribute), ``file:line``."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name == "fully_shard":
+                found.append(f"{filename}:{node.lineno}: {ast.unparse(node)[:90]}")
+    return found
+
+
+def test_the_library_shards_only_in_its_one_home():
+    """``fully_shard`` over the blocks is written once in the library, in ``utilities.parallelize``
+    (``apply_fsdp``); the planner's fake step, the TP code, ``shard_model`` and the doctor call it.
+    The teaching lessons keep their own inline calls (that is what they teach)."""
+    found = [c for path in LIBRARY_MODULES if path != SHARDING_HOME
+             for c in fully_shard_calls(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, "call utilities.parallelize.apply_fsdp instead: " + "; ".join(found)
+    assert fully_shard_calls(SHARDING_HOME.read_text())  # the home itself is found
+
+
+def test_the_sharding_check_sees_a_copy():
+    """Not vacuous: the loop of lesson 10 and the fake step, written again, is found (by name and
+    as ``torch.distributed.fsdp.fully_shard``); a mention in a docstring is not."""
+    copy = ("def shard(model, mesh):\n    '''fully_shard(block) for each block'''\n"
+            "    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n"
+            "    torch.distributed.fsdp.fully_shard(model, mesh=mesh)\n")
+    assert len(fully_shard_calls(copy)) == 2
+    assert fully_shard_calls("x = 'fully_shard(model)'\n") == []

@@ -22,6 +22,8 @@ from utilities.errors import UsageError
 from utilities.measure import tensor_parallel as tp_lib
 from utilities.measure.fake_step import fake_batch, fake_world, prepare
 from utilities.models import get_model_spec
+from utilities.parallelize import parallelize_model
+from utilities.precision import fsdp2_policy
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -119,7 +121,8 @@ def traced_collectives(layers: int, sequence_parallel: bool, tp: int = 2) -> dic
         mesh = init_device_mesh("cpu", (2, tp), mesh_dim_names=("dp", "tp"))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = spec.build(device="meta")
-        tp_lib.shard_2d(model, spec.block_class(), mesh, "bf16", "none", sequence_parallel)
+        parallelize_model(model, block_class=spec.block_class(), mesh=mesh,  # TP, then FSDP2
+                          sequence_parallel=sequence_parallel, mp_policy=fsdp2_policy("bf16"))
         with fake_mode:
             model.to_empty(device=CPU)
         with fake_mode:

@@ -28,13 +28,16 @@ def measured_peak(model_name: str, batch: int, seq: int, sequence_parallel: bool
 
     from utilities.measure import tensor_parallel as tp_lib
     from utilities.models import get_model_spec
+    from utilities.parallelize import parallelize_model
+    from utilities.precision import fsdp2_policy
 
     spec = get_model_spec(model_name)
     torch.manual_seed(0)
     model = spec.build(device="cpu")
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
-    tp_lib.shard_2d(model, spec.block_class(), mesh, "bf16", "none", sequence_parallel,
-                    loss_parallel)
+    parallelize_model(model, block_class=spec.block_class(), mesh=mesh,  # TP, then FSDP2
+                      sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                      mp_policy=fsdp2_policy("bf16"))
     ids = torch.randint(0, spec.config().vocab_size, (batch, seq))
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     return tp_lib.fake_step_peak(model, tp_lib.causal_lm_loss(data), torch.device("cpu"),

@@ -143,12 +143,35 @@ def world_mesh() -> DeviceMesh:
     if device is None:
         device = torch.device("cuda" if "nccl" in backend else "cpu")
     nccl = device.type == "cuda" and (backend == "nccl" or "cuda:nccl" in backend)
-    if dist.get_world_size() > 1 and not nccl:
+    if dist.get_world_size() > 1 and not nccl and backend != "fake":  # the planner's does no math
         require_gloo_avg("FSDP2 over gloo with 2+ ranks")
     key = (device.type, id(dist.group.WORLD))
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(device.type, (dist.get_world_size(),))
     return _MESHES[key]
+
+
+@contextlib.contextmanager
+def run_device(device: torch.device):
+    """``world_mesh()`` on ``device`` inside (the planner's fake world on its fake device), the
+    device ``setup`` chose again after."""
+    before = _RUN_DEVICE.get("device")
+    _RUN_DEVICE["device"] = torch.device(device)
+    try:
+        yield
+    finally:
+        if before is None:
+            _RUN_DEVICE.pop("device", None)
+        else:
+            _RUN_DEVICE["device"] = before
+
+
+def forget_world_meshes() -> None:
+    """Forget the meshes ``world_mesh`` made for the current process group (before it is
+    destroyed: a later group may reuse its id)."""
+    if dist.is_initialized():
+        for key in [k for k in _MESHES if k[1] == id(dist.group.WORLD)]:
+            del _MESHES[key]
 
 
 def pin_cuda_device(local_rank: int | None = None, gpus: int | None = None) -> torch.device:

@@ -183,6 +183,26 @@ def mod_tracker_of(tracker: Any) -> Any:
 
 # -- the fake process group ----------------------------------------------------------------------
 
+def untraceable_op(error: BaseException) -> str | None:
+    """The ATen op a step on fake tensors could not run (FakeTensorMode's refusals: an op without
+    a fake kernel, an output whose shape or value depends on the data), from ``error`` or an error
+    it was raised from; None for any other error."""
+    try:
+        from torch._subclasses import fake_tensor as ft
+    except ImportError:
+        return None
+    kinds = tuple(getattr(ft, n) for n in ("UnsupportedOperatorException",
+                                           "DynamicOutputShapeException",
+                                           "DataDependentOutputException") if hasattr(ft, n))
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if kinds and isinstance(error, kinds):
+            return str(getattr(error, "func", type(error).__name__))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def fake_store() -> Any:
     """The store of torch's "fake" process group: one process plays rank 0 of N, collectives do
     nothing, so ``fsdp-course plan`` can shard a model for 8 GPUs on a laptop."""

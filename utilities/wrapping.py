@@ -71,18 +71,12 @@ def shard_model(
 
 
 def _shard_fsdp2(model, block_class, mesh, options):
-    from torch.distributed.fsdp import fully_shard
-
     from utilities.distributed import world_mesh
+    from utilities.parallelize import apply_fsdp
 
     mesh = mesh if mesh is not None else world_mesh()  # this run's device, not the accelerator
-
-    if block_class is not None:
-        for module in list(model.modules()):
-            if isinstance(module, block_class):
-                fully_shard(module, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh, **options)
-    return model
+    blocks = [] if block_class is None else [m for m in model.modules() if isinstance(m, block_class)]
+    return apply_fsdp(model, mesh=mesh, units=blocks, **options)
 
 
 def _shard_fsdp1(model, block_class, policy, device, mesh, min_num_params, options):

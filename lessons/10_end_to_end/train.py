@@ -45,7 +45,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
@@ -69,6 +69,7 @@ from utilities.dcp import (
 )
 from utilities.errors import UsageError
 from utilities.models import META_INIT_THRESHOLD, get_model_spec, init_weights
+from utilities.parallelize import apply_ac, apply_fsdp
 from utilities.prefetch import set_explicit_prefetch
 from utilities.safe_files import lock_checkpoints
 from utilities.wrapping import fsdp1_meta_init
@@ -88,38 +89,14 @@ def build_model(cfg: Config, device: torch.device) -> nn.Module:
 
 
 # -- parallelize: activation checkpointing, compile, FSDP, prefetch; in this order -----------------
-def apply_ac(model: nn.Module, block_class: type[nn.Module], every: int) -> list[nn.Module]:
-    """Checkpoint every ``every``-th block (0: none): it keeps only its input and recomputes its
-    inside in backward. FSDP2 shards the wrapper, so wrap first. Returns the module to shard for
-    each block (the wrapper, or the block), in forward order."""
-    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, block_class)]
-    units = []
-    for i, (name, block) in enumerate(blocks):
-        if every and i % every == 0:
-            parent, _, child = name.rpartition(".")
-            block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-            setattr(model.get_submodule(parent), child, block)
-        units.append(block)
-    return units
-
-
+# apply_ac (checkpoint_wrapper on every ``every``-th block; returns the module to shard for each
+# block) and apply_fsdp (fully_shard each of those, then the root) are the library's
+# (utilities.parallelize): the planner traces the same functions this program runs.
 def apply_compile(units: list[nn.Module]) -> None:
     """torch.compile each block in place (parameter names do not change): FSDP's hooks stay
     between blocks, and one compiled graph serves every block of the same shape."""
     for unit in units:
         unit.compile()
-
-
-def apply_fsdp(model: nn.Module, units: list[nn.Module], precision: str) -> None:
-    """One FSDP unit per block, then the root (embeddings, final norm, head). The sharded fp32
-    parameters stay what the optimizer updates; MixedPrecisionPolicy sets the dtypes of compute
-    (param_dtype) and of the gradient reduce-scatter (reduce_dtype)."""
-    param_dtype, reduce_dtype = DTYPES[precision]
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    mesh = D.world_mesh()  # every rank, on the device setup() chose (not the machine's accelerator)
-    for unit in units:
-        fully_shard(unit, mp_policy=mp, mesh=mesh)
-    fully_shard(model, mp_policy=mp, mesh=mesh)
 
 
 def apply_prefetch(units: list[nn.Module], depth: int) -> None:
@@ -135,10 +112,15 @@ def parallelize(model: nn.Module, cfg: Config, device: torch.device) -> nn.Modul
     block_class = get_model_spec(cfg.model).block_class()
     if cfg.api == "fsdp1":
         return parallelize_fsdp1(model, block_class, cfg, device)
-    units = apply_ac(model, block_class, cfg.ac_every if cfg.activation_checkpointing else 0)
+    units = apply_ac(model, block_class=block_class,
+                     every=cfg.ac_every if cfg.activation_checkpointing else 0)
     if cfg.compile:
         apply_compile(units)
-    apply_fsdp(model, units, cfg.precision)
+    # the sharded fp32 parameters stay what the optimizer updates; MixedPrecisionPolicy sets the
+    # dtypes of compute (param_dtype) and of the gradient reduce-scatter (reduce_dtype)
+    param_dtype, reduce_dtype = DTYPES[cfg.precision]
+    apply_fsdp(model, units=units, mesh=D.world_mesh(),  # every rank, on the device setup() chose
+               mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     if cfg.prefetch:
         apply_prefetch(units, cfg.prefetch)
     if any(p.is_meta for p in model.parameters()):  # each rank allocates only its own shards

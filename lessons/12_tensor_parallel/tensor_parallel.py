@@ -56,13 +56,13 @@ from utilities.measure.step_time import (
 from utilities.measure.tensor_parallel import (
     FeedForward,
     apply_mlp_tensor_parallel,
-    apply_tensor_parallel,
     check_tensor_parallel,
     llama_block_plan,
     llama_root_plan,
     mlp_plan,
 )
 from utilities.models import get_model_spec
+from utilities.parallelize import apply_tp
 
 # -- the code this lesson teaches ---------------------------------------------------------------
 # The plans have one home, utilities.measure.tensor_parallel (the planner splits the same way):
@@ -71,12 +71,6 @@ from utilities.models import get_model_spec
 #                                 with sp the norms and the residual stream split on the sequence
 # llama_root_plan()               with sp: embedding and LM head split over the vocabulary
 mlp_tp_plan, llama_tp_plan, llama_model_sp_plan = mlp_plan, llama_block_plan, llama_root_plan
-
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Tensor-parallelize every decoder block of a Hugging Face Llama over ``tp_mesh``, in place.
-    Without ``sequence_parallel`` embeddings, norms and the LM head stay whole on every rank."""
-    return apply_tensor_parallel(model, type(model.model.layers[0]), tp_mesh, sequence_parallel)
 
 
 def apply_mlp_tp(mlp: FeedForward, tp_mesh: DeviceMesh) -> FeedForward:
@@ -92,7 +86,7 @@ def mesh_2d(device_type: str, dp: int, tp: int) -> DeviceMesh:
 def apply_2d(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """TP first on mesh["tp"], then FSDP2 on mesh["dp"]: fully_shard shards the TP shards (2-D
     DTensors). The other way round, TP would try to split FSDP's shards."""
-    apply_tp(model, mesh["tp"])
+    apply_tp(model, tp_mesh=mesh["tp"], sequence_parallel=False)  # the library's (utilities.parallelize)
     for block in model.model.layers:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -219,7 +213,7 @@ def parallelize(kind: str, tp: int, mesh: DeviceMesh | None):
         return lambda model: apply_mlp_tp(model, mesh["tp"])
     if kind == "2d":
         return lambda model: apply_2d(model, mesh)
-    return lambda model: apply_tp(model, mesh["tp"], sequence_parallel=kind == "llama-sp")
+    return lambda model: apply_tp(model, tp_mesh=mesh["tp"], sequence_parallel=kind == "llama-sp")
 
 
 def takeaway(results: dict) -> str:

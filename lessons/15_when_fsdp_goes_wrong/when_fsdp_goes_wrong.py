@@ -60,6 +60,7 @@ from utilities.errors import bounded, positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.memory import MemoryProbe
 from utilities.measure.results import variant
+from utilities.parallelize import apply_fsdp
 from utilities.torch_internals import fsdp_forward_method_registrar
 
 
@@ -80,10 +81,7 @@ def optimizer_after_sharding(model: nn.Module, lr: float) -> torch.optim.Optimiz
 
 def shard(model: nn.Module, **options) -> nn.Module:
     """One unit per block, then the root (embedding, final norm and head): lesson 01's wrapping."""
-    mesh = world_mesh()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, **options)
-    return fully_shard(model, mesh=mesh, **options)
+    return apply_fsdp(model, mesh=world_mesh(), units=model.blocks, **options)
 
 
 # -- 2. bf16: a mixed-precision policy, not model.to(bfloat16) -----------------------------------
@@ -542,10 +540,8 @@ class Failures:
             model = spec.build("meta")
             self.lesson._track(model)
             block = spec.block_class()
-            for m in model.modules():
-                if isinstance(m, block):
-                    fully_shard(m, mesh=world_mesh())
-            fully_shard(model, mesh=world_mesh())
+            apply_fsdp(model, mesh=world_mesh(),
+                       units=[m for m in model.modules() if isinstance(m, block)])
             materialize(model, state, self.lesson.device)
             with torch.no_grad():
                 logits = model(input_ids=ids).logits
@@ -627,9 +623,7 @@ class Failures:
             group = timeout_group(seconds, detail)
             mesh = _mesh_of(group, self.lesson.device)
             model = self.model()
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            apply_fsdp(model, mesh=mesh, units=model.blocks)
             t0 = time.perf_counter()
             try:
                 epoch(model, mine, group)

@@ -42,13 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from utilities.errors import bad_value
+from utilities.errors import UsageError, bad_value
+from utilities.parallelize import AC_MODES
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 PRECISIONS = ("fp32", "bf16")
-# activation checkpointing: "selective" is op-level, as in torchtitan (keep matmul and attention
-# outputs, recompute the rest); "every-2nd-block" is block-level (lesson 02's "selective")
-AC_MODES = ("none", "selective", "every-2nd-block", "full")
 MAX_GPUS = 65536
 # the depths a deep model is traced at: 2 first blocks + the middle + 2 last (see the docstring)
 EDGE_BLOCKS = 2
@@ -105,6 +103,7 @@ def fake_world(world_size: int):
     """A ``world_size``-rank fake process group seen from rank 0 (restores any real one after)."""
     import torch.distributed as dist
 
+    from utilities.distributed import forget_world_meshes
     from utilities.torch_internals import fake_store
 
     if dist.is_initialized():
@@ -113,6 +112,7 @@ def fake_world(world_size: int):
     try:
         yield
     finally:
+        forget_world_meshes()  # ``world_mesh()`` of the fake world, if the user's code asked
         dist.destroy_process_group()
 
 
@@ -128,44 +128,45 @@ def fake_device(device_type: str) -> tuple[torch.device, list[str]]:
 
 def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, device: torch.device,
             options=None, tp: int = 1):
-    """Build on meta, apply the options (bf16 storage, freezing, adapters), split the blocks over
-    the mesh's "tp" dim when ``tp`` > 1 (``tensor_parallel.shard_2d``: TP, checkpointing, FSDP2 on
-    "dp"), else checkpoint and shard per block, then materialize as fake tensors on ``device``."""
-    from torch.distributed.fsdp import fully_shard
-
-    from utilities.activation_checkpointing import (
-        apply_activation_checkpointing,
-        apply_op_selective_checkpointing,
-        block_units,
-    )
+    """Build on meta, apply the options (bf16 storage, freezing, adapters), shard it with the
+    user's function (``spec.parallelize``, ``--parallelize``) or the library's sequence
+    (``utilities.parallelize.parallelize_model``: TP on the mesh's "tp" dim when ``tp`` > 1,
+    checkpointing, FSDP2 per block and the root), then materialize it as fake tensors on
+    ``device``."""
     from utilities.measure.plan_options import PlanOptions, apply_to_model, shard_kwargs
+    from utilities.parallelize import parallelize_model
     from utilities.precision import fsdp2_policy
 
     options = options or PlanOptions()
     model = spec.build(device="meta")
     block = spec.block_class()
     apply_to_model(model, [m for m in model.modules() if isinstance(m, block)], options)
-    if tp > 1:
-        from utilities.measure.tensor_parallel import shard_2d
+    yours = getattr(spec, "parallelize", None)
+    if yours is not None:  # the user's own sharding function (utilities.measure.user_code)
+        from utilities.measure.user_code import call_parallelize
 
-        shard_2d(model, block, mesh, precision, ac, loss_parallel=options.loss_parallel,
-                 **shard_kwargs(options, strategy))
+        call_parallelize(yours, model, mesh, device, spec.name.rpartition(" sharded by ")[2])
     else:
-        if ac == "selective":
-            apply_op_selective_checkpointing(model, block)
-        elif ac != "none":
-            apply_activation_checkpointing(model, block, every=1 if ac == "full" else 2)
-        opts = dict(mesh=mesh, mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))
-        for unit in block_units(model, block):
-            fully_shard(unit, **opts)
-        fully_shard(model, **opts)
+        parallelize_model(model, block_class=block, mesh=mesh, ac=ac, loss_parallel=options.loss_parallel,
+                          mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))
     with fake_mode:
         model.to_empty(device=device)
     return model
 
 
-def fake_batch(spec, batch: int, seq: int, device: torch.device) -> dict[str, torch.Tensor]:
+def fake_batch(spec, batch: int, seq: int, device: torch.device):
+    """The step's batch: token ids and labels (and an attention mask for a course model), or for a
+    model with its own batch function (``--batch-fn``) the loss of the model as a function of it
+    (``plan_options.step_loss`` takes either)."""
+    make_batch = getattr(spec, "make_batch", None)
+    if make_batch is not None:
+        from utilities.measure.user_code import user_batch
+
+        return user_batch(make_batch, batch, seq, spec.name)
     vocab = spec.config().vocab_size
+    if getattr(spec, "flops_from_trace", False):  # a builder's model: Hugging Face's two names
+        ids = torch.randint(0, vocab, (batch, seq), device=device)
+        return {"input_ids": ids, "labels": ids.clone()}
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     if spec.is_seq2seq:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
@@ -649,10 +650,9 @@ class MemoryEvents:
 
 # -- tracing -------------------------------------------------------------------------------------
 
-def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, seq: int,
-         device: torch.device, shard_size: int | None, options, tp: int = 1
-         ) -> tuple[StepTrace, _Samples]:
-    """One step of ``spec`` under both recorders: the ``StepTrace`` and the tracker's samples.
+def _run(spec, config: StepConfig) -> tuple[StepTrace, _Samples]:
+    """One step of ``spec`` in ``config`` under both recorders: the ``StepTrace`` and the
+    tracker's samples.
 
     The optimizer state is created by one untracked AdamW step on zero gradients: the same tensors
     a first real step would create, at no forward's cost. Both steps take the same ``foreach``: a
@@ -669,13 +669,17 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
     from utilities.measure.plan_options import (
         PlanOptions,
         accumulate,
+        step_loss,
         traced_micro_batches,
         trainable_parameters,
     )
     from utilities.measure.tensor_parallel import HEAD_VIEW_WARNING, loss_parallel_context
     from utilities.torch_internals import fsdp_mem_tracker, global_peak_only, mod_tracker_of
 
-    options = options or PlanOptions()
+    world, strategy, precision, ac = config.world, config.strategy, config.precision, config.ac
+    batch, seq, shard_size, tp = config.batch, config.seq, config.shard_size, config.tp
+    device = torch.device(config.device_type)
+    options = config.options or PlanOptions()
     t0 = time.perf_counter()
     with fake_world(world), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The module hierarchy tracking")
@@ -704,7 +708,7 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
             data = fake_batch(spec, batch, seq, device)
             if tp > 1:
                 with loss_parallel_context(model):
-                    model(**data).loss.backward()
+                    step_loss(model, data).backward()
                 model.zero_grad(set_to_none=True)
             params = trainable_parameters(model)
             optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=adamw_foreach(device))
@@ -768,46 +772,79 @@ def _run(spec, world: int, strategy: str, precision: str, ac: str, batch: int, s
     return step, samples
 
 
-def trace(spec, world: int, strategy: str = "full_shard", precision: str = "bf16",
+@dataclass(frozen=True)
+class StepConfig:
+    """One training step's configuration, as the trace takes it and caches it by: ``world``
+    ranks, the FSDP ``strategy`` (and HSDP's ``shard_size``), ``precision``, activation
+    checkpointing ``ac``, ``batch`` x ``seq`` tokens per rank, the fake tensors' ``device_type``,
+    the plan's ``options`` (``PlanOptions``), tensor parallelism ``tp``, and ``scale`` (trace a
+    deep model at small depths and extend it)."""
+
+    world: int
+    strategy: str = "full_shard"
+    precision: str = "bf16"
+    ac: str = "none"
+    batch: int = 1
+    seq: int | None = None
+    device_type: str = "cuda"
+    shard_size: int | None = None
+    options: Any = None
+    tp: int = 1
+    scale: bool = True
+
+
+def trace(spec, world: int | StepConfig, strategy: str = "full_shard", precision: str = "bf16",
           ac: str = "none", batch: int = 1, seq: int | None = None, device_type: str = "cuda",
           shard_size: int | None = None, options=None, scale: bool = True, tp: int = 1
           ) -> StepTrace:
     """One fake training step of ``spec`` (a ``ModelSpec`` or a course model's name) on ``world``
-    ranks, cached: the planner and the time model of one configuration share it. ``tp``: tensor
-    parallelism inside groups of ``tp`` ranks, FSDP2 across them. ``scale``: trace
-    a deep model at two small depths and scale (the module's docstring); False traces every
-    block. Read it, do not change it (the cache hands the same object to every caller)."""
+    ranks (or in the ``StepConfig`` given instead), cached by its ``StepConfig``: the planner and
+    the time model of one configuration share it. ``tp``: tensor parallelism inside groups of
+    ``tp`` ranks, FSDP2 across them. ``scale``: trace a deep model at two small depths and scale
+    (the module's docstring); False traces every block. Read it, do not change it (the cache
+    hands the same object to every caller)."""
     from utilities.measure.plan_options import PlanOptions
     from utilities.models import get_model_spec
+    from utilities.torch_internals import untraceable_op
 
     spec = get_model_spec(spec) if isinstance(spec, str) else spec
-    return _trace(spec, world, strategy, precision, ac, batch, seq or spec.default_seq_len,
-                  fake_device(device_type)[0].type, shard_size, options or PlanOptions(), scale, tp)
+    config = world if isinstance(world, StepConfig) else StepConfig(
+        world, strategy, precision, ac, batch, seq, device_type, shard_size, options, tp, scale)
+    config = dataclasses.replace(config, seq=config.seq or spec.default_seq_len,
+                                 device_type=fake_device(config.device_type)[0].type,
+                                 options=config.options or PlanOptions())
+    try:
+        return _trace(spec, config)
+    except Exception as e:
+        op = untraceable_op(e)
+        if op is None:
+            raise
+        raise UsageError(f"model {spec.name} is not allowed: its step runs {op}, which cannot run on "
+                         "fake tensors (no fake kernel, or an output that depends on the data); "
+                         "allowed: a step whose every op has a shape known without the data") from None
 
 
 @functools.lru_cache(maxsize=16)
-def _trace(spec, world, strategy, precision, ac, batch, seq, device_type, shard_size, options,
-           scale, tp) -> StepTrace:
-    device = torch.device(device_type)
-    args = (world, strategy, precision, ac, batch, seq, device, shard_size, options, tp)
-    depths = scaled_depths(spec, ac, options) if scale else None
+def _trace(spec, config: StepConfig) -> StepTrace:
+    device = torch.device(config.device_type)
+    depths = scaled_depths(spec, config.ac, config.options) if config.scale else None
     if depths is None:
-        return _whole(spec, args)
+        return _whole(spec, config)
     t0 = time.perf_counter()
-    small, small_samples = _run(_with_layers(spec, depths[0]), *args)
+    small, small_samples = _run(_with_layers(spec, depths[0]), config)
     if not adamw_foreach(device):
         scaled = _extended(spec, small, small_samples, depths[0], depths[1] - depths[0])
     else:  # AdamW's foreach: its temporaries span every block; two depths, extended linearly
-        large, large_samples = _run(_with_layers(spec, depths[1]), *args)
+        large, large_samples = _run(_with_layers(spec, depths[1]), config)
         scaled = _scale(spec, small, small_samples, large, large_samples, depths)
     if scaled is None:  # the blocks are not alike: trace them all
-        return _whole(spec, args)
+        return _whole(spec, config)
     scaled.trace_s = time.perf_counter() - t0
     return scaled
 
 
-def _whole(spec, args) -> StepTrace:
-    step, _ = _run(spec, *args)
+def _whole(spec, config: StepConfig) -> StepTrace:
+    step, _ = _run(spec, config)
     step.layers = _layers(spec)
     return step
 

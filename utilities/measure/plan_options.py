@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from utilities.errors import bad_value
+from utilities.errors import UsageError, bad_value
 
 ACCUM_SYNC = ("every", "last")
 PARAM_DTYPES = ("fp32", "bf16")
@@ -285,9 +285,25 @@ def accumulate(model: nn.Module, batch: dict, o: PlanOptions, micro_batches: int
             between()  # FSDPMemTracker follows one forward per module: reset_mod_stats
         if o.accum_sync == "last" and hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(last)
-        model(**batch).loss.backward()
+        step_loss(model, batch).backward()
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(True)
+
+
+def step_loss(model: nn.Module, batch) -> Any:
+    """The step's loss: ``batch(model)`` for a batch function's (``--batch-fn``), else the model's
+    forward on the batch, Hugging Face's way (the loss itself, or an output with ``.loss``)."""
+    if callable(batch):
+        return batch(model)
+    out = model(**batch)
+    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        from utilities.measure.user_code import FORWARD_CONVENTION
+
+        raise UsageError(f"--model {type(model).__name__} is not allowed: its forward returned "
+                         f"{type(out).__name__}, neither the loss nor an output with .loss; "
+                         f"allowed: {FORWARD_CONVENTION}")
+    return loss
 
 
 def traced_micro_batches(o: PlanOptions) -> int:

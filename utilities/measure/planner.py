@@ -37,6 +37,7 @@ from utilities.measure import categorize, fmt_bytes
 from utilities.measure.fake_step import (
     PRECISIONS,
     STRATEGIES,
+    StepConfig,
     check_step,
     check_tp,
     fake_device,
@@ -49,6 +50,12 @@ from utilities.measure.plan_options import (
     as_options,
     check_options,
     trainable_note,
+)
+from utilities.measure.user_code import (
+    check_user_code,
+    is_function_ref,
+    planned_spec,
+    resolve_spec,
 )
 from utilities.models import get_model_spec
 from utilities.text import rate_text, wrap_lines
@@ -170,18 +177,26 @@ class Plan:
 def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_shard",
          precision: str = "bf16", ac: str = "none", batch: int = 1, seq: int | None = None,
          device_type: str = "cuda", shard_size: int | None = None,
-         options: PlanOptions | dict[str, Any] | None = None, tp: int = 1) -> Plan:
+         options: PlanOptions | dict[str, Any] | None = None, tp: int = 1,
+         parallelize: Any = None, batch_fn: Any = None) -> Plan:
     """Predict the per-rank peak of one training step by running it on fake tensors.
 
     ``hybrid_shard`` (HSDP) runs FSDP2 on a 2-D ``(gpus / shard_size, shard_size)`` mesh: shards
     within a group of ``shard_size`` ranks (default: one node of 8, or all GPUs if fewer),
     replicas across the groups. ``options``: ``PlanOptions`` or a dict of its fields (offload,
-    gradient accumulation, reshard_after_forward, frozen/LoRA parameters, bf16 parameters)."""
-    spec = get_model_spec(model)
+    gradient accumulation, reshard_after_forward, frozen/LoRA parameters, bf16 parameters).
+
+    Your own code (``utilities.measure.user_code``): ``model`` may be a function that builds an
+    ``nn.Module`` (or ``"FILE.py:FUNCTION"``); ``parallelize`` your sharding function
+    ``fn(model, *, mesh, world_size, device)``, traced instead of the course's sequence;
+    ``batch_fn`` ``fn(batch, seq) -> (inputs, loss_fn)`` for a forward that does not follow
+    Hugging Face's convention."""
+    spec = resolve_spec(model, parallelize, batch_fn)
     _check(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq)
     shard_size = _shard_size(strategy, gpus, shard_size)
     o = as_options(options)
     check_options(o, strategy, precision, shard_size or gpus)
+    check_user_code(spec, strategy, ac, o)
     check_tp(spec, tp, gpus, strategy, o)
     seq = seq or spec.default_seq_len
     check_tokens(spec, batch, seq, precision, gpu_memory_bytes)
@@ -212,7 +227,8 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
             method="lower bound: parameter shards + AdamW state alone exceed the budget "
                    "(activations not simulated)", notes=notes, warnings=warnings,
             options=o.as_dict(), tp=tp)
-    step = trace(spec, world, strategy, precision, ac, batch, seq, device.type, shard_size, o, tp=tp)
+    step = trace(spec, StepConfig(world, strategy, precision, ac, batch, seq, device.type, shard_size,
+                                  o, tp))
     snap, states = dict(step.peak), dict(step.states)
     if step.traced_layers:
         depths = " and ".join(map(str, step.traced_layers))
@@ -486,7 +502,8 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
                   device_type: str = "cuda", limit: int = 4096,
                   shard_size: int | None = None,
                   options: PlanOptions | dict[str, Any] | None = None,
-                  tp: int = 1) -> tuple[int, Plan | None]:
+                  tp: int = 1, parallelize: Any = None, batch_fn: Any = None
+                  ) -> tuple[int, Plan | None]:
     """The largest per-rank batch that fits (0 when even batch 1 does not), and its plan.
 
     Memory grows about linearly with the batch (parameters and optimizer state are fixed,
@@ -500,7 +517,7 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
         try:
             extra = {} if options is None else {"options": options}
             return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
-                        shard_size, tp=tp, **extra)
+                        shard_size, tp=tp, parallelize=parallelize, batch_fn=batch_fn, **extra)
         except TooManyTokens as e:  # batch 1 is refused; a larger batch does not fit
             if b == 1:
                 raise
@@ -679,7 +696,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--model", default="llama-8b",
                         help="a course model (see `fsdp-course list --models`), or your own: a "
                         "Hugging Face config.json or a folder holding one (built with random "
-                        "weights on meta; nothing downloaded); default llama-8b")
+                        "weights on meta; nothing downloaded), or FILE.py:FUNCTION, your "
+                        "function that builds the nn.Module (your code, imported as `python "
+                        "FILE.py` would); default llama-8b")
     parser.add_argument("--gpus", default="8", help="number of GPUs (ranks); default 8")
     parser.add_argument("--gpu-memory", default="auto",
                         help="memory per GPU: a GPU name (" + ", ".join(GPU_MEMORY_MIB) + "), its "
@@ -760,6 +779,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--param-dtype", default="fp32",
                         help="fp32 (default: fp32 master parameters) or bf16 (the model stored in "
                         "bf16, no fp32 masters: half the state, lost small updates)")
+    parser.add_argument("--parallelize", default=None, metavar="FILE.py:FUNCTION",
+                        help="plan your own sharding function, FUNCTION(model, *, mesh, "
+                        "world_size, device) in your FILE.py (imported as `python FILE.py` would; "
+                        "its module level runs), instead of the course's: it shards the model "
+                        "as your training script does, on the fake process group of --gpus ranks")
+    parser.add_argument("--batch-fn", default=None, metavar="FILE.py:FUNCTION",
+                        help="with --model FILE.py:FUNCTION whose forward is not Hugging Face's "
+                        "(input_ids, labels -> loss): FUNCTION(batch, seq) returns (inputs, "
+                        "loss_fn)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--trace", default=None, metavar="FILE.json",
                         help="also write the predicted step's timeline (compute and communication "
@@ -846,7 +874,7 @@ def predict_time(p: Plan, options: dict[str, Any]):
     """The step-time prediction for plan ``p``'s configuration (a ``StepTime``)."""
     from utilities.measure.step_time import estimate_step_time
 
-    return estimate_step_time(get_model_spec(p.model), p.gpus, p.strategy, p.precision, p.ac, p.batch,
+    return estimate_step_time(planned_spec(p.model), p.gpus, p.strategy, p.precision, p.ac, p.batch,
                               p.seq, shard_size=p.shard_size,
                               plan_options=PlanOptions(**p.options) if p.options else None,
                               tp=p.tp, **options)
@@ -860,14 +888,16 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
               precision=args.precision, ac=args.ac, seq=_int_arg("--seq", args.seq),
               shard_size=_int_arg("--shard-size", args.shard_size), tp=_int_arg("--tp", args.tp))
     batch = _int_arg("--batch", args.batch)
-    get_model_spec(kw["model"])
+    yours = dict(parallelize=getattr(args, "parallelize", None), batch_fn=getattr(args, "batch_fn", None))
+    spec = resolve_spec(kw["model"], **yours)  # the user's files imported here, once
+    kw["model"] = spec
     _check(kw["gpus"], kw["gpu_memory_bytes"], kw["strategy"], kw["precision"], kw["ac"], batch,
            kw["seq"])
     _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"])
     kw["options"] = options_from_args(args)
     check_options(kw["options"], kw["strategy"], kw["precision"],
                   _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"]) or kw["gpus"])
-    check_tp(get_model_spec(kw["model"]), kw["tp"], kw["gpus"], kw["strategy"], kw["options"],
+    check_tp(spec, kw["tp"], kw["gpus"], kw["strategy"], kw["options"],
              _int_arg("--gpus-per-node", args.gpus_per_node) if options is not None else None)
     if args.max_batch:
         best, p = largest_batch(**kw)
@@ -1032,6 +1062,11 @@ def run_sweep(args: argparse.Namespace) -> int:
     if getattr(args, "trace", None):
         raise UsageError("--trace is not allowed with --sweep (one trace is one configuration); "
                          "allowed: --trace with a single plan")
+    for flag in ("parallelize", "batch_fn", "model"):
+        value = getattr(args, flag, None)
+        if value and (flag != "model" or is_function_ref(value)):
+            raise UsageError(f"--{flag.replace('_', '-')} {value} is not allowed with --sweep; "
+                             "allowed: your own code with a single plan or --max-batch")
     gpu_memory_bytes, _ = resolve_memory_for(args)
     options = time_options(args)
     batch, seq = _int_arg("--batch", args.batch), _int_arg("--seq", args.seq)

@@ -66,6 +66,7 @@ from utilities.measure.fake_step import (
     MEMORY,
     STRATEGIES,
     Segment,
+    StepConfig,
     UnitInfo,
     check_step,
     check_tp,
@@ -661,8 +662,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     ``PlanOptions`` (offload copies and the host optimizer, accumulation's micro-batches,
     reshard_after_forward's all-gathers, frozen parameters' gradients, bf16 parameters).
     ``tp``: tensor parallelism inside groups of ``tp`` GPUs (2-D: FSDP across the groups); the
-    trace runs TP's own ops and collectives (``tensor_parallel.shard_2d``), which block the compute
-    lane; ``batch`` is one TP group's.
+    trace runs TP's own ops and collectives (``parallelize.parallelize_model``), which block the
+    compute lane; ``batch`` is one TP group's.
     """
     from utilities.measure.plan_options import PlanOptions
 
@@ -690,7 +691,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     node = min(gpus, gpus_per_node)
     traced = strategy if strategy in ("full_shard", "shard_grad_op") else "full_shard"
     world = min(node, shard_size) if strategy == "hybrid_shard" else node
-    profile = trace(spec, world, traced, precision, ac, batch, seq, "cuda", None, po, tp=tp)
+    profile = trace(spec, StepConfig(world, traced, precision, ac, batch, seq, "cuda", None, po, tp))
     notes = [f"GPU: {g.name}: {g.source}", *g.notes, _efficiency_note(g.name)]
     fp8_used = fp8 and "fp8" in g.peak_flops and precision != "fp32"
     if fp8 and not fp8_used:
@@ -783,7 +784,10 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     comm_s = sum(e.end - e.start for e in lanes.events if e.lane == "comm")
     step_s = max(e.end for e in lanes.events)
     tps = batch * seq * po.grad_accum / step_s / tp  # a TP group's tokens per step, per GPU
-    flops_per_token, counted = model_flops_per_token(spec, profile, seq)
+    if getattr(spec, "flops_from_trace", False):  # a model of yours: the FLOPs its traced ops do
+        flops_per_token, counted = traced_flops_per_token(profile, batch * seq), ""
+    else:
+        flops_per_token, counted = model_flops_per_token(spec, profile, seq)
     mfu = tps * flops_per_token / g.peak_flops["bf16"]
     per_unit: dict[str, dict[str, float]] = {}
     for e in lanes.events:
@@ -795,6 +799,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     notes += options_assumptions(po, g)
     if counted:
         notes.append(counted)
+    if getattr(spec, "flops_from_trace", False):
+        notes = [n for n in notes if not n.startswith("MFU: ")] + [TRACED_MFU_NOTE]
     if tp > 1:
         notes.append(f"tensor parallelism: {tp} GPUs per group (Megatron-style, sequence "
                      "parallel, as torchtitan: q/k/v and gate/up split by columns, o and down by "
@@ -858,6 +864,18 @@ def model_flops_per_token(spec, profile, seq: int) -> tuple[float, str]:
         return flops, ""
     return flops, (f"MFU counts what runs: {flops / 1e9:.2f} GFLOP per token, not the "
                    f"convention's {spec.flops_per_token(seq) / 1e9:.2f}: " + "; ".join(said))
+
+
+TRACED_MFU_NOTE = ("MFU: tokens/s/GPU x the FLOPs per token of the traced forward and backward "
+                   "(matmuls and attention, as the trace ran them; no recomputation) / the GPU's "
+                   "bf16 dense peak: a model of yours has no 6N formula the course knows")
+
+
+def traced_flops_per_token(profile, tokens: int) -> float:
+    """The FLOPs per token the traced step's forward and backward ran (recomputation left out,
+    as MFU leaves it out), over its ``tokens`` per rank."""
+    return sum(float(s.flops.sum()) for s in profile.segments
+               if s.phase in ("forward", "backward")) / max(tokens, 1)
 
 
 def _efficiency_note(name: str) -> str:

@@ -12,12 +12,13 @@ gate/up, a reduce-scatter after o and after down, instead of one all-reduce afte
 
 Everything here is torch's own ``torch.distributed.tensor.parallel.parallelize_module`` with a plan
 per model family (the plans of lesson 12, which imports them from here). 2-D parallelism (TP inside
-a group, FSDP across the groups, the mesh dims named "dp" and "tp") is ``shard_2d``.
+a group, FSDP across the groups, the mesh dims named "dp" and "tp") is
+``utilities.parallelize.parallelize_model`` on a ("dp", "tp") mesh.
 
 For the planner (memory) and the time model:
 
-* ``shard_2d`` splits and shards a model (real or meta); the planner's fake step
-  (``fake_step.prepare`` with ``tp``) builds one on meta, shards it so and materializes it;
+* ``apply_tensor_parallel`` splits a model (real or meta), what ``utilities.parallelize.apply_tp``
+  calls first in the sequence the planner's fake step (``fake_step.prepare`` with ``tp``) traces;
 * ``fake_step_peak``: one training step of any ``nn.Module`` under the memory tracker (on a fake
   process group, ``fake_step.fake_world``, for Lightning's table).
 
@@ -215,41 +216,6 @@ def apply_mlp_tensor_parallel(mlp: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     if hidden % tp_mesh.size():
         raise bad_value("tp", tp_mesh.size(), f"a divisor of the MLP's hidden size ({hidden})")
     return parallelize_module(mlp, tp_mesh, mlp_plan())
-
-
-# -- 2-D parallelism ---------------------------------------------------------------------------
-
-def shard_2d(model: nn.Module, block_class: type[nn.Module], mesh_2d: DeviceMesh,
-             precision: str = "bf16", ac: str = "none", sequence_parallel: bool = True,
-             loss_parallel: bool = False, **fsdp_kwargs) -> nn.Module:
-    """2-D parallelism, in place: TP on ``mesh_2d["tp"]``, activation checkpointing (``ac`` as
-    the planner's: none, selective, every-2nd-block, full), then ``fully_shard`` of each block and
-    of the root on ``mesh_2d["dp"]`` with ``precision``'s mixed-precision policy (and
-    ``fsdp_kwargs``, e.g. ``reshard_after_forward``); ``loss_parallel``: as
-    ``apply_tensor_parallel``'s. The planner's fake step
-    (``fake_step.prepare``) and a real 2-D run both call it.
-
-    TP comes before checkpointing (the plan names the block's own submodules, which a checkpoint
-    wrapper would rename) and before FSDP (FSDP then shards TP's shards: 2-D DTensors)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from utilities.activation_checkpointing import (
-        apply_activation_checkpointing,
-        apply_op_selective_checkpointing,
-        block_units,
-    )
-    from utilities.precision import fsdp2_policy
-
-    apply_tensor_parallel(model, block_class, mesh_2d["tp"], sequence_parallel, loss_parallel)
-    if ac == "selective":
-        apply_op_selective_checkpointing(model, block_class)
-    elif ac != "none":
-        apply_activation_checkpointing(model, block_class, every=1 if ac == "full" else 2)
-    opts = dict(mesh=mesh_2d["dp"], mp_policy=fsdp2_policy(precision), **fsdp_kwargs)
-    for unit in block_units(model, block_class):
-        fully_shard(unit, **opts)
-    fully_shard(model, **opts)
-    return model
 
 
 def causal_lm_loss(batch: dict[str, torch.Tensor]) -> Callable[[nn.Module], torch.Tensor]:
