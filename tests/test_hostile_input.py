@@ -450,11 +450,12 @@ def test_trainable_smaller_than_any_tensor_is_one_line_and_a_plan_says_what_trai
 
 
 def test_trainable_says_how_much_actually_trains():
-    from utilities.measure.plan_options import trainable_note
-    from utilities.models import get_model_spec
+    from utilities.measure import planner as P
 
-    note = trainable_note(get_model_spec("llama-tiny"), 0.5)
-    assert note.startswith("--trainable 0.5: 418,432 of 836,736 parameters train (50%")
+    p = P.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 1, 32, "cpu",
+               options={"trainable": 0.5})
+    note = next(n for n in p.notes if n.startswith("--trainable"))
+    assert note.startswith("--trainable 0.5 planned 418,432 of 836,736 parameters trainable (50.01%)")
 
 
 def test_a_gpu_run_cannot_forge_the_gpu_block_s_end_marker(tmp_path):

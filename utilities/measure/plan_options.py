@@ -241,18 +241,6 @@ def freeze_fraction(model: nn.Module, blocks: list[nn.Module], trainable: float)
     return total - frozen
 
 
-def trainable_note(spec: Any, trainable: float) -> str:
-    """What ``--trainable`` trains in ``spec``'s model (whole tensors, so not exactly the fraction
-    asked for), by freezing a meta copy as the plan's trace does; refused in one line when
-    nothing would train (``freeze_fraction``)."""
-    model = spec.build(device="meta")
-    block = spec.block_class()
-    trained = freeze_fraction(model, [m for m in model.modules() if isinstance(m, block)], trainable)
-    total = sum(p.numel() for p in model.parameters())
-    return (f"--trainable {trainable:g}: {trained:,} of {total:,} parameters train "
-            f"({100 * trained / total:.3g}%; whole tensors freeze, the earliest blocks' first)")
-
-
 def apply_to_model(model: nn.Module, blocks: list[nn.Module], o: PlanOptions) -> None:
     """What the options do to the model before it is sharded: bf16 storage, freezing, adapters."""
     if o.param_dtype == "bf16":

@@ -49,7 +49,6 @@ from utilities.measure.plan_options import (
     PlanOptions,
     as_options,
     check_options,
-    trainable_note,
 )
 from utilities.measure.user_code import (
     check_user_code,
@@ -204,8 +203,6 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     if o.param_dtype == "bf16":
         warnings.append(BF16_ACCURACY_NOTE)
     device, notes = fake_device(device_type)
-    if o.trainable is not None and o.trainable < 1:
-        notes.append(trainable_note(spec, o.trainable))
     if strategy == "no_shard":
         # FSDP2 has no NO_SHARD: nothing is sharded on a 1-rank mesh, as under DDP.
         world, notes = 1, notes + [
