@@ -323,9 +323,10 @@ LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encod
 # Experts of a mixture-of-experts layer are modules too (DeepSeek-V3: 256 per layer).
 MAX_EXPERTS = 1024
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
-# A width, head count or vocabulary beyond int32 is no model's (the largest vocabularies hold about
-# 256K tokens); past it, one tensor's element count overflows what torch indexes.
-MAX_SIZE = 2**31 - 1
+# A bound on a width, head count or vocabulary (the largest vocabularies hold about 256K tokens): a
+# config far past any model's is inspected on meta tensors all the same (a vocabulary of 2**31 is),
+# and refused only past 2**40, where one dimension alone outgrows every machine.
+MAX_SIZE = 2**40
 # how many close matches an unknown model_type is answered with
 CLOSE_MATCHES = 3
 
@@ -388,7 +389,7 @@ def _check_size_value(name: str, value: object, defaults: dict) -> None:
     low = 0 if name in EXPERT_FIELDS else 1
     high = MAX_LAYERS if name in LAYER_FIELDS else MAX_EXPERTS if name in EXPERT_FIELDS else None
     allowed = (f"integers in [{low}, {high}]" if high else
-               f"integers >= {low} (at most {MAX_SIZE:,}: no tensor dimension is larger)")
+               f"integers >= {low} (at most {MAX_SIZE:,})")
     if (isinstance(value, bool) or not isinstance(value, int) or value < low
             or value > (high or MAX_SIZE)):
         shown = value if not isinstance(value, str) or len(value) <= 40 else value[:40] + "..."
