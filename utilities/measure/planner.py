@@ -847,10 +847,10 @@ def write_trace(step, path: str) -> None:
     """The predicted step as a Chrome trace at ``path`` (``step_time.chrome_trace``); one line if
     it cannot be written."""
     from utilities.measure.step_time import chrome_trace
+    from utilities.safe_files import atomic_write_text
 
     try:
-        with open(path, "w") as f:
-            json.dump(chrome_trace(step), f)
+        atomic_write_text(path, json.dumps(chrome_trace(step)), "--trace")
     except OSError as e:
         raise UsageError(f"--trace {path!r} is not allowed: {e.strerror}; allowed: a writable "
                          "file path") from None
