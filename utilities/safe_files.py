@@ -107,11 +107,10 @@ def open_output(path: str | os.PathLike, what: str) -> Any:
     try:
         fd = os.open(path, flags, 0o644)
     except OSError as e:
-        if os.path.lexists(path):
-            check_output_file(path, what)
-            if os.path.islink(path):
-                raise UsageError(f"{what} {str(path)!r} is a symbolic link: refused; allowed: a new "
-                                 "or regular file") from None
+        if os.path.islink(path):
+            raise UsageError(f"{what} {str(path)!r} is a symbolic link: refused; allowed: a new or "
+                             "regular file") from None
+        check_output_file(path, what)
         raise UsageError(f"{what} {str(path)!r} is not allowed: {e.strerror}; allowed: a writable "
                          "file path") from None
     try:

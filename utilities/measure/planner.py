@@ -826,6 +826,10 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
                   _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"]) or kw["gpus"])
     check_tp(get_model_spec(kw["model"]), kw["tp"], kw["gpus"], kw["strategy"], kw["options"],
              _int_arg("--gpus-per-node", args.gpus_per_node) if options is not None else None)
+    if getattr(args, "trace", None):  # a FIFO or a device there: one line before the plan runs
+        from utilities.safe_files import check_output_file
+
+        check_output_file(args.trace, "--trace")
     if args.max_batch:
         best, p = largest_batch(**kw)
     else:
