@@ -56,6 +56,7 @@ from utilities.safe_files import (
     guarded_container,
     open_regular,
     previous_path,
+    read_at_most,
     regular_file_size,
     remove_path,
     safe_torch_load,
@@ -302,7 +303,7 @@ def read_metadata(path: str | os.PathLike) -> Any:
     file = p / METADATA
     with open_regular(file, f"checkpoint {str(p)!r}: its") as f:  # no link, no FIFO
         try:
-            data = f.read(_MAX_METADATA_BYTES + 1)
+            data = read_at_most(f, _MAX_METADATA_BYTES)
         except OSError as e:
             raise UsageError(f"checkpoint {str(p)!r}: cannot read {METADATA} ({e.strerror})") from None
     if len(data) > _MAX_METADATA_BYTES:

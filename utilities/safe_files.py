@@ -74,6 +74,19 @@ def _file_kind(mode: int) -> str:
     return "special file"
 
 
+def read_at_most(file: BinaryIO, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes of ``file``, read a MiB at a time (one ``read(limit + 1)`` takes
+    a buffer of that size first, however short the file): more than ``limit`` says it is too long."""
+    pieces, held = [], 0
+    while held <= limit:
+        piece = file.read(min(1 << 20, limit + 1 - held))
+        if not piece:
+            break
+        pieces.append(piece)
+        held += len(piece)
+    return b"".join(pieces)
+
+
 def regular_file_size(path: str | os.PathLike) -> int | None:
     """The size of ``path`` if it is a regular file itself (a link is not followed), else None."""
     try:
@@ -303,7 +316,7 @@ def owned_names(folder: Path, what: str) -> frozenset[str] | None:
     if not os.path.lexists(marker):
         return None
     with open_regular(marker, f"{what}: the marker") as f:
-        data = f.read(_MARKER_BYTES + 1)
+        data = read_at_most(f, _MARKER_BYTES)
     try:
         content = json.loads(data) if len(data) <= _MARKER_BYTES else None
     except (ValueError, RecursionError):
@@ -1116,6 +1129,11 @@ def safe_torch_load(source: str | os.PathLike | io.BytesIO, what: str,
                 return torch.load(source, map_location="cpu", weights_only=True)
         return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        opcode = re.search(r"Unsupported operand (\d+)", str(e))
+        if opcode:
+            raise UsageError(f"{what} is not readable by torch's weights-only loader: its pickle uses "
+                             f"opcode {int(opcode[1])}, which that loader does not know (torch.save "
+                             "with its default pickle_protocol=2 writes none); nothing was loaded") from None
         if "weights only" in str(e).lower() or "WeightsUnpickler" in str(e):
             refused = refused_globals(source, str(e), allow)
             raise UsageError(f"{what} asks to run code when loaded: the safe loader refused "
