@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
+from test_fuzz_readers import build_zip, torch_file_with_pickle, torch_save_records
 from test_trust_checkpoints import _lesson10, _step
 
 import utilities.dcp as D
@@ -149,18 +150,6 @@ def _colliding_dict(n: int) -> bytes:
     return bytes(body)
 
 
-def _torch_file_with_pickle(data_pkl: bytes) -> bytes:
-    """A torch.save zip whose data.pkl is ``data_pkl`` (the other records as torch.save wrote them)."""
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT}, buf)
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(out, "w") as dst:
-        for info in src.infolist():
-            data = data_pkl if info.filename.endswith("/data.pkl") else src.read(info)
-            dst.writestr(info.filename, data, compress_type=zipfile.ZIP_STORED)
-    return out.getvalue()
-
-
 def test_metadata_with_keys_that_hash_alike_is_refused_in_time_proportional_to_size(tmp_path):
     """A half-MiB .metadata holding 40,000 int keys of one hash took 40-90 s to unpickle (each key
     compared with every earlier one); it is refused after a few keys."""
@@ -194,7 +183,7 @@ def test_a_full_state_dict_with_keys_that_hash_alike_is_refused_before_torch_loa
     pkl = b"\x80\x02}(X\x06\x00\x00\x00formatX" + struct.pack("<I", len(FORMAT)) + FORMAT.encode() \
         + b"X\x05\x00\x00\x00model" + inner + b"u."
     path = tmp_path / "evil.pt"
-    path.write_bytes(_torch_file_with_pickle(pkl))
+    path.write_bytes(torch_file_with_pickle(pkl))
     started = time.monotonic()
     with pytest.raises(UsageError) as e:
         read_full(path)
@@ -477,7 +466,7 @@ def test_a_tuple_dag_shared_through_the_memo_is_refused_at_once(tmp_path, reader
     with pytest.raises(UsageError) as e:
         if reader == "pt":
             path = tmp_path / "dag.pt"
-            path.write_bytes(_torch_file_with_pickle(pkl))
+            path.write_bytes(torch_file_with_pickle(pkl))
             read_full(path)
         else:
             (tmp_path / ".metadata").write_bytes(pkl)
@@ -499,39 +488,18 @@ def test_shared_storages_and_tied_tensors_still_load(tmp_path):
     assert torch.equal(got["b"], base[6:]) and got["t1"] is got["t2"] and got["k999"] == "same"
 
 
-def _zip(records: list[tuple[str, bytes]], aliases: dict[str, str] = {}) -> bytes:  # noqa: B006
-    """A zip of stored ``records``, whose central directory also names each ``aliases`` key at the
+def _zip(records: list[tuple[str, bytes]], aliases: dict[str, str]) -> bytes:
+    """A zip of stored ``records`` whose central directory also names each ``aliases`` key at the
     record of its value (one record, two names: what no zip writer makes)."""
-    import binascii
-
-    out, directory, offsets = bytearray(), bytearray(), {}
-    entries = [(name, name) for name, _ in records] + list(aliases.items())
-    data = dict(records)
-    for name, body in records:
-        offsets[name] = len(out)
-        out += struct.pack("<4s5H3I2H", b"PK\x03\x04", 20, 0, 0, 0, 0, binascii.crc32(body),
-                           len(body), len(body), len(name.encode()), 0) + name.encode() + body
-    for name, target in entries:
-        body = data[target]
-        directory += struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, 0, 0, 0,
-                                 binascii.crc32(body), len(body), len(body), len(name.encode()), 0,
-                                 0, 0, 0, 0, offsets[target]) + name.encode()
-    end = struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, len(entries), len(entries), len(directory),
-                      len(out), 0)
-    return bytes(out + directory + end)
-
-
-def _records(obj) -> list[tuple[str, bytes]]:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
-        return [(i.filename, z.read(i)) for i in z.infolist()]
+    index = {name: i for i, (name, _) in enumerate(records)}
+    return build_zip(records, [(name, i, 0, 0, 0) for name, i in index.items()]
+                     + [(alias, index[target], 0, 0, 0) for alias, target in aliases.items()])
 
 
 def test_zip_records_that_share_bytes_are_refused(tmp_path):
     """500 central-directory entries naming one 4 MiB record: a 4.1 MiB file was accepted as
     1.95 GiB of tensors. Records may not overlap, so the records hold no more than the file."""
-    records = _records({"format": FORMAT, "step": 1, "model": {"w": torch.zeros(1 << 20)}})
+    records = torch_save_records({"format": FORMAT, "step": 1, "model": {"w": torch.zeros(1 << 20)}})
     storage = next(name for name, _ in records if name.endswith("/data/0"))
     path = tmp_path / "aliased.pt"
     path.write_bytes(_zip(records, {storage[:-1] + str(i): storage for i in range(1, 500)}))
@@ -540,14 +508,15 @@ def test_zip_records_that_share_bytes_are_refused(tmp_path):
         read_full(path)
     _one_line(e, "damaged or hostile", "share bytes", "refused")
     # two tensors, one record: torch itself would read both from the same bytes
-    two = [(n, b) for n, b in _records({"format": FORMAT, "step": 1, "model": {
+    two = [(n, b) for n, b in torch_save_records({"format": FORMAT, "step": 1, "model": {
         "a": torch.zeros(4), "b": torch.ones(4)}}) if not n.endswith("/data/1")]
     first = next(n for n, _ in two if n.endswith("/data/0"))
     path.write_bytes(_zip(two, {first[:-1] + "1": first}))
     with pytest.raises(UsageError) as e:
         read_full(path)
     _one_line(e, "share bytes")
-    path.write_bytes(_zip(_records({"format": FORMAT, "step": 1, "model": {"w": torch.ones(3)}})))
+    path.write_bytes(build_zip(torch_save_records({"format": FORMAT, "step": 1,
+                                                   "model": {"w": torch.ones(3)}})))
     assert torch.equal(read_full(path)["model"]["w"], torch.ones(3))  # the builder itself is sound
 
 

@@ -508,6 +508,13 @@ class _KeyHashes:
         seen.append(key)
 
 
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` as one line for a message: what is not printable escaped (a name read from a file
+    may hold a newline), at most ``limit`` characters."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return shown + ("..." if len(text) > limit else "")
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -637,7 +644,7 @@ def scan_pickle(data: bytes, max_depth: int, admitted: Callable[[str, str], bool
         return None
 
     def built(op_name: str, children: list[_Node], operands: list[_Node]) -> _Node:
-        node = counted(_Node(nested(children) if children else 0), children)
+        node = counted(_Node(nested(children)), children) if children else _Node()
         if op_name in ("EMPTY_DICT", "EMPTY_SET"):
             node.keys = _KeyHashes()
         elif op_name in _TUPLES:
@@ -796,7 +803,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         try:
             return self._allowed[(module, name)]
         except KeyError:
-            raise RefusedGlobal(f"{module}.{name}") from None
+            raise RefusedGlobal(printable(f"{module}.{name}")) from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise RefusedGlobal("a persistent id")
