@@ -5,13 +5,19 @@ half-written file, lives here, below ``utilities.dcp`` and ``utilities.state_dic
 
 * ``open_regular``: open a file without following a link (inside a checkpoint folder) and refuse
   anything but a regular file, so a FIFO cannot hang a load and a planted link cannot redirect it;
+  ``check_output_file`` / ``open_output`` / ``atomic_write_text``: the same for a file the user
+  names to be written (``plan --trace``, ``record --out``), never blocking on a FIFO or device;
 * writes that never leave half a file or half a folder: ``atomic_torch_save`` (a unique temporary,
   fsync, rename), ``swap_in`` (replace a folder so that a kill at any instant leaves a complete
   one), ``fsync_files`` / ``fsync_dir``, ``remove_path``;
-* ``lock_checkpoints``: one run at a time saves into a checkpoint folder;
+* folders the course writes among a user's files (an HF export): ``OWNED_MARKER`` lists what the
+  course wrote there, and ``discard_owned`` deletes only that;
+* ``lock_checkpoints``: one run at a time saves into a checkpoint folder (its lock opened relative
+  to a folder descriptor opened name by name without following a link: ``open_folder_nofollow``);
 * ``safe_torch_load``: ``torch.load(weights_only=True)`` after the file was checked as a zip archive
-  (no compressed record, none larger than the file) and its pickle was read opcode by opcode
-  (``scan_pickle``: nesting depth, and no container whose keys all hash alike);
+  (no compressed record, none larger than the file, no two sharing bytes) and its pickle was read
+  opcode by opcode (``scan_pickle``: nesting depth, objects of more parts than the file can honestly
+  build counting each re-use of a memoized one, and no container whose keys all hash alike);
 * ``RestrictedUnpickler``: an unpickler that resolves globals only from an allowlist, sets the
   state only of instances of the classes it is given, and never hashes more than a few distinct
   keys alike into one container, so that a refused file leaves the process as it was and any file
@@ -962,8 +968,10 @@ TORCH_PICKLE_DEPTH = 64  # a full state dict nests about ten levels
 def check_torch_zip(source: BinaryIO, what: str) -> None:
     """Refuse, in one ``UsageError`` line, a ``torch.save`` file that is not a plain zip archive
     of stored records whose pickle passes ``scan_pickle``. ``torch.save`` never compresses a
-    record; a compressed one (a zip bomb: 2 MiB that inflate to 2 GiB) or one declaring more bytes
-    than the file holds is refused before anything is inflated or allocated. ``source`` is read
+    record; a compressed one (a zip bomb: 2 MiB that inflate to 2 GiB), one declaring more bytes
+    than the file holds, or two sharing bytes (``check_records_apart``: many names for one record)
+    are refused before anything is inflated or allocated; so is torch's legacy (non-zip) format,
+    with how to save it again. ``source`` is read
     from its current position to its end; its position is restored."""
     import zipfile
 
