@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
-from test_fuzz_readers import build_zip, torch_file_with_pickle, torch_save_records
+from test_fuzz_readers import build_zip, local_record, torch_file_with_pickle, torch_save_records
 from test_trust_checkpoints import _lesson10, _step
 
 import utilities.dcp as D
@@ -498,7 +498,8 @@ def _zip(records: list[tuple[str, bytes]], aliases: dict[str, str]) -> bytes:
 
 def test_zip_records_that_share_bytes_are_refused(tmp_path):
     """500 central-directory entries naming one 4 MiB record: a 4.1 MiB file was accepted as
-    1.95 GiB of tensors. Records may not overlap, so the records hold no more than the file."""
+    1.95 GiB of tensors. Each entry must point at a record of its own name, and records may not
+    overlap (a record hidden inside another's bytes), so the records hold no more than the file."""
     records = torch_save_records({"format": FORMAT, "step": 1, "model": {"w": torch.zeros(1 << 20)}})
     storage = next(name for name, _ in records if name.endswith("/data/0"))
     path = tmp_path / "aliased.pt"
@@ -506,12 +507,19 @@ def test_zip_records_that_share_bytes_are_refused(tmp_path):
     assert path.stat().st_size < 5 << 20
     with pytest.raises(UsageError) as e:
         read_full(path)
-    _one_line(e, "damaged or hostile", "share bytes", "refused")
-    # two tensors, one record: torch itself would read both from the same bytes
-    two = [(n, b) for n, b in torch_save_records({"format": FORMAT, "step": 1, "model": {
-        "a": torch.zeros(4), "b": torch.ones(4)}}) if not n.endswith("/data/1")]
-    first = next(n for n, _ in two if n.endswith("/data/0"))
-    path.write_bytes(_zip(two, {first[:-1] + "1": first}))
+    _one_line(e, "damaged or hostile", "where another record starts", "refused")
+    # the record of tensor "b" hidden inside the bytes of tensor "a" (19 floats: 16 bytes, then
+    # b's 60-byte record): torch read both, b from inside a
+    saved = torch_save_records({"format": FORMAT, "step": 1, "model": {"a": torch.zeros(19),
+                                                                       "b": torch.ones(4)}})
+    first, second = (next(n for n, _ in saved if n.endswith(k)) for k in ("/data/0", "/data/1"))
+    hidden = local_record(second, dict(saved)[second])
+    assert 16 + len(hidden) == 19 * 4
+    records = [(n, bytes(16) + hidden if n == first else b) for n, b in saved if n != second]
+    entries = [(n, i, 0, 0, 0) for i, (n, _) in enumerate(records)]
+    at = next(i for i, (n, _) in enumerate(records) if n == first)
+    entries.append((second, at, 30 + len(first) + 16, 16 - len(records[at][1]), 0))
+    path.write_bytes(build_zip(records, entries))
     with pytest.raises(UsageError) as e:
         read_full(path)
     _one_line(e, "share bytes")

@@ -982,7 +982,7 @@ def check_torch_zip(source: BinaryIO, what: str) -> None:
         view = _Slice(source, start, size)
         try:
             archive = zipfile.ZipFile(view)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        except Exception as e:  # noqa: BLE001 - zipfile on hostile bytes: BadZipFile, NotImplementedError...
             view.seek(0)
             if is_legacy_torch_save(view.read(64)):
                 raise UsageError(f"{what} is in torch's legacy (non-zip) format, which the course does "
@@ -1010,7 +1010,7 @@ def check_torch_zip(source: BinaryIO, what: str) -> None:
                              f"{len(pickles)} data.pkl records")
         try:
             data = archive.read(pickles[0])
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        except Exception as e:  # noqa: BLE001 - a damaged record: BadZipFile, a bad CRC, ...
             raise UsageError(unreadable(what, e)) from None
         try:
             scan_pickle(data, TORCH_PICKLE_DEPTH, lambda module, name: True)
@@ -1028,10 +1028,11 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip record's local header: signat
 
 def check_records_apart(source: BinaryIO, records: Sequence[Any], records_end: int, size: int,
                         what: str) -> None:
-    """Refuse, in one ``UsageError`` line, zip ``records`` (``ZipInfo``) whose bytes (local header,
-    name, extra field and stored data) overlap, or lie past ``records_end`` (where the central
-    directory starts): 500 directory entries naming one 4 MiB record would read as 2 GiB. Records
-    side by side hold together no more bytes than the file's ``size``."""
+    """Refuse, in one ``UsageError`` line, zip ``records`` (``ZipInfo``) that do not point at a
+    record of their own name, or whose bytes (local header, name, extra field and stored data)
+    overlap, or lie past ``records_end`` (where the central directory starts): 500 directory
+    entries naming one 4 MiB record would read as 2 GiB. Records side by side hold together no
+    more bytes than the file's ``size``."""
     spans = []
     for record in records:
         source.seek(record.header_offset)
@@ -1041,6 +1042,11 @@ def check_records_apart(source: BinaryIO, records: Sequence[Any], records_end: i
                              f"byte {record.header_offset}, where no record starts; refused, nothing "
                              "was loaded")
         name_length, extra_length = _LOCAL_HEADER.unpack(head)[1:]
+        if source.read(name_length) != record.orig_filename.encode("utf-8" if record.flag_bits & 0x800
+                                                                  else "cp437", "replace"):
+            raise UsageError(f"{what} is damaged or hostile: its record {record.filename!r} points at "
+                             f"byte {record.header_offset}, where another record starts; refused, "
+                             "nothing was loaded")
         spans.append((record.header_offset, record.header_offset + _LOCAL_HEADER.size + name_length
                       + extra_length + record.compress_size, record.filename))
     spans.sort()
