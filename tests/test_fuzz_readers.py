@@ -1,7 +1,8 @@
 """Property-based fuzzing (``hypothesis``) of the readers of checkpoint files the course did not
 write: ``torch.save`` files (``safe_files.safe_torch_load``: the zip check, the pickle scan, the
 weights-only load), DCP ``.metadata`` (``dcp.check_checkpoint``) and the marker of an export folder
-(``safe_files.owned_names``).
+(``safe_files.owned_names``); and the writers of a path the user names (``plan --trace``, ``record
+--out``: ``safe_files.atomic_write_text``, ``open_output``) over whatever is planted there.
 
 Each property: the reader gives a correct result or refuses in one ``UsageError`` line, within
 ``SECONDS`` of CPU time per example (ten times that of wall time: it never waits), ``MEMORY`` bytes
@@ -12,8 +13,8 @@ with the memo (``DUP``, ``BINPUT``/``BINGET``, ``MEMOIZE``) and nest deeply, zip
 directory names one record twice, points into another or declares the wrong sizes, and DCP
 metadata cut, flipped or re-pickled with hostile field values.
 
-The default run is small and fixed (``derandomize``: the same examples every run, the whole file
-in about 10 s). A longer, random one on request::
+The default run is small and fixed (``derandomize``: the same 50 examples a property every run,
+and the known attacks as ``@example``; the whole file in seconds). A longer, random one on request::
 
     FSDP_COURSE_FUZZ_EXAMPLES=2000 pytest -n 0 tests/test_fuzz_readers.py
 
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import utilities.dcp as D
@@ -46,7 +47,7 @@ LONG_RUN = int(os.environ.get("FSDP_COURSE_FUZZ_EXAMPLES", "0") or 0)
 SECONDS = 2.0  # CPU per example: every reader is linear in its input, and inputs here are small
 MEMORY = 1 << 30  # address space an example may add (a 4 MiB zip once read as 2 GiB of tensors)
 
-FUZZ = settings(max_examples=LONG_RUN or 25, deadline=None, database=None,
+FUZZ = settings(max_examples=LONG_RUN or 50, deadline=None, database=None,
                 derandomize=not LONG_RUN, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
@@ -109,14 +110,18 @@ _op = st.one_of(st.sampled_from(_PUSH), st.sampled_from(_COMBINE), st.sampled_fr
                           st.integers(0, 7)))
 
 
+def memo_dag(depth: int, items: int = 2) -> bytes:
+    """Opcodes that push a ``depth``-deep tuple whose ``items`` (2 or 3) items are one memoized
+    tuple: memo i+1 = (memo i, memo i), 6 bytes a level, ``items**depth`` parts when walked."""
+    return b")\x94" + b"".join(b"0" + (b"h" + bytes([i])) * items + (b"\x86" if items == 2 else b"\x87")
+                              + b"\x94" for i in range(depth))
+
+
 @st.composite
 def memo_dags(draw) -> bytes:
-    """A tuple (or list, or frozenset) DAG of ``depth`` levels, each level's items one memoized
-    object: 2**depth parts in a few hundred bytes, placed as a key, a value or a set member."""
-    depth = draw(st.integers(0, 64))
-    width = draw(st.sampled_from([b"\x86", b"\x87"]))  # pairs or triples of the level below
-    body = b")\x94" + b"".join(b"0" + b"h" + bytes([i % 256]) * 1 + b"2" * (1 if width == b"\x86" else 2)
-                               + width + b"\x94" for i in range(min(depth, 255)))
+    """A memo DAG of up to 64 levels (a few hundred bytes) placed as a dict key, a dict value or
+    a set member."""
+    body = memo_dag(draw(st.integers(0, 64)), draw(st.sampled_from([2, 3])))
     where = draw(st.sampled_from(["key", "value", "set", "frozenset"]))
     if where == "key":
         return b"\x80\x04}" + body + b"K\x01s."
@@ -169,8 +174,15 @@ def _same(a, b) -> bool:
     return a == b and type(a) is type(b)
 
 
+# what broke the readers before, in every run whatever the generators draw
+_KNOWN = [b"\x80\x04}" + memo_dag(40) + b"K\x01s.",  # a 40-deep memo DAG as a key: 2**40 to hash
+          b"\x80\x02" + b"]" * 20_000 + b"a" * 19_999 + b"."]  # 20,000 nested lists
+
+
 @FUZZ
 @given(data=pickles)
+@example(data=_KNOWN[0])
+@example(data=_KNOWN[1])
 def test_hostile_pickles_in_a_pt_are_read_or_refused_in_one_line(data, tmp_path):
     read_within_bounds(lambda: S.safe_torch_load(io.BytesIO(torch_file_with_pickle(data)), "fuzzed.pt"),
                        tmp_path)
@@ -178,6 +190,8 @@ def test_hostile_pickles_in_a_pt_are_read_or_refused_in_one_line(data, tmp_path)
 
 @FUZZ
 @given(data=pickles)
+@example(data=_KNOWN[0])
+@example(data=_KNOWN[1])
 def test_hostile_pickles_as_dcp_metadata_are_read_or_refused_in_one_line(data, tmp_path_factory):
     folder = tmp_path_factory.mktemp("metadata")
     (folder / ".metadata").write_bytes(data)
@@ -372,3 +386,72 @@ def test_hostile_export_markers_are_read_or_refused_in_one_line(marker, tmp_path
     names = read_within_bounds(lambda: S.owned_names(folder, "fuzzed export"), folder)
     if names is not None:
         assert all(n and "/" not in n and n not in (".", "..") for n in names), names
+
+
+# -- output paths the user names: written whole, or refused in one line, never blocking -----------------
+@contextlib.contextmanager
+def alarm_after(seconds: int):
+    """A call that blocks (an open of a FIFO) fails after ``seconds`` instead of hanging the suite."""
+    import signal
+
+    def stuck(*_):
+        raise TimeoutError("blocked")
+
+    old = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+_PLANTS = ["nothing", "file", "fifo", "folder", "link to a file", "link to a fifo", "link to a device",
+           "dangling link"]
+
+
+def _plant(path: Path, what: str) -> None:
+    beside = path.parent / "beside"
+    if what == "file":
+        path.write_text("old")
+    elif what == "fifo":
+        os.mkfifo(path)
+    elif what == "folder":
+        path.mkdir()
+    elif what == "link to a file":
+        beside.write_text("kept")
+        path.symlink_to(beside)
+    elif what == "link to a fifo":
+        os.mkfifo(beside)
+        path.symlink_to(beside)
+    elif what == "link to a device":
+        path.symlink_to(os.devnull)
+    elif what == "dangling link":
+        path.symlink_to(path.parent / "nowhere")
+
+
+@FUZZ
+@given(plant=st.sampled_from(_PLANTS), writer=st.sampled_from(["atomic_write_text", "open_output"]))
+def test_output_paths_are_written_or_refused_without_blocking(plant, writer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("out")
+    path = folder / "trace.json"
+    _plant(path, plant)
+    beside = (folder / "beside").read_text() if (folder / "beside").is_file() else None
+    started = time.monotonic()
+    try:
+        with alarm_after(5):
+            if writer == "atomic_write_text":
+                S.atomic_write_text(path, "new", "--trace")
+            else:
+                with S.open_output(path, "--trace") as f:
+                    f.write("new")
+        written = True
+    except UsageError as e:
+        assert "\n" not in str(e) and "--trace" in str(e), str(e)
+        written = False
+    assert time.monotonic() - started < 5
+    if written:
+        assert not path.is_symlink() and path.read_text() == "new"
+    assert set(os.listdir(folder)) <= {"trace.json", "beside"}, os.listdir(folder)  # no temporary left
+    if beside is not None:
+        assert (folder / "beside").read_text() == beside  # a link's target is never written

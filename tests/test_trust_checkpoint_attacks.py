@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
-from test_fuzz_readers import build_zip, local_record, torch_file_with_pickle, torch_save_records
+from test_fuzz_readers import build_zip, local_record, memo_dag, torch_file_with_pickle, torch_save_records
 from test_trust_checkpoints import _lesson10, _step
 
 import utilities.dcp as D
@@ -447,19 +447,13 @@ def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkey
 
 
 # -- bounded work: a pickle shared through its memo, zip records that share bytes ---------------------
-def _memo_dag(depth: int) -> bytes:
-    """Opcodes of a ``depth``-deep tuple whose two items are one memoized tuple (6 bytes a level,
-    2**depth parts when walked): memo i+1 = (memo i, memo i)."""
-    return b")\x94" + b"".join(b"0h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94" for i in range(depth))
-
-
 @pytest.mark.parametrize("where", ["key", "value"])
 @pytest.mark.parametrize("reader", ["pt", "metadata"])
 def test_a_tuple_dag_shared_through_the_memo_is_refused_at_once(tmp_path, reader, where):
     """A 40-deep tuple DAG as a dict key hung loading (hashing it visits 2**40 tuples; the guard's
     own hash() too): the scan counts each re-use of a memoized object again and refuses an object
     of more parts than the file can honestly build, whether a key or a value, in .pt and .metadata."""
-    entry = _memo_dag(40) + b"K\x01" if where == "key" else b"K\x01" + _memo_dag(40)
+    entry = memo_dag(40) + b"K\x01" if where == "key" else b"K\x01" + memo_dag(40)
     pkl = b"\x80\x04}" + entry + b"s."
     assert len(pkl) < 300
     started = time.monotonic()
