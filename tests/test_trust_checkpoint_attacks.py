@@ -411,6 +411,7 @@ class _Killed(BaseException):
 def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkeypatch):
     """The export replaced the earlier one with two renames (old away, new in): a kill between them
     left no export. Where the filesystem can exchange two names atomically it is one rename."""
+    import utilities.state_dict as state_dict
     from utilities.models import get_model_spec
     from utilities.state_dict import export_hf
 
@@ -424,6 +425,7 @@ def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkey
     model = spec.build(device="cpu").eval()
     hf = tmp_path / "hf"
     export_hf(model.state_dict(), spec.config(), hf)
+    (hf / "tokenizer.json").write_text("the user's")  # kept through every kill below
     first = (hf / "model.safetensors").read_bytes()
     real = S._rename_exchange
     for when in ("before", "after"):
@@ -433,6 +435,14 @@ def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkey
             raise _Killed(when)
 
         monkeypatch.setattr(S, "_rename_exchange", killed)
+        calls = []
+
+        def first_only(*args, calls=calls):  # the leftovers' cleanup before staging; a kill then
+            calls.append(args)                # cleans up nothing after it
+            if len(calls) == 1:
+                S.discard_owned(*args)
+
+        monkeypatch.setattr(state_dict, "discard_owned", first_only)
         with torch.no_grad():
             model.lm_head.weight.add_(1.0)
         with pytest.raises(_Killed):
@@ -442,8 +452,11 @@ def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkey
         changed = (hf / "model.safetensors").read_bytes() != first
         assert changed == (when == "after"), when
         first = (hf / "model.safetensors").read_bytes()
+        assert (hf / "tokenizer.json").read_text() == "the user's", when
+        assert (tmp_path / ".hf.tmp").is_dir(), when  # left by the kill, old export or new
     export_hf(model.state_dict(), spec.config(), hf)  # the next export cleans up
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("probe")) == ["hf"]
+    assert (hf / "tokenizer.json").read_text() == "the user's"
 
 
 # -- bounded work: a pickle shared through its memo, zip records that share bytes ---------------------
