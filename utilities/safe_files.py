@@ -452,13 +452,19 @@ def open_folder_nofollow(folder: Path, what: str) -> int:
     gives it), opened one name at a time from ``/`` with ``O_NOFOLLOW``: a name on the way swapped
     for a link after ``folder`` was resolved is refused in one ``UsageError`` line instead of
     followed. Work relative to it (``dir_fd=``), then close it."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(folder.anchor or "/", os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    import errno
+
+    # O_PATH (Linux) needs no read permission: a parent of mode 0711 (a home folder) still opens
+    access = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(folder.anchor or "/", access)
     try:
         for name in folder.parts[1:]:
             try:
-                inner = os.open(name, flags, dir_fd=fd)
+                inner = os.open(name, access | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                    raise UsageError(f"{what}: {str(folder)!r} cannot be opened ({e.strerror} at "
+                                     f"{name!r})") from None
                 raise UsageError(f"{what}: {name!r} in {str(folder)!r} changed while it was opened "
                                  f"({e.strerror}: a folder swapped for a link?); refused; allowed: "
                                  "folders that stay as they are") from None
