@@ -11,7 +11,7 @@ holds afterwards exactly what the example put there).
 The generators make what the course's readers were broken with and more: opcode streams that play
 with the memo (``DUP``, ``BINPUT``/``BINGET``, ``MEMOIZE``) and nest deeply, zips whose central
 directory names one record twice, points into another or declares the wrong sizes, and DCP
-metadata cut, flipped or re-pickled with hostile field values.
+metadata cut, flipped or re-pickled with hostile field values (or its data file flipped).
 
 The default run is small and fixed (``derandomize``: the same 50 examples a property every run,
 and the known attacks as ``@example``; the whole file in seconds). A longer, random one on request::
@@ -345,8 +345,14 @@ def test_hostile_dcp_metadata_is_read_or_refused_in_one_line(data, dcp_checkpoin
     folder = tmp_path_factory.mktemp("dcp") / "ckpt"
     shutil.copytree(dcp_checkpoint, folder)
     raw = bytearray((folder / ".metadata").read_bytes())
-    how = data.draw(st.sampled_from(["field", "field", "flip", "cut"]))
-    if how == "field":
+    how = data.draw(st.sampled_from(["field", "field", "flip", "cut", "shard"]))
+    if how == "shard":  # the data file: its torch.save entries are read too
+        shard = next(folder.glob("*.distcp"))
+        body = bytearray(shard.read_bytes())
+        for _ in range(data.draw(st.integers(1, 8))):
+            body[data.draw(st.integers(0, len(body) - 1))] ^= data.draw(st.integers(1, 255))
+        shard.write_bytes(bytes(body))
+    elif how == "field":
         metadata = D.read_metadata(folder)
         for _ in range(data.draw(st.integers(1, 3))):
             _refield(metadata, data.draw)
