@@ -11,6 +11,7 @@ with a two-layer model, but for the one lesson 03 launch that shows its folder l
 from __future__ import annotations
 
 import io
+import json
 import os
 import pathlib
 import pickle
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
+from test_fuzz_readers import build_zip, local_record, memo_dag, torch_file_with_pickle, torch_save_records
 from test_trust_checkpoints import _lesson10, _step
 
 import utilities.dcp as D
@@ -148,18 +150,6 @@ def _colliding_dict(n: int) -> bytes:
     return bytes(body)
 
 
-def _torch_file_with_pickle(data_pkl: bytes) -> bytes:
-    """A torch.save zip whose data.pkl is ``data_pkl`` (the other records as torch.save wrote them)."""
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT}, buf)
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(out, "w") as dst:
-        for info in src.infolist():
-            data = data_pkl if info.filename.endswith("/data.pkl") else src.read(info)
-            dst.writestr(info.filename, data, compress_type=zipfile.ZIP_STORED)
-    return out.getvalue()
-
-
 def test_metadata_with_keys_that_hash_alike_is_refused_in_time_proportional_to_size(tmp_path):
     """A half-MiB .metadata holding 40,000 int keys of one hash took 40-90 s to unpickle (each key
     compared with every earlier one); it is refused after a few keys."""
@@ -193,7 +183,7 @@ def test_a_full_state_dict_with_keys_that_hash_alike_is_refused_before_torch_loa
     pkl = b"\x80\x02}(X\x06\x00\x00\x00formatX" + struct.pack("<I", len(FORMAT)) + FORMAT.encode() \
         + b"X\x05\x00\x00\x00model" + inner + b"u."
     path = tmp_path / "evil.pt"
-    path.write_bytes(_torch_file_with_pickle(pkl))
+    path.write_bytes(torch_file_with_pickle(pkl))
     started = time.monotonic()
     with pytest.raises(UsageError) as e:
         read_full(path)
@@ -421,6 +411,7 @@ class _Killed(BaseException):
 def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkeypatch):
     """The export replaced the earlier one with two renames (old away, new in): a kill between them
     left no export. Where the filesystem can exchange two names atomically it is one rename."""
+    import utilities.state_dict as state_dict
     from utilities.models import get_model_spec
     from utilities.state_dict import export_hf
 
@@ -434,6 +425,7 @@ def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkey
     model = spec.build(device="cpu").eval()
     hf = tmp_path / "hf"
     export_hf(model.state_dict(), spec.config(), hf)
+    (hf / "tokenizer.json").write_text("the user's")  # kept through every kill below
     first = (hf / "model.safetensors").read_bytes()
     real = S._rename_exchange
     for when in ("before", "after"):
@@ -443,6 +435,14 @@ def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkey
             raise _Killed(when)
 
         monkeypatch.setattr(S, "_rename_exchange", killed)
+        calls = []
+
+        def first_only(*args, calls=calls):  # the leftovers' cleanup before staging; a kill then
+            calls.append(args)                # cleans up nothing after it
+            if len(calls) == 1:
+                S.discard_owned(*args)
+
+        monkeypatch.setattr(state_dict, "discard_owned", first_only)
         with torch.no_grad():
             model.lm_head.weight.add_(1.0)
         with pytest.raises(_Killed):
@@ -452,5 +452,265 @@ def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkey
         changed = (hf / "model.safetensors").read_bytes() != first
         assert changed == (when == "after"), when
         first = (hf / "model.safetensors").read_bytes()
+        assert (hf / "tokenizer.json").read_text() == "the user's", when
+        assert (tmp_path / ".hf.tmp").is_dir(), when  # left by the kill, old export or new
     export_hf(model.state_dict(), spec.config(), hf)  # the next export cleans up
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("probe")) == ["hf"]
+    assert (hf / "tokenizer.json").read_text() == "the user's"
+
+
+# -- bounded work: a pickle shared through its memo, zip records that share bytes ---------------------
+@pytest.mark.parametrize("where", ["key", "value"])
+@pytest.mark.parametrize("reader", ["pt", "metadata"])
+def test_a_tuple_dag_shared_through_the_memo_is_refused_at_once(tmp_path, reader, where):
+    """A 40-deep tuple DAG as a dict key hung loading (hashing it visits 2**40 tuples; the guard's
+    own hash() too): the scan counts each re-use of a memoized object again and refuses an object
+    of more parts than the file can honestly build, whether a key or a value, in .pt and .metadata."""
+    entry = memo_dag(40) + b"K\x01" if where == "key" else b"K\x01" + memo_dag(40)
+    pkl = b"\x80\x04}" + entry + b"s."
+    assert len(pkl) < 300
+    started = time.monotonic()
+    with pytest.raises(UsageError) as e:
+        if reader == "pt":
+            path = tmp_path / "dag.pt"
+            path.write_bytes(torch_file_with_pickle(pkl))
+            read_full(path)
+        else:
+            (tmp_path / ".metadata").write_bytes(pkl)
+            D.check_checkpoint(tmp_path)
+    _one_line(e, "damaged or hostile", "parts", "memo")
+    assert time.monotonic() - started < 2
+
+
+def test_shared_storages_and_tied_tensors_still_load(tmp_path):
+    """Not a refusal of sharing: tensors that share a storage, one tensor under two names, and a
+    thousand keys naming one memoized string load as saved."""
+    base = torch.arange(12.0)
+    tied = torch.ones(3)
+    model = {"a": base[:6], "b": base[6:], "t1": tied, "t2": tied,
+             **{f"k{i}": "same" for i in range(1000)}}
+    path = tmp_path / "shared.pt"
+    torch.save({"format": FORMAT, "step": 1, "model": model}, path)
+    got = read_full(path)["model"]
+    assert torch.equal(got["b"], base[6:]) and got["t1"] is got["t2"] and got["k999"] == "same"
+
+
+def _zip(records: list[tuple[str, bytes]], aliases: dict[str, str]) -> bytes:
+    """A zip of stored ``records`` whose central directory also names each ``aliases`` key at the
+    record of its value (one record, two names: what no zip writer makes)."""
+    index = {name: i for i, (name, _) in enumerate(records)}
+    return build_zip(records, [(name, i, 0, 0, 0) for name, i in index.items()]
+                     + [(alias, index[target], 0, 0, 0) for alias, target in aliases.items()])
+
+
+def test_zip_records_that_share_bytes_are_refused(tmp_path):
+    """500 central-directory entries naming one 4 MiB record: a 4.1 MiB file was accepted as
+    1.95 GiB of tensors. Each entry must point at a record of its own name, and records may not
+    overlap (a record hidden inside another's bytes), so the records hold no more than the file."""
+    records = torch_save_records({"format": FORMAT, "step": 1, "model": {"w": torch.zeros(1 << 20)}})
+    storage = next(name for name, _ in records if name.endswith("/data/0"))
+    path = tmp_path / "aliased.pt"
+    path.write_bytes(_zip(records, {storage[:-1] + str(i): storage for i in range(1, 500)}))
+    assert path.stat().st_size < 5 << 20
+    with pytest.raises(UsageError) as e:
+        read_full(path)
+    _one_line(e, "damaged or hostile", "where another record starts", "refused")
+    # the record of tensor "b" hidden inside the bytes of tensor "a" (19 floats: 16 bytes, then
+    # b's 60-byte record): torch read both, b from inside a
+    saved = torch_save_records({"format": FORMAT, "step": 1, "model": {"a": torch.zeros(19),
+                                                                       "b": torch.ones(4)}})
+    first, second = (next(n for n, _ in saved if n.endswith(k)) for k in ("/data/0", "/data/1"))
+    hidden = local_record(second, dict(saved)[second])
+    assert 16 + len(hidden) == 19 * 4
+    records = [(n, bytes(16) + hidden if n == first else b) for n, b in saved if n != second]
+    entries = [(n, i, 0, 0, 0) for i, (n, _) in enumerate(records)]
+    at = next(i for i, (n, _) in enumerate(records) if n == first)
+    entries.append((second, at, 30 + len(first) + 16, 16 - len(records[at][1]), 0))
+    path.write_bytes(build_zip(records, entries))
+    with pytest.raises(UsageError) as e:
+        read_full(path)
+    _one_line(e, "share bytes")
+    path.write_bytes(build_zip(torch_save_records({"format": FORMAT, "step": 1,
+                                                   "model": {"w": torch.ones(3)}})))
+    assert torch.equal(read_full(path)["model"]["w"], torch.ones(3))  # the builder itself is sound
+
+
+def test_a_legacy_pt_is_named_with_how_to_resave(tmp_path):
+    path = tmp_path / "old.pt"
+    torch.save({"format": FORMAT, "step": 1, "model": {}}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(UsageError) as e:
+        read_full(path)
+    msg = _one_line(e, "legacy", "torch.save(obj, f)", "_use_new_zipfile_serialization=True")
+    assert "truncated" not in msg
+    path.write_bytes(b"\x80\x02}q\x00." + b"\0" * 100)  # a plain pickle is still not a torch.save file
+    with pytest.raises(UsageError) as e:
+        read_full(path)
+    _one_line(e, "not a torch.save file")
+
+
+# -- the lock cannot be redirected by a parent swapped for a link; outputs never block -------------------
+def test_a_parent_swapped_for_a_link_after_resolving_cannot_redirect_the_lock(tmp_path, monkeypatch):
+    """Between ``realpath`` and the open, a parent folder swapped for a link to another folder had
+    the lock created there (327 and 711 of 3,000 tries): the folder is now opened name by name
+    without following a link, and the lock file relative to it."""
+    parent, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    (parent / "ckpt").mkdir(parents=True)
+    (elsewhere / "ckpt").mkdir(parents=True)
+    real_realpath = os.path.realpath
+
+    def resolve_then_swap(path, *args, **kwargs):
+        resolved = real_realpath(path, *args, **kwargs)
+        parent.rename(tmp_path / "runs.moved")
+        parent.symlink_to(elsewhere)
+        return resolved
+
+    monkeypatch.setattr(os.path, "realpath", resolve_then_swap)
+    with pytest.raises(UsageError) as e:
+        S.lock_checkpoints(parent / "ckpt")
+    monkeypatch.undo()
+    _one_line(e, "'runs'", "link")
+    assert list(elsewhere.iterdir()) == [elsewhere / "ckpt"]
+    parent.unlink()
+    (tmp_path / "runs.moved").rename(parent)
+    S.lock_checkpoints(parent / "ckpt").close()
+    assert (parent / ".ckpt.lock").is_file()
+
+
+def test_plan_trace_refuses_a_fifo_or_a_device_without_blocking(tmp_path, no_hang):
+    from conftest import cli_here
+
+    fifo = tmp_path / "trace.json"
+    os.mkfifo(fifo)
+    for target, says in ((fifo, "FIFO"), (Path(os.devnull), "device"), (tmp_path, "directory")):
+        proc = cli_here("plan", "--model", "llama-tiny", "--trace", str(target))
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+        assert says in proc.stderr and "--trace" in proc.stderr, proc.stderr
+    S.atomic_write_text(tmp_path / "ok.json", "{}", "--trace")
+    assert (tmp_path / "ok.json").read_text() == "{}" and sorted(os.listdir(tmp_path)) == [
+        "ok.json", "trace.json"]
+
+
+def test_record_out_refuses_a_fifo_or_a_device_without_blocking(tmp_path, no_hang, monkeypatch):
+    """``record --out``: its recording and the temporary beside it are opened non-blocking and only
+    as regular files; the lesson is not started."""
+    import subprocess
+
+    from utilities.course.catalog import get_lesson
+    from utilities.course.recording import record
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("the lesson was started"))
+    info = get_lesson("01")
+    cast = tmp_path / f"{info.folder}.cast"
+    os.mkfifo(cast)
+    with pytest.raises(UsageError) as e:
+        record(info, cast, ["--quick"])
+    _one_line(e, "FIFO", "record --out")
+    cast.unlink()
+    os.mkfifo(tmp_path / f".{cast.name}.tmp")
+    with pytest.raises(UsageError) as e:
+        record(info, cast, ["--quick"])
+    _one_line(e, "FIFO", "record --out")
+    (tmp_path / f".{cast.name}.tmp").unlink()
+    (tmp_path / f".{cast.name}.tmp").symlink_to(os.devnull)
+    with pytest.raises(UsageError) as e:
+        record(info, cast, ["--quick"])
+    _one_line(e, "symbolic link")
+    assert not cast.exists()
+
+
+# -- export_hf replaces only what the course wrote ----------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_tiny():
+    from utilities.models import get_model_spec
+
+    spec = get_model_spec("llama-tiny")
+    torch.manual_seed(0)
+    return spec.build(device="cpu").eval().state_dict(), spec.config()
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_export_hf_refuses_a_file_or_a_downloaded_folder_and_deletes_nothing(tmp_path, llama_tiny):
+    """A regular file at the export path was deleted; a downloaded HF folder (config.json,
+    tokenizer.json, README.md) was replaced whole, the user's files lost."""
+    from utilities.state_dict import export_hf
+
+    state, config = llama_tiny
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    with pytest.raises(UsageError) as e:
+        export_hf(state, config, file)
+    _one_line(e, "is a file, not a folder", "nothing was replaced or deleted")
+    assert file.read_text() == "mine"
+    downloaded = tmp_path / "llama"
+    downloaded.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md"):
+        (downloaded / name).write_text(name)
+    before = _tree(downloaded)
+    with pytest.raises(UsageError) as e:
+        export_hf(state, config, downloaded)
+    _one_line(e, "not an export the course wrote", S.OWNED_MARKER)
+    assert _tree(downloaded) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "notes.txt"]
+
+
+@pytest.mark.parametrize("publish", ["exchange", "two renames"])
+def test_export_hf_keeps_the_users_files_beside_an_earlier_export(tmp_path, llama_tiny, monkeypatch,
+                                                                   publish):
+    """A user's tokenizer.json and README.md beside an export survive the next export, by the
+    atomic exchange and by the fallback's two renames; the marker lists only the course's files."""
+    from utilities.state_dict import export_hf
+
+    state, config = llama_tiny
+    hf = tmp_path / "hf"
+    export_hf(state, config, hf)
+    ours = json_names(hf)
+    assert "model.safetensors" in ours and "config.json" in ours and S.OWNED_MARKER not in ours
+    (hf / "tokenizer.json").write_text("{\"tok\": 1}")
+    (hf / "README.md").write_text("# my model")
+    (hf / "link.txt").symlink_to("README.md")
+    if publish == "two renames":
+        monkeypatch.setattr(S, "_rename_exchange", lambda a, b: False)
+    export_hf(state, config, hf)
+    assert (hf / "tokenizer.json").read_text() == "{\"tok\": 1}"
+    assert (hf / "README.md").read_text() == "# my model" and os.readlink(hf / "link.txt") == "README.md"
+    assert os.stat(hf / "README.md").st_nlink == 1  # the old folder's name for it is gone
+    assert json_names(hf) == ours
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(hf) is not None
+
+
+def json_names(folder: Path) -> list[str]:
+    return json.loads((folder / S.OWNED_MARKER).read_text())["files"]
+
+
+def test_export_hf_refuses_a_users_file_where_it_would_write_and_a_forged_marker(tmp_path,
+                                                                                llama_tiny):
+    from utilities.state_dict import export_hf
+
+    state, config = llama_tiny
+    hf = tmp_path / "hf"
+    export_hf(state, config, hf)
+    (hf / "generation_config.json").unlink()
+    (hf / "generation_config.json").write_text("mine")  # now the user's, and not in the marker
+    listed = json.loads((hf / S.OWNED_MARKER).read_text())
+    listed["files"].remove("generation_config.json")
+    (hf / S.OWNED_MARKER).write_text(json.dumps(listed))
+    before = _tree(hf)
+    with pytest.raises(UsageError) as e:
+        export_hf(state, config, hf)
+    _one_line(e, "generation_config.json", "did not write")
+    assert _tree(hf) == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    precious = tmp_path / "precious"
+    precious.write_text("keep")
+    for forged in ('{"written_by": "fsdp-course", "files": ["../precious"]}', "[" * 100_000,
+                   '{"written_by": "fsdp-course", "files": 1}', "not json"):
+        (hf / S.OWNED_MARKER).write_text(forged)
+        with pytest.raises(UsageError) as e:
+            export_hf(state, config, hf)
+        _one_line(e, "marker", "nothing was replaced or deleted")
+        assert precious.read_text() == "keep" and (hf / "config.json").is_file()

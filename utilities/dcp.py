@@ -56,6 +56,8 @@ from utilities.safe_files import (
     guarded_container,
     open_regular,
     previous_path,
+    printable,
+    read_at_most,
     regular_file_size,
     remove_path,
     safe_torch_load,
@@ -286,8 +288,8 @@ _MAX_DEPTH = 48  # DCP's metadata nests about a dozen levels; a crafted pickle m
 
 
 def _damaged(p: Path, reason: str) -> UsageError:
-    return UsageError(f"checkpoint {str(p)!r} is damaged or hostile: {reason}; refused, nothing "
-                      "was loaded")
+    return UsageError(f"checkpoint {str(p)!r} is damaged or hostile: {printable(reason, 400)}; "
+                      "refused, nothing was loaded")
 
 
 def read_metadata(path: str | os.PathLike) -> Any:
@@ -302,13 +304,17 @@ def read_metadata(path: str | os.PathLike) -> Any:
     file = p / METADATA
     with open_regular(file, f"checkpoint {str(p)!r}: its") as f:  # no link, no FIFO
         try:
-            data = f.read(_MAX_METADATA_BYTES + 1)
+            data = read_at_most(f, _MAX_METADATA_BYTES)
         except OSError as e:
             raise UsageError(f"checkpoint {str(p)!r}: cannot read {METADATA} ({e.strerror})") from None
     if len(data) > _MAX_METADATA_BYTES:
         raise _damaged(p, f"{METADATA} is larger than {_MAX_METADATA_BYTES >> 20} MiB")
     metadata = _unpickle_metadata(p, data)
-    _check_metadata(p, metadata)
+    try:
+        _check_metadata(p, metadata)
+    except (AttributeError, TypeError, ValueError, OverflowError, RecursionError) as e:
+        # an object the metadata built lacks a field, or holds one no check foresaw
+        raise _damaged(p, f"{METADATA} is malformed ({type(e).__name__}: {e})") from None
     return metadata
 
 

@@ -5,13 +5,19 @@ half-written file, lives here, below ``utilities.dcp`` and ``utilities.state_dic
 
 * ``open_regular``: open a file without following a link (inside a checkpoint folder) and refuse
   anything but a regular file, so a FIFO cannot hang a load and a planted link cannot redirect it;
+  ``check_output_file`` / ``open_output`` / ``atomic_write_text``: the same for a file the user
+  names to be written (``plan --trace``, ``record --out``), never blocking on a FIFO or device;
 * writes that never leave half a file or half a folder: ``atomic_torch_save`` (a unique temporary,
   fsync, rename), ``swap_in`` (replace a folder so that a kill at any instant leaves a complete
   one), ``fsync_files`` / ``fsync_dir``, ``remove_path``;
-* ``lock_checkpoints``: one run at a time saves into a checkpoint folder;
+* folders the course writes among a user's files (an HF export): ``OWNED_MARKER`` lists what the
+  course wrote there, and ``discard_owned`` deletes only that;
+* ``lock_checkpoints``: one run at a time saves into a checkpoint folder (its lock opened relative
+  to a folder descriptor opened name by name without following a link: ``open_folder_nofollow``);
 * ``safe_torch_load``: ``torch.load(weights_only=True)`` after the file was checked as a zip archive
-  (no compressed record, none larger than the file) and its pickle was read opcode by opcode
-  (``scan_pickle``: nesting depth, and no container whose keys all hash alike);
+  (no compressed record, none larger than the file, no two sharing bytes) and its pickle was read
+  opcode by opcode (``scan_pickle``: nesting depth, objects of more parts than the file can honestly
+  build counting each re-use of a memoized one, and no container whose keys all hash alike);
 * ``RestrictedUnpickler``: an unpickler that resolves globals only from an allowlist, sets the
   state only of instances of the classes it is given, and never hashes more than a few distinct
   keys alike into one container, so that a refused file leaves the process as it was and any file
@@ -26,6 +32,7 @@ import pickle
 import re
 import shutil
 import stat
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -73,6 +80,19 @@ def _file_kind(mode: int) -> str:
     return "special file"
 
 
+def read_at_most(file: BinaryIO, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes of ``file``, read a MiB at a time (one ``read(limit + 1)`` takes
+    a buffer of that size first, however short the file): more than ``limit`` says it is too long."""
+    pieces, held = [], 0
+    while held <= limit:
+        piece = file.read(min(1 << 20, limit + 1 - held))
+        if not piece:
+            break
+        pieces.append(piece)
+        held += len(piece)
+    return b"".join(pieces)
+
+
 def regular_file_size(path: str | os.PathLike) -> int | None:
     """The size of ``path`` if it is a regular file itself (a link is not followed), else None."""
     try:
@@ -82,7 +102,83 @@ def regular_file_size(path: str | os.PathLike) -> int | None:
     return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
+def check_output_file(path: str | os.PathLike, what: str) -> None:
+    """Refuse, in one ``UsageError`` line and without opening it, an output path that names
+    something other than a regular file (a FIFO would block the write, a device would take it, a
+    folder cannot be replaced by a file); a missing one is fine."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UsageError(f"{what} {str(path)!r} is not allowed: {e.strerror}; allowed: a writable "
+                         "file path") from None
+    if not stat.S_ISREG(mode):
+        raise UsageError(f"{what} {str(path)!r} is a {_file_kind(mode)}, not a regular file: refused; "
+                         "allowed: a new or regular file")
+
+
+def open_output(path: str | os.PathLike, what: str) -> Any:
+    """``open(path, "w")`` that never blocks and writes only a regular file: opened without
+    following a link and non-blocking, a FIFO, device, link or folder is refused in one
+    ``UsageError`` line before a byte is written (and before it is emptied)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise UsageError(f"{what} {str(path)!r} is a symbolic link: refused; allowed: a new or "
+                             "regular file") from None
+        check_output_file(path, what)
+        raise UsageError(f"{what} {str(path)!r} is not allowed: {e.strerror}; allowed: a writable "
+                         "file path") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UsageError(f"{what} {str(path)!r} is a {_file_kind(mode)}, not a regular file: "
+                             "refused; allowed: a new or regular file")
+        os.ftruncate(fd, 0)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "w")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, what: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: to a unique temporary beside it, fsync, then
+    ``os.replace``. ``path`` itself is never opened (``check_output_file``: a FIFO or device there
+    is refused in one line, without blocking); an ``OSError`` of the write propagates."""
+    import tempfile
+
+    path = Path(path)
+    check_output_file(path, what)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 # -- writes that never leave half a file or half a folder ------------------------------------------
+
+
+def remove_path(path: Path, ignore_errors: bool = False) -> None:
+    """Delete ``path``: a folder, or a file or symlink found in its place (``rmtree`` refuses a
+    symlink, and ``mkdir`` a name that a file holds); never what a link points to."""
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+    except OSError:
+        if not ignore_errors:
+            raise
 
 
 def staging_path(path: Path) -> Path:
@@ -116,7 +212,7 @@ def atomic_torch_save(obj: Any, path: Path) -> int:
     return path.stat().st_size
 
 
-def swap_in(tmp: Path, path: Path) -> None:
+def swap_in(tmp: Path, path: Path, discard: Callable[[Path], None] = remove_path) -> None:
     """Replace ``path`` by the complete folder ``tmp`` so that a kill at any instant leaves one.
 
     0. sync ``tmp`` (writers sync their files, not the names in it);
@@ -124,31 +220,38 @@ def swap_in(tmp: Path, path: Path) -> None:
        complete then); 2. ``tmp`` -> ``path``; 3. delete ``.NAME.old``. Between 1 and 2 only
     ``.old`` and the complete ``tmp`` exist (``utilities.dcp.resolve_checkpoint`` picks ``tmp``,
     the newer one). Never ``rmtree(path)`` before the rename: a kill in between would leave no
-    published copy.
+    published copy. ``discard`` deletes the folders replaced (``discard_owned`` where the folder
+    may hold files that are not the course's).
     """
     old = previous_path(path)
     fsync_dir(tmp)
     if path.exists():
-        remove_path(old)
+        discard(old)
         os.replace(path, old)
     os.replace(tmp, path)
     fsync_dir(path.parent)
-    remove_path(old, ignore_errors=True)
+    try:
+        discard(old)
+    except OSError:
+        pass
 
 
-def exchange_in(tmp: Path, path: Path) -> bool:
+def exchange_in(tmp: Path, path: Path, discard: Callable[[Path], None] = remove_path) -> bool:
     """Publish the complete folder ``tmp`` as ``path`` with one rename: where ``path`` exists, the
     two are exchanged atomically (Linux ``renameat2(RENAME_EXCHANGE)``) and the old one, now at
     ``tmp``, is deleted; else ``tmp`` is renamed to ``path``. A kill at any instant leaves ``path``
     complete, old or new. Returns False, having done nothing, where the system or filesystem has no
-    atomic exchange (the caller falls back to ``swap_in``)."""
+    atomic exchange (the caller falls back to ``swap_in``); ``discard`` deletes the old one."""
     fsync_dir(tmp)
     if not os.path.lexists(path):
         os.replace(tmp, path)
     elif not _rename_exchange(tmp, path):
         return False
     fsync_dir(path.parent)
-    remove_path(tmp, ignore_errors=True)
+    try:
+        discard(tmp)
+    except OSError:
+        pass
     return True
 
 
@@ -173,19 +276,6 @@ def _rename_exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
-
-
-def remove_path(path: Path, ignore_errors: bool = False) -> None:
-    """Delete ``path``: a folder, or a file or symlink found in its place (``rmtree`` refuses a
-    symlink, and ``mkdir`` a name that a file holds); never what a link points to."""
-    try:
-        if path.is_symlink() or (path.exists() and not path.is_dir()):
-            path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)
-    except OSError:
-        if not ignore_errors:
-            raise
 
 
 def fsync_files(directory: Path) -> None:
@@ -215,6 +305,90 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+# -- folders the course writes among a user's files ---------------------------------------------------
+
+OWNED_MARKER = ".fsdp-course-files.json"  # in a folder the course wrote: the names it wrote there
+_MARKER_BYTES = 1 << 20
+
+
+def owned_names(folder: Path, what: str) -> frozenset[str] | None:
+    """The names in ``folder`` that the course wrote, as its ``OWNED_MARKER`` lists them; every
+    name in a staging folder (its marker says the whole folder is the course's); None where there
+    is no marker. A marker that is not one the course writes is refused in one ``UsageError`` line:
+    nothing is deleted on its word."""
+    import json
+
+    marker = folder / OWNED_MARKER
+    if not os.path.lexists(marker):
+        return None
+    with open_regular(marker, f"{what}: the marker") as f:
+        data = read_at_most(f, _MARKER_BYTES)
+    try:
+        content = json.loads(data) if len(data) <= _MARKER_BYTES else None
+    except (ValueError, RecursionError):
+        content = None
+    files = content.get("files") if isinstance(content, dict) and content.get("written_by") == \
+        "fsdp-course" else None
+    if files == "all":
+        return frozenset(os.listdir(folder)) - {OWNED_MARKER}
+    if not isinstance(files, list) or not all(_plain_name(n) for n in files):
+        raise UsageError(f"{what}: its marker {str(marker)!r} is not one the course writes (a JSON "
+                         "object listing plain file names); refused, nothing was replaced or deleted")
+    return frozenset(files)
+
+
+def _plain_name(name: Any) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..", OWNED_MARKER) and "/" not in name \
+        and "\0" not in name
+
+
+def mark_owned(folder: Path, names: Sequence[str] | None) -> None:
+    """Write ``folder``'s ``OWNED_MARKER``: the course wrote ``names`` there (None: a staging folder,
+    all of it the course's)."""
+    import json
+
+    atomic_write_text(folder / OWNED_MARKER, json.dumps(
+        {"written_by": "fsdp-course", "files": "all" if names is None else sorted(names)}) + "\n",
+        "marker")
+
+
+def same_entry(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file (hard links) or two links to one place; links are not
+    followed."""
+    try:
+        sa, sb = os.lstat(a), os.lstat(b)
+    except OSError:
+        return False
+    if stat.S_ISLNK(sa.st_mode) and stat.S_ISLNK(sb.st_mode):
+        return os.readlink(a) == os.readlink(b)
+    return stat.S_ISREG(sa.st_mode) and (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def discard_owned(folder: Path, kept_in: Path | None, what: str) -> None:
+    """Delete what the course wrote in ``folder``: the files its marker lists and the marker; any
+    other entry only where ``kept_in`` holds the same file under its name (a hard link the course
+    made to keep a user's file); then ``folder`` if that left it empty. Anything else stays, and so
+    does the folder. Links are deleted, never followed; a missing ``folder`` is fine."""
+    if not os.path.lexists(folder):
+        return
+    if os.path.islink(folder) or not folder.is_dir():
+        raise UsageError(f"{what}: {str(folder)!r} is not a folder the course wrote; refused, it was "
+                         "not deleted")
+    names = owned_names(folder, what) or frozenset()
+    for entry in os.listdir(folder):
+        path = folder / entry
+        if entry == OWNED_MARKER:
+            continue
+        ours = entry in names and (os.path.islink(path) or regular_file_size(path) is not None)
+        if ours or (kept_in is not None and same_entry(path, kept_in / entry)):
+            path.unlink()
+    (folder / OWNED_MARKER).unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # something the course did not write is left: it stays
+        pass
+
+
 # -- one run at a time per checkpoint folder ---------------------------------------------------------
 
 
@@ -237,14 +411,16 @@ def lock_checkpoints(directory: str | os.PathLike) -> Any:
     d.mkdir(parents=True, exist_ok=True)
     real = Path(os.path.realpath(d))
     lock_path = real.parent / f".{real.name}.lock"
-    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(
-        os, "O_CLOEXEC", 0)
+    parent = open_folder_nofollow(real.parent, f"checkpoint folder {str(d)!r}")
+    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(lock_path, flags, 0o644)
+        fd = os.open(lock_path.name, flags, 0o644, dir_fd=parent)
     except OSError as e:
         kind = "a symbolic link" if os.path.islink(lock_path) else f"not usable ({e.strerror})"
         raise UsageError(f"lock file {str(lock_path)!r} of checkpoint folder {str(d)!r} is {kind}: "
                          "refused; allowed: a regular file (delete it and run again)") from None
+    finally:
+        os.close(parent)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         os.close(fd)
@@ -269,6 +445,35 @@ def lock_checkpoints(directory: str | os.PathLike) -> Any:
                f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
     return lock
+
+
+def open_folder_nofollow(folder: Path, what: str) -> int:
+    """A descriptor of the folder ``folder`` (an absolute path without links, as ``realpath``
+    gives it), opened one name at a time from ``/`` with ``O_NOFOLLOW``: a name on the way swapped
+    for a link after ``folder`` was resolved is refused in one ``UsageError`` line instead of
+    followed. Work relative to it (``dir_fd=``), then close it."""
+    import errno
+
+    # O_PATH (Linux) needs no read permission: a parent of mode 0711 (a home folder) still opens
+    access = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(folder.anchor or "/", access)
+    try:
+        for name in folder.parts[1:]:
+            try:
+                inner = os.open(name, access | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                    raise UsageError(f"{what}: {str(folder)!r} cannot be opened ({e.strerror} at "
+                                     f"{name!r})") from None
+                raise UsageError(f"{what}: {name!r} in {str(folder)!r} changed while it was opened "
+                                 f"({e.strerror}: a folder swapped for a link?); refused; allowed: "
+                                 "folders that stay as they are") from None
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # -- reading a pickle's opcodes without running them --------------------------------------------------
@@ -315,6 +520,13 @@ class _KeyHashes:
         seen.append(key)
 
 
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` as one line for a message: what is not printable escaped (a name read from a file
+    may hold a newline), at most ``limit`` characters."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return shown + ("..." if len(text) > limit else "")
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -326,10 +538,11 @@ class _Node:
     hashable one (a number, a string, a tuple of them), the global it names, its items (tuples and
     lists) and the keys it received (containers)."""
 
-    __slots__ = ("depth", "inside", "value", "name", "items", "keys", "opaque_keys")
+    __slots__ = ("depth", "parts", "inside", "value", "name", "items", "keys", "opaque_keys")
 
     def __init__(self, depth: int = 0, value: Any = _UNKNOWN, name: str | None = None):
         self.depth, self.inside, self.value, self.name = depth, False, value, name
+        self.parts = 1  # objects in it, each re-use of a memoized one counted again
         self.items: list[_Node] | None = None
         self.keys: _KeyHashes | None = None
         self.opaque_keys = 0
@@ -345,6 +558,14 @@ class _Node:
                                         "container")
             else:
                 self.keys.add(key.value)
+
+
+def pickle_parts_budget(size: int) -> int:
+    """How many objects a pickle of ``size`` bytes may build, counting each re-use of a memoized one
+    again: a walk of the result (hashing a key, comparing two, reading the loaded state) visits
+    that many. One opcode builds at most one object, so a pickle without shared parts stays
+    under its size; sharing a tensor's storage or a name a few times stays far under this."""
+    return 16 * size + (1 << 20)
 
 
 _MARK = object()
@@ -377,11 +598,25 @@ def scan_pickle(data: bytes, max_depth: int, admitted: Callable[[str, str], bool
     An object that is already inside another may not grow (``APPEND`` to a list that is an item of
     a tuple): it would deepen its container after the container's depth was counted. Pickles of
     cyclic objects need that; checkpoints have none.
+
+    Work, not only size, is bounded: every object counts the objects in it, each re-use of a
+    memoized one (``BINGET``) counted again, and more than ``pickle_parts_budget(len(data))`` in
+    one is refused (``DamagedPickle``), whatever ``guard_keys`` says. A 40-deep tuple whose two
+    items are one memoized tuple is 208 bytes and 2**40 parts: hashing it as a dict key never
+    ends, and nothing that walks what a pickle builds can take longer than its parts.
     """
     import pickletools
 
     stack: list[Any] = []
     memo: dict[Any, _Node] = {}
+    budget = pickle_parts_budget(len(data))
+
+    def counted(node: _Node, children: list[_Node]) -> _Node:
+        node.parts = min(node.parts + sum(c.parts for c in children), budget + 1)
+        if node.parts > budget:
+            raise DamagedPickle(f"builds an object of more than {budget} parts, counting each re-use of "
+                                "a memoized one (shared through the memo to make reading it slow)")
+        return node
 
     def pop() -> Any:
         if not stack:
@@ -421,7 +656,7 @@ def scan_pickle(data: bytes, max_depth: int, admitted: Callable[[str, str], bool
         return None
 
     def built(op_name: str, children: list[_Node], operands: list[_Node]) -> _Node:
-        node = _Node(nested(children) if children else 0)
+        node = counted(_Node(nested(children)), children) if children else _Node()
         if op_name in ("EMPTY_DICT", "EMPTY_SET"):
             node.keys = _KeyHashes()
         elif op_name in _TUPLES:
@@ -485,7 +720,8 @@ def scan_pickle(data: bytes, max_depth: int, admitted: Callable[[str, str], bool
                 if name == "GLOBAL":
                     stack.append(_Node(name=full))
                 else:
-                    stack.append(_Node(nested(pop_to_mark())))
+                    children = pop_to_mark()
+                    stack.append(counted(_Node(nested(children)), children))
             elif name == "STACK_GLOBAL":
                 module_node, name_node = [pop_node() for _ in range(2)][::-1]
                 stack.append(_Node(name=named(module_node.value, name_node.value)))
@@ -511,6 +747,7 @@ def scan_pickle(data: bytes, max_depth: int, admitted: Callable[[str, str], bool
                     if target.inside:
                         raise DamagedPickle("changes an object after placing it in another")
                     target.depth = max(target.depth, nested(children))
+                    counted(target, children)
                     if guard_keys and name in ("SETITEM", "SETITEMS"):
                         target.add_keys(children[0::2])
                     elif guard_keys and name == "ADDITEMS":
@@ -578,7 +815,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         try:
             return self._allowed[(module, name)]
         except KeyError:
-            raise RefusedGlobal(f"{module}.{name}") from None
+            raise RefusedGlobal(printable(f"{module}.{name}")) from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise RefusedGlobal("a persistent id")
@@ -737,8 +974,10 @@ TORCH_PICKLE_DEPTH = 64  # a full state dict nests about ten levels
 def check_torch_zip(source: BinaryIO, what: str) -> None:
     """Refuse, in one ``UsageError`` line, a ``torch.save`` file that is not a plain zip archive
     of stored records whose pickle passes ``scan_pickle``. ``torch.save`` never compresses a
-    record; a compressed one (a zip bomb: 2 MiB that inflate to 2 GiB) or one declaring more bytes
-    than the file holds is refused before anything is inflated or allocated. ``source`` is read
+    record; a compressed one (a zip bomb: 2 MiB that inflate to 2 GiB), one declaring more bytes
+    than the file holds, or two sharing bytes (``check_records_apart``: many names for one record)
+    are refused before anything is inflated or allocated; so is torch's legacy (non-zip) format,
+    with how to save it again. ``source`` is read
     from its current position to its end; its position is restored."""
     import zipfile
 
@@ -749,7 +988,13 @@ def check_torch_zip(source: BinaryIO, what: str) -> None:
         view = _Slice(source, start, size)
         try:
             archive = zipfile.ZipFile(view)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        except Exception as e:  # noqa: BLE001 - zipfile on hostile bytes: BadZipFile, NotImplementedError...
+            view.seek(0)
+            if is_legacy_torch_save(view.read(64)):
+                raise UsageError(f"{what} is in torch's legacy (non-zip) format, which the course does "
+                                 "not read: load it once in a session you trust and save it again with "
+                                 "torch.save(obj, f) (the default zip format, "
+                                 "_use_new_zipfile_serialization=True)") from None
             raise UsageError(unreadable(what, e)) from None
         records = archive.infolist()
         names = [r.filename for r in records]
@@ -764,13 +1009,14 @@ def check_torch_zip(source: BinaryIO, what: str) -> None:
                     f"{record.file_size} bytes ({'compressed' if record.compress_type else 'stored'}"
                     f") in a file of {size} bytes; allowed: stored records within the file, as "
                     "torch.save writes them; refused, nothing was loaded")
+        check_records_apart(view, records, getattr(archive, "start_dir", size), size, what)
         pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:
             raise UsageError(f"{what} is not readable (truncated or not a torch.save file): it holds "
                              f"{len(pickles)} data.pkl records")
         try:
             data = archive.read(pickles[0])
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        except Exception as e:  # noqa: BLE001 - a damaged record: BadZipFile, a bad CRC, ...
             raise UsageError(unreadable(what, e)) from None
         try:
             scan_pickle(data, TORCH_PICKLE_DEPTH, lambda module, name: True)
@@ -781,6 +1027,65 @@ def check_torch_zip(source: BinaryIO, what: str) -> None:
                              "loaded") from None
     finally:
         source.seek(start)
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip record's local header: signature ... name, extra lengths
+
+
+def check_records_apart(source: BinaryIO, records: Sequence[Any], records_end: int, size: int,
+                        what: str) -> None:
+    """Refuse, in one ``UsageError`` line, zip ``records`` (``ZipInfo``) that do not point at a
+    record of their own name, or whose bytes (local header, name, extra field and stored data)
+    overlap, or lie past ``records_end`` (where the central directory starts): 500 directory
+    entries naming one 4 MiB record would read as 2 GiB. Records side by side hold together no
+    more bytes than the file's ``size``."""
+    spans = []
+    for record in records:
+        source.seek(record.header_offset)
+        head = source.read(_LOCAL_HEADER.size)
+        if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+            raise UsageError(f"{what} is damaged or hostile: its record {record.filename!r} points at "
+                             f"byte {record.header_offset}, where no record starts; refused, nothing "
+                             "was loaded")
+        name_length, extra_length = _LOCAL_HEADER.unpack(head)[1:]
+        if source.read(name_length) != record.orig_filename.encode("utf-8" if record.flag_bits & 0x800
+                                                                  else "cp437", "replace"):
+            raise UsageError(f"{what} is damaged or hostile: its record {record.filename!r} points at "
+                             f"byte {record.header_offset}, where another record starts; refused, "
+                             "nothing was loaded")
+        spans.append((record.header_offset, record.header_offset + _LOCAL_HEADER.size + name_length
+                      + extra_length + record.compress_size, record.filename))
+    spans.sort()
+    stored = sum(r.compress_size for r in records)
+    for (_, end, name), (start, _, following) in zip(spans, spans[1:]):
+        if end > start:
+            raise UsageError(f"{what} is damaged or hostile: its zip records {name!r} and "
+                             f"{following!r} share bytes (stored records declare {stored} bytes in "
+                             f"a file of {size}); allowed: records side by side, as torch.save "
+                             "writes them; refused, nothing was loaded")
+    if spans and (spans[-1][1] > records_end or stored > size):
+        raise UsageError(f"{what} is damaged or hostile: its record {spans[-1][2]!r} runs past the "
+                         f"records into the zip directory (byte {spans[-1][1]} of {size}); refused, "
+                         "nothing was loaded")
+
+
+# what torch.save's legacy format pickles first (torch.serialization.MAGIC_NUMBER)
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+def is_legacy_torch_save(head: bytes) -> bool:
+    """Whether ``head``, a file's first bytes, starts as torch's legacy (non-zip) format does: a
+    pickle of its magic number (read opcode by opcode, nothing is unpickled)."""
+    import pickletools
+
+    try:
+        for op, arg, _pos in pickletools.genops(io.BytesIO(head)):
+            if op.name in ("PROTO", "FRAME"):
+                continue
+            return arg == _LEGACY_MAGIC
+    except Exception:  # noqa: BLE001 - cut off or not a pickle at all
+        return False
+    return False
 
 
 class _Slice(io.RawIOBase):
@@ -851,6 +1156,11 @@ def safe_torch_load(source: str | os.PathLike | io.BytesIO, what: str,
                 return torch.load(source, map_location="cpu", weights_only=True)
         return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        opcode = re.search(r"Unsupported operand (\d+)", str(e))
+        if opcode:
+            raise UsageError(f"{what} is not readable by torch's weights-only loader: its pickle uses "
+                             f"opcode {int(opcode[1])}, which that loader does not know (torch.save "
+                             "with its default pickle_protocol=2 writes none); nothing was loaded") from None
         if "weights only" in str(e).lower() or "WeightsUnpickler" in str(e):
             refused = refused_globals(source, str(e), allow)
             raise UsageError(f"{what} asks to run code when loaded: the safe loader refused "

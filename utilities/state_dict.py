@@ -23,6 +23,7 @@ the keys and shapes ourselves: a wrong file is one line naming it, never a parti
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,14 @@ from torch import nn
 from utilities.distributed import fail_together, one_line_error
 from utilities.errors import UsageError
 from utilities.safe_files import (
+    OWNED_MARKER,
     atomic_torch_save,
+    discard_owned,
     exchange_in,
     fsync_files,
-    remove_path,
+    mark_owned,
+    owned_names,
+    regular_file_size,
     safe_torch_load,
     staging_path,
     swap_in,
@@ -264,6 +269,11 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory:
     Run it on rank 0 with the full state dict. Tied weights (T5's ``shared`` / ``embed_tokens`` /
     ``lm_head``) are one tensor in the model: we load every key strictly into a model built from
     the config, and ``save_pretrained`` stores each tied tensor once (safetensors refuses aliases).
+
+    ``directory`` is a new folder, an empty one, or an earlier export: its marker
+    (``safe_files.OWNED_MARKER``) lists the files the course wrote there, and only those are
+    replaced or deleted; a user's files beside them (a tokenizer, a README) are kept. Anything else
+    (a file, a downloaded model folder) is refused in one line, nothing replaced or deleted.
     """
     if model_class is None:
         model_class = hf_model_class(config)
@@ -277,24 +287,83 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory:
                          f"({_first(result.unexpected_keys, 3)})")
     model.tie_weights()
     directory = Path(directory)
-    if directory.is_dir() and any(directory.iterdir()) and not (directory / "config.json").is_file():
-        raise UsageError(f"cannot export to {directory}: it exists and is not an export (no "
-                         "config.json); not replaced")
+    what = f"cannot export to {str(directory)!r}"
+    user_files = _files_beside_export(directory, what)
     # written beside it, then published over it with one atomic rename where the system has one
     # (an exchange: a kill at any instant leaves an export, old or new, under its name); elsewhere
-    # with swap_in's two renames, between which a kill leaves only .NAME.old and .NAME.tmp
+    # with swap_in's two renames, between which a kill leaves only .NAME.old and .NAME.tmp. The
+    # user's files beside an earlier export are hard-linked into the new one, and of the folder
+    # replaced only what the course wrote is deleted (``discard_owned``).
+    def discard(folder: Path) -> None:
+        discard_owned(folder, directory, what)
+
     tmp = staging_path(directory)
-    remove_path(tmp)
+    discard(tmp)
+    if os.path.lexists(tmp):
+        raise UsageError(f"{what}: {str(tmp)!r}, where the export is staged, holds files the course "
+                         "did not write; move them away")
     tmp.mkdir(parents=True)
     try:
+        mark_owned(tmp, None)
         model.save_pretrained(tmp, safe_serialization=True)
+        written = sorted(set(os.listdir(tmp)) - {OWNED_MARKER})
+        taken = sorted(set(written) & set(user_files))
+        if taken:
+            raise UsageError(f"{what}: it holds {_first(taken, 3)}, which the course did not write "
+                             "there (not in its marker); not replaced: move it or export elsewhere")
         fsync_files(tmp)
-    except BaseException:
-        remove_path(tmp, ignore_errors=True)
+        for name in user_files:
+            _keep_beside(directory / name, tmp / name, what)
+        mark_owned(tmp, written)
+        if not exchange_in(tmp, directory, discard):
+            swap_in(tmp, directory, discard)
+    except BaseException as e:
+        discard(tmp)
+        if isinstance(e, OSError):
+            raise UsageError(f"{what}: {type(e).__name__}: {e.strerror or e} ({e.filename}); the "
+                             "earlier export, if any, is left as it was") from None
         raise
-    if not exchange_in(tmp, directory):
-        swap_in(tmp, directory)
     return directory
+
+
+def _files_beside_export(directory: Path, what: str) -> list[str]:
+    """The names in the folder ``directory`` that an earlier export did not write there (the user's,
+    to keep); refuses, in one line, anything but a missing folder, an empty one or an earlier
+    export (its ``OWNED_MARKER`` lists what the course wrote), and a user's folder inside it."""
+    try:
+        mode = os.lstat(directory).st_mode
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a file"
+        raise UsageError(f"{what}: it is {kind}, not a folder; refused, nothing was replaced or "
+                         "deleted; allowed: a new folder or an earlier export")
+    ours = owned_names(directory, what)
+    entries = sorted(set(os.listdir(directory)) - {OWNED_MARKER})
+    if ours is None and entries:
+        raise UsageError(f"{what}: it holds files and is not an export the course wrote (no "
+                         f"{OWNED_MARKER}); refused, nothing was replaced or deleted; allowed: a new "
+                         "folder or an earlier export")
+    beside = [name for name in entries if name not in (ours or ())]
+    folders = [name for name in beside if not os.path.islink(directory / name)
+               and regular_file_size(directory / name) is None]
+    if folders:
+        raise UsageError(f"{what}: it holds {_first(folders, 3)}, which is not a file the course "
+                         "wrote; only files are kept beside an export: move it or export elsewhere")
+    return beside
+
+
+def _keep_beside(source: Path, target: Path, what: str) -> None:
+    """A user's file ``source`` beside an export, also at ``target`` in the new one: a hard link
+    (one file, two names), or a copy of a symbolic link."""
+    try:
+        if os.path.islink(source):
+            os.symlink(os.readlink(source), target)
+        else:
+            os.link(source, target, follow_symlinks=False)
+    except OSError as e:
+        raise UsageError(f"{what}: its file {source.name!r} cannot be kept beside the new export "
+                         f"({e.strerror}); move it away and export again") from None
 
 
 def hf_model_class(config: Any) -> type:

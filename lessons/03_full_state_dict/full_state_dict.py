@@ -287,7 +287,8 @@ def check_export(lesson: Lesson, model_sd: dict, directory: Path, probe: dict,
             auto = AutoModelForSeq2SeqLM if lesson.spec.is_seq2seq else AutoModelForCausalLM
             reloaded = auto.from_pretrained(directory).to(lesson.device).eval()
             diff = (logits(reloaded, probe) - expected).abs().max().item()
-            size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+            size = sum(f.stat().st_size for f in directory.iterdir()  # the hidden one: the
+                       if f.is_file() and not f.name.startswith("."))  # course's list of its files
             result = dict(hf_export_s=round(export_s, 4), hf_export_bytes=size,
                           hf_max_abs_diff=diff, hf_identical=diff == 0.0, hf_dir=str(directory))
     return result

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from utilities.course.catalog import REPO_ROOT, LessonInfo
+from utilities.safe_files import check_output_file, open_output
 
 
 def machine_roots() -> list[tuple[str, str]]:
@@ -54,7 +55,8 @@ def record(info: LessonInfo, cast_path: Path, run_args: list[str], width: int = 
     header = {"version": 2, "width": width, "height": height, "timestamp": int(time.time()),
               "title": f"lesson {info.number}: {info.title}", "command": shown,
               "env": {"SHELL": "/bin/bash", "TERM": "xterm-256color"}}
-    with tmp.open("w") as f:
+    check_output_file(cast_path, "record --out: recording")
+    with open_output(tmp, "record --out: recording") as f:
         f.write(json.dumps(header) + "\n")
         f.write(json.dumps([0.0, "o", f"$ {shown}\r\n"]) + "\n")
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,

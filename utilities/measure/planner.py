@@ -896,6 +896,10 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
                   _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"]) or kw["gpus"])
     check_tp(spec, kw["tp"], kw["gpus"], kw["strategy"], kw["options"],
              _int_arg("--gpus-per-node", args.gpus_per_node) if options is not None else None)
+    if getattr(args, "trace", None):  # a FIFO or a device there: one line before the plan runs
+        from utilities.safe_files import check_output_file
+
+        check_output_file(args.trace, "--trace")
     if args.max_batch:
         best, p = largest_batch(**kw)
     else:
@@ -917,10 +921,10 @@ def write_trace(step, path: str) -> None:
     """The predicted step as a Chrome trace at ``path`` (``step_time.chrome_trace``); one line if
     it cannot be written."""
     from utilities.measure.step_time import chrome_trace
+    from utilities.safe_files import atomic_write_text
 
     try:
-        with open(path, "w") as f:
-            json.dump(chrome_trace(step), f)
+        atomic_write_text(path, json.dumps(chrome_trace(step)), "--trace")
     except OSError as e:
         raise UsageError(f"--trace {path!r} is not allowed: {e.strerror}; allowed: a writable "
                          "file path") from None
