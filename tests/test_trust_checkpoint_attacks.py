@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
-from test_fuzz_readers import build_zip, local_record, memo_dag, torch_file_with_pickle, torch_save_records
+from hostile_files import build_zip, local_record, memo_dag, torch_file_with_pickle, torch_save_records
 from test_trust_checkpoints import _lesson10, _step
 
 import utilities.dcp as D
