@@ -188,7 +188,7 @@ def untraceable_op(error: BaseException) -> str | None:
     a fake kernel, an output whose shape or value depends on the data), from ``error`` or an error
     it was raised from; None for any other error."""
     try:
-        from torch._subclasses import fake_tensor as ft
+        import torch._subclasses.fake_tensor as ft
     except ImportError:
         return None
     kinds = tuple(getattr(ft, n) for n in ("UnsupportedOperatorException",
