@@ -29,7 +29,7 @@ from layer import CONFIGS as LAYER_CONFIGS
 from utilities.course.readme_tables import shape_refused
 from utilities.errors import UsageError, exit_on_usage_error
 from utilities.json_input import read_json
-from utilities.measure.results import write_atomically
+from utilities.safe_files import atomic_write_text
 from utilities.text import markdown, markdown_escape, markdown_inert
 
 HERE = Path(__file__).resolve().parent
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
         new = render_block(render(old, body), CALIBRATION_START, CALIBRATION_END, calibration_table())
     except UsageError as e:
         exit_on_usage_error(e)
-    write_atomically(path, new)
+    atomic_write_text(path, new, "README")
     print(f"table written to {path}")
     return 0
 

@@ -145,21 +145,32 @@ def open_output(path: str | os.PathLike, what: str) -> Any:
         raise
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, what: str) -> None:
+def atomic_write_text(path: str | os.PathLike, text: str, what: str) -> Path:
     """Write ``text`` to ``path`` whole or not at all: to a unique temporary beside it, fsync, then
-    ``os.replace``. ``path`` itself is never opened (``check_output_file``: a FIFO or device there
-    is refused in one line, without blocking); an ``OSError`` of the write propagates."""
+    ``os.replace`` (a reader, or a run stopped midway, sees the old file or the new one). ``path``
+    itself is never opened (``check_output_file``: a FIFO or device there is refused in one line,
+    without blocking); it keeps the old file's permissions (a new one gets the umask's); an
+    ``OSError`` of the write propagates."""
     import tempfile
 
     path = Path(path)
     check_output_file(path, what)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
+            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        return path
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

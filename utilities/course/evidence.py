@@ -813,7 +813,8 @@ def render_readmes(folder: Path, lessons_dir: Path = REPO_ROOT / "lessons") -> l
     lesson's CPU table is (``readme_tables.render``: the same columns, a caption naming the run);
     the lessons whose README changed. A lesson without a run in the folder keeps its table."""
     from utilities.course.readme_tables import render
-    from utilities.measure.results import load, write_atomically
+    from utilities.measure.results import load
+    from utilities.safe_files import atomic_write_text
 
     def replace(m: re.Match, readme: Path) -> str:
         results_path = lesson_run(folder, m.group(2))
@@ -828,7 +829,7 @@ def render_readmes(folder: Path, lessons_dir: Path = REPO_ROOT / "lessons") -> l
         text = readme.read_text()
         new = GPU_BLOCK.sub(lambda m, readme=readme: replace(m, readme), text)
         if new != text:
-            write_atomically(readme, new)
+            atomic_write_text(readme, new, "README")
             changed.append(readme.parent.name[:2])
     return changed
 

@@ -36,9 +36,10 @@ from urllib.parse import quote
 
 from utilities.course.catalog import LESSONS
 from utilities.errors import UsageError
-from utilities.measure.results import idle_category_notes, markdown_table, write_atomically
+from utilities.measure.results import idle_category_notes, markdown_table
 from utilities.measure.results import load as load_results
 from utilities.measure.step_time import predicted_batch_text, predicted_rows
+from utilities.safe_files import atomic_write_text
 from utilities.text import markdown, markdown_escape, markdown_inert
 
 REPO = Path(__file__).resolve().parents[2]
@@ -293,7 +294,7 @@ def check(lesson: str, write: bool = False) -> list[str]:
     if not any(m.group(2) == lesson for pattern in (BLOCK, PREDICTED) for m in pattern.finditer(text)):
         return [f"{readme} has no <!-- results:{lesson} ... --> or <!-- predicted:{lesson} ... --> block"]
     if write and new != text:
-        write_atomically(readme, new)
+        atomic_write_text(readme, new, "README")
     return problems
 
 

@@ -172,30 +172,9 @@ def _why(e: OSError) -> str:
 
 def write_json(path: Path, data: Any) -> Path:
     """Write JSON to a temporary file beside ``path`` and rename it into place (never half-written)."""
-    return write_atomically(path, json.dumps(data, indent=2))
+    from utilities.safe_files import atomic_write_text
 
-
-def write_atomically(path: Path, text: str) -> Path:
-    """Write ``text`` to a temporary file beside ``path`` and rename it into place: a reader (or a
-    run stopped midway) sees the old file or the new one, never half of one; it keeps the old
-    file's permissions (a new one gets the umask's)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        mode = os.stat(path).st_mode & 0o777
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            os.fchmod(f.fileno(), mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(path, json.dumps(data, indent=2), "results file")
 
 
 def load(path: str | os.PathLike, results: bool = True) -> dict[str, Any]:
