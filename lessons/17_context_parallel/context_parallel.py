@@ -187,7 +187,7 @@ def cp_mesh(device_type: str, dp: int, cp: int) -> DeviceMesh:
     return init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
 
 
-def apply_fsdp(model: TinyLlama, fsdp_mesh: DeviceMesh) -> TinyLlama:
+def shard_over_dp_and_cp(model: TinyLlama, fsdp_mesh: DeviceMesh) -> TinyLlama:
     """FSDP2 over every rank of the (dp, cp) mesh, flattened: CP ranks hold different tokens of the
     same sequences, so like data-parallel ranks their gradients are averaged, and they can shard the
     weights too (torchtitan's ``dp_shard_cp``). With no other mesh dimension, dp x cp flattened is
@@ -304,7 +304,7 @@ def run_fsdp_cp(lesson: Lesson, name: str, cp: int, mesh: DeviceMesh) -> tuple[T
     reference_losses = train_unsplit(reference, batches, lesson.lr)
     del reference
     counts = new_counts()
-    use_ring(apply_fsdp(model, world_mesh()), mesh, counts)
+    use_ring(shard_over_dp_and_cp(model, world_mesh()), mesh, counts)
     dp_rank = mesh["dp"].get_local_rank()
     rows = slice(dp_rank * lesson.batch_size, (dp_rank + 1) * lesson.batch_size)
     local = [local_slice(b, rows, positions(seq, mesh["cp"].get_local_rank(), cp, True)) for b in batches]
