@@ -104,7 +104,7 @@ def _gathered_chunks(k: torch.Tensor, v: torch.Tensor, group) -> list[tuple[torc
     """All-gather the concatenated local K and V over the CP ``group`` (one collective, as torch's
     all-gather rotater), and each rank's K and V chunk as views of the gathered buffer (which
     lives while any of them does)."""
-    from torch.distributed import _functional_collectives as funcol
+    import torch.distributed._functional_collectives as funcol
 
     n = torch.distributed.get_world_size(group)
     both = torch.cat([k.reshape(-1), v.reshape(-1)])
@@ -145,7 +145,7 @@ class CPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from torch.distributed import _functional_collectives as funcol
+        import torch.distributed._functional_collectives as funcol
 
         q, k, v, out, lse = ctx.saved_tensors
         _, bwd = _sdpa_ops(q.device.type)
