@@ -84,26 +84,26 @@ def live_at_peak(events) -> list[int]:
 
 @pytest.mark.parametrize("ac, gathers_per_layer", [("none", 2), ("full", 3)])
 def test_gathered_kv_are_in_the_peak(ac, gathers_per_layer):
-    """By hand: the whole sequence's K and V, bf16, batch 1, seq 8192, 4 K/V heads of 32:
-    2 x 1 x 4 x 8192 x 32 x 2 bytes = 4 MiB, gathered once per layer in forward, once in backward
-    (and once more in full checkpointing's recomputation), freed in between; with K/V this heavy
-    the step's peak falls while attention holds them."""
+    """By hand: the whole sequence's K, bf16, batch 1, seq 8192, 4 K/V heads of 32:
+    1 x 4 x 8192 x 32 x 2 bytes = 2 MiB, and as much V, each gathered once per layer in forward,
+    once in backward (and once more in full checkpointing's recomputation), freed in between;
+    with K/V this heavy the step's peak falls while attention holds them."""
     spec = kv_heavy()
     cfg = spec.config()
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    by_hand = 2 * 1 * cfg.num_key_value_heads * 8192 * head_dim * 2
-    assert by_hand == 4 * 2**20
+    whole_k = 1 * cfg.num_key_value_heads * 8192 * head_dim * 2
+    assert whole_k == 2 * 2**20
     step = trace(spec, 8, ac=ac, batch=1, seq=8192, device_type="cuda", cp=8)
     sizes = [n for kind, _, n, _ in step.memory_events.step if kind == "alloc"]
-    assert sizes.count(by_hand) == gathers_per_layer * cfg.num_hidden_layers
-    assert by_hand in live_at_peak(step.memory_events)
+    assert sizes.count(whole_k) == 2 * gathers_per_layer * cfg.num_hidden_layers
+    assert live_at_peak(step.memory_events).count(whole_k) == 2  # K and V
     assert step.memory_events.peak()["Total"] == step.peak["Total"]
-    # what the time model reads: each layer's all-gather takes the local K and V (1/8 each), and
+    # what the time model reads: each of a layer's all-gathers takes the local K or V (1/8), and
     # the dK/dV accumulators (fp32) go to the next rank 8 times in each layer's backward
     cp_ops = [(op, n) for op, unit, n in step.collectives if op.startswith("cp:") and unit == "layers.0"]
     gathers = [n for op, n in cp_ops if op == "cp:all_gather_into_tensor"]
-    assert gathers == [by_hand // 8] * gathers_per_layer
-    assert [n for op, n in cp_ops if op == "cp:all_to_all_single"] == [by_hand // 8 * 2] * 8
+    assert gathers == [whole_k // 8] * (2 * gathers_per_layer)
+    assert [n for op, n in cp_ops if op == "cp:all_to_all_single"] == [2 * (whole_k // 8) * 2] * 8
 
 
 def test_the_issue_command_reports_memory_and_time_in_seconds(capsys):

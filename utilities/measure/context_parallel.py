@@ -5,21 +5,27 @@ A CP group of N ranks processes the same sequences, each rank 1/N of every seque
 norms, MLP, logits and loss) runs on seq/N tokens; attention needs every key. torch's
 ``context_parallel`` (``torch.distributed.tensor.experimental``; lesson 17) by default gathers
 K and V (its "allgather" rotate method, torchtitan's default too): per layer, in forward, one
-all-gather of the concatenated K and V of the whole sequence, attention of the local queries over
+all-gather of the concatenated local K and V (the whole sequence's), attention of the local queries over
 it chunk by chunk, the partial results merged by their log-sum-exp; autograd keeps only the local
 q, k, v, output and log-sum-exp. In backward the K/V are gathered again, each chunk's backward
 runs on the local queries, and the dK/dV accumulators travel once around the ring (N sends of
 the local dK/dV) to the ranks that own them.
 
 ``cp_attention(group)`` replays that under ``FakeTensorMode``, so the memory tracker sees the
-gathered K/V while they exist and the op recorder counts each kernel: a ``TorchFunctionMode``
-that sends ``F.scaled_dot_product_attention`` through ``CPAttention``. Its forward runs one
-attention op of the local queries over all keys (in fake mode only shapes exist, and the work the
-recorder counts, causal, half of seq/N x seq, is exactly each rank's share under the load
-balancing: 1/N of the unsplit causal work); its backward runs N chunk backward ops (each seq/N x
-seq/N, causal-halved: the same total) so no whole-sequence dK/dV is ever held, as torch does not.
-The collectives go through torch's functional collectives on the CP group; the recorder names
-them ``cp:<op>`` (``CP_PREFIX``) so the time model times them over the CP group.
+gathered K/V while they exist and the op recorder counts each kernel: while the step runs,
+``F.scaled_dot_product_attention`` is ``CPAttention`` (torch's ``context_parallel`` replaces
+the same function). K and V are gathered by one all-gather each, sequence-major, so the whole
+sequence's K and V are views of the gathered buffers. The forward runs one attention op of the
+local queries over all keys: in fake mode only shapes exist, and the work the recorder counts,
+causal, half of seq/N x seq, is exactly each rank's share under the load balancing (1/N of the
+unsplit causal work); and selective checkpointing keeps that one output, as it keeps torch's one
+ring-attention op. The backward runs N chunk backward ops (each seq/N x seq/N, causal-halved: the
+same total), so no whole-sequence dK/dV is ever held, as torch holds none. The collectives go
+through torch's functional collectives on the CP group; the recorder names them ``cp:<op>``
+(``CP_PREFIX``) so the time model times them over the CP group.
+
+Where it differs from torch: under selective checkpointing the recomputation gathers K and V
+again (torch's cached ring-attention op does not), a transient and an all-gather per layer more.
 """
 
 from __future__ import annotations
@@ -100,45 +106,26 @@ def _sdpa_ops(device_type: str):
     return forward, backward
 
 
-def _gathered_chunks(k: torch.Tensor, v: torch.Tensor, group) -> list[tuple[torch.Tensor, ...]]:
-    """All-gather the concatenated local K and V over the CP ``group`` (one collective, as torch's
-    all-gather rotater), and each rank's K and V chunk as views of the gathered buffer (which
-    lives while any of them does)."""
+def _gathered(x: torch.Tensor, group) -> torch.Tensor:
+    """The whole sequence's K (or V): the local ``x`` (batch, heads, seq/N, head dim) all-gathered
+    over the CP ``group`` sequence-major, so the result is a view of the gathered buffer (which
+    lives while it does)."""
     import torch.distributed._functional_collectives as funcol
 
-    n = torch.distributed.get_world_size(group)
-    both = torch.cat([k.reshape(-1), v.reshape(-1)])
+    local = x.permute(2, 0, 1, 3).contiguous()  # (seq/N, batch, heads, head dim)
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # 2.6..2.9
-    gathered = funcol.wait_tensor(gather(both, 0, group)).view(n, 2, -1)
-    return [(gathered[j, 0].view(k.shape), gathered[j, 1].view(v.shape)) for j in range(n)]
-
-
-def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """K or V with its key/value heads repeated to the query heads (grouped-query attention)."""
-    groups = heads // x.shape[1]
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+    return funcol.wait_tensor(gather(local, 0, group)).permute(1, 2, 0, 3)
 
 
 class CPAttention(torch.autograd.Function):
     """Causal attention of the local queries over the whole sequence's keys, K/V gathered over the
-    CP ``group`` in forward and again in backward (the module's docstring)."""
+    CP ``group`` in forward and again in backward (the module's docstring). Grouped-query
+    attention keeps its K/V heads (the kernels take them as they are)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
         fwd, _ = _sdpa_ops(q.device.type)
-        heads = q.shape[1]
-        out = lse = rest = None
-        for kc, vc in _gathered_chunks(k, v, group):  # chunk by chunk, merged by log-sum-exp
-            part, part_lse, rest = fwd(q, _repeat_heads(kc, heads), _repeat_heads(vc, heads), scale)
-            part, part_lse = part.float(), part_lse.float()
-            if out is None:
-                out, lse = part, part_lse
-                continue
-            merged = torch.logaddexp(lse, part_lse)
-            out = (out * torch.exp(lse - merged).unsqueeze(-1)
-                   + part * torch.exp(part_lse - merged).unsqueeze(-1))
-            lse = merged
-        out = out.to(q.dtype)
+        out, lse, rest = fwd(q, _gathered(k, group), _gathered(v, group), scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.rest, ctx.group, ctx.scale = rest, group, scale
         return out
@@ -151,19 +138,16 @@ class CPAttention(torch.autograd.Function):
         _, bwd = _sdpa_ops(q.device.type)
         group = ctx.group
         n = torch.distributed.get_world_size(group)
-        heads = q.shape[1]
+        whole_k, whole_v = _gathered(k, group), _gathered(v, group)
         dq = torch.zeros_like(q, dtype=torch.float32)
         dkv = torch.zeros(2 * k.numel(), dtype=torch.float32, device=k.device)
         nxt = [(i + 1) % n for i in range(n)]
-        for kc, vc in _gathered_chunks(k, v, group):
-            gq, gk, gv = bwd(dout, q, _repeat_heads(kc, heads), _repeat_heads(vc, heads), out, lse,
-                             ctx.rest, ctx.scale)
+        for kc, vc in zip(whole_k.chunk(n, dim=2), whole_v.chunk(n, dim=2)):
+            gq, gk, gv = bwd(dout, q, kc, vc, out, lse, ctx.rest, ctx.scale)
             dq += gq
-            if heads != k.shape[1]:  # the repeated heads' gradients, summed per key/value head
-                gk = gk.unflatten(1, (k.shape[1], -1)).sum(2)
-                gv = gv.unflatten(1, (k.shape[1], -1)).sum(2)
             dkv += torch.cat([gk.reshape(-1), gv.reshape(-1)])
             dkv = funcol.wait_tensor(funcol.permute_tensor(dkv, nxt, group))  # to the next rank
+        del whole_k, whole_v
         dk, dv = dkv.to(k.dtype).split(k.numel())
         return dq.to(q.dtype), dk.view_as(k), dv.view_as(v), None, None
 

@@ -980,9 +980,11 @@ def cp_assumption(cp: int, tp: int) -> str:
     return (f"context parallelism: {cp} GPUs per CP group{per_rank} run the same sequences, "
             f"each 1/{cp} of every sequence's tokens (chunks r and "
             f"2x{cp}-1-r: the causal work balanced), FSDP2 over every GPU (torchtitan's "
-            "dp_shard_cp); torch's all-gather rotation (its default): per layer one all-gather "
-            "of the local K and V over the CP group in forward, again in backward (and again in "
-            f"a recompute), and the dK/dV accumulators passed {cp} times to the next rank; these "
+            "dp_shard_cp); torch's all-gather rotation (its default): per layer the local K and V "
+            "all-gathered over the CP group in forward, again in backward (and again in a "
+            "checkpoint's recomputation, which torch's cached ring-attention op skips under "
+            f"selective checkpointing), and the dK/dV accumulators passed {cp} times to the next "
+            "rank; these "
             "are timed on the compute lane, not overlapped with attention (an upper bound: torch "
             "overlaps them partly with the local chunk's attention); attention FLOPs: the local "
             f"queries over all keys, causal, 1/{cp} of the unsplit work per GPU; tokens/s per GPU "
@@ -1205,9 +1207,9 @@ def predicted_rows(block: dict[str, Any]) -> list[list[str]]:
 
 
 def predicted_batch_text(block: dict[str, Any]) -> str:
-    """The block's batch as its title says it: per GPU, and, where variants carry their own (a
-    TP group's), where the table gives it."""
-    text = f"batch {block['batch']} x {block['seq']} per GPU"
+    """The block's batch as its title says it: per GPU (or per what its ``batch_per`` names: a CP
+    group), and, where variants carry their own (a TP group's), where the table gives it."""
+    text = f"batch {block['batch']} x {block['seq']} per {block.get('batch_per', 'GPU')}"
     if any("batch" in v for v in block["variants"]):
         text += " (a variant with its own batch, a TP group's, says it in the batch column)"
     return text
