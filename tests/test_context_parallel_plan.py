@@ -132,6 +132,10 @@ def test_cp_composes_with_tp():
     assert any("context parallelism: 2 GPUs per CP group (each of them a TP group of 2)" in a
                for a in step.assumptions)
     assert step.tokens_per_s_per_gpu == pytest.approx(1024 / step.step_s / 4)
+    for group in ("tp", "cp"):
+        waits = [e.args[f"{group}_comm_s"] for e in step.timeline if f"{group}_comm_s" in e.args]
+        assert waits and all(w > 0 for w in waits), group
+        assert all(e.lane == "compute" for e in step.timeline if f"{group}_comm_s" in e.args)
 
 
 @pytest.mark.parametrize("flags, words", [

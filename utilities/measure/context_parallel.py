@@ -119,8 +119,9 @@ def _gathered(x: torch.Tensor, group) -> torch.Tensor:
 
 class CPAttention(torch.autograd.Function):
     """Causal attention of the local queries over the whole sequence's keys, K/V gathered over the
-    CP ``group`` in forward and again in backward (the module's docstring). Grouped-query
-    attention keeps its K/V heads (the kernels take them as they are)."""
+    CP ``group`` in forward and again in backward (the module's docstring). K and V are gathered
+    as the model hands them to attention: a Llama of Hugging Face's (or torchtitan's) repeats its
+    K/V heads to the query heads before SDPA, and torch's ring gathers what SDPA gets."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale):

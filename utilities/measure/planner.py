@@ -295,8 +295,10 @@ def cp_note(cp: int) -> str:
     return (f"context parallelism: each GPU of a CP group holds 1/{cp} of every sequence's tokens "
             "(embeddings, norms, MLP, logits and loss on them) and its attention runs the local "
             "queries over all keys: torch's all-gather rotation (its default, torchtitan's), the "
-            "whole sequence's K and V gathered per layer, held while its attention runs in forward "
-            "and again in backward; autograd keeps only the local q, k, v, output and log-sum-exp")
+            "whole sequence's K and V gathered per layer (as the model hands them to attention: "
+            "a Llama's K/V heads repeated to the query heads, as Hugging Face's and torchtitan's "
+            "Llama do before SDPA), held while its attention runs in forward and again in "
+            "backward; autograd keeps only the local q, k, v, output and log-sum-exp")
 
 
 def loss_parallel_note(loss_parallel: bool, tp: int) -> str:

@@ -999,25 +999,25 @@ def _with_tp_collectives(plan_segs, profile, tp, g, eff, gpus_per_node, network_
     stream, and CP is put there too (``cp_assumption``)."""
     from utilities.measure.context_parallel import CP_PREFIX
 
-    seconds: dict[tuple[str, str], float] = {}
+    seconds: dict[tuple[str, str], dict[str, float]] = {}
     for i, (op, unit, nbytes) in enumerate(profile.collectives):
-        n = tp
-        if op.startswith(CP_PREFIX):
-            op, n = op[len(CP_PREFIX):], cp
+        group, n = ("cp", cp) if op.startswith(CP_PREFIX) else ("tp", tp)
+        op = op.removeprefix(CP_PREFIX)
         kind = TP_COLLECTIVES.get(op)
-        stage = "forward" if i < profile.backward_collectives_from else "backward"
-        if op == "all_to_all_single" and n == cp:  # a pass to the next rank: one ring step
+        if group == "cp" and op == "all_to_all_single":  # a pass to the next rank: one ring step
             secs = collective_time("all_gather", 2 * nbytes, 2, g, eff, gpus_per_node, network_gbps)
         elif kind is None:
             continue
         else:
             total = nbytes * n if kind == "all_gather" else nbytes  # the input is one rank's part
             secs = collective_time(kind, total, n, g, eff, gpus_per_node, network_gbps)
-        seconds[(unit, stage)] = seconds.get((unit, stage), 0.0) + secs
+        stage = "forward" if i < profile.backward_collectives_from else "backward"
+        waits = seconds.setdefault((unit, stage), {})
+        waits[f"{group}_comm_s"] = waits.get(f"{group}_comm_s", 0.0) + secs
     out = []
     for unit, phase, secs, args in plan_segs:
-        extra = seconds.pop((unit, "forward" if phase == "forward" else "backward"), 0.0)
-        out.append((unit, phase, secs + extra, dict(args, tp_comm_s=extra) if extra else args))
+        waits = seconds.pop((unit, "forward" if phase == "forward" else "backward"), {})
+        out.append((unit, phase, secs + sum(waits.values()), dict(args, **waits) if waits else args))
     return out
 
 
