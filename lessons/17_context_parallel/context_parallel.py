@@ -19,6 +19,10 @@ every rank computes the same number of score blocks.
     fsdp-cpN          a tiny Llama trained with FSDP2 over the (dp, cp) ranks, CP over N of them,
                       against the unsplit model trained on the same batches
 
+The run ends with a PREDICTION on a cluster (the step-time model, not a measurement): llama-8b at
+65,536 tokens on one node of 8 H100 with FSDP2 alone and CP over 2, 4 and 8 GPUs, one sequence per
+CP group, with the planner's peak per GPU (`fsdp-course plan --cp N` for the same configurations).
+
 Run: fsdp-course run 17 [--quick]   or   torchrun --nproc-per-node 2 context_parallel.py --device cpu
 """
 
