@@ -159,3 +159,27 @@ def test_plan_cp_refuses_in_one_line(flags, words, capsys):
     assert "\n" not in err, err
     for w in words:
         assert w in err, err
+
+
+def test_torchtitan_cp_check_is_current():
+    """benchmarks/results/cp_check.json (torchtitan's published FSDP + CP table against the planner
+    and the time model, ratios as they come) is what the check computes today: its CP 2 row
+    recomputed, and every row's ratios its own numbers' quotients."""
+    import json
+    import sys
+
+    from conftest import REPO
+    from readme_claims import MODEL_ARITHMETIC_RTOL
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import cp_check
+
+    committed = {r["cp"]: r for r in json.loads(cp_check.OUT.read_text())["rows"]}
+    assert sorted(committed) == sorted(cp_check.PUBLISHED)
+    for cp, r in committed.items():
+        assert r["seq"] == cp_check.PUBLISHED[cp][0] and r["tokens_per_gpu"] == 32768
+        assert r["ratio_tokens_per_s"] == pytest.approx(
+            r["predicted_tokens_per_s_per_gpu"] / r["published_tokens_per_s_per_gpu"], rel=1e-3)
+    fresh = cp_check.row(2)
+    for key in ("predicted_tokens_per_s_per_gpu", "predicted_peak_allocated_gib"):
+        assert fresh[key] == pytest.approx(committed[2][key], rel=MODEL_ARITHMETIC_RTOL), key
