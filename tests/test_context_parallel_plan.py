@@ -150,6 +150,8 @@ def test_cp_composes_with_tp():
     (["--cp", "2", "--offload"], ["--offload"]),
     (["--cp", "2", "--model", "tests/your_gpt.py:build", "--parallelize", "tests/your_gpt.py:shard"],
      ["--parallelize"]),
+    (["--cp", "2", "--model", "tests/your_gpt.py:build_tagger", "--batch-fn",
+      "tests/your_gpt.py:tagger_batch", "--no-time"], ["scaled_dot_product_attention"]),
 ])
 def test_plan_cp_refuses_in_one_line(flags, words, capsys):
     argv = ["--model", MODEL, "--gpus", "8", "--seq", "64"]

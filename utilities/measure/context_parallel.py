@@ -161,15 +161,27 @@ def cp_attention(group):
     its local tokens is the causal one). The function is replaced on ``torch.nn.functional``
     while the step runs (a torch-function mode would be off in the backward's recomputation)."""
     sdpa = F.scaled_dot_product_attention
+    calls = [0]  # how many attention calls went through CPAttention (``check_cp_ran``)
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   **kwargs):
         if dropout_p:
             raise bad_value("attention dropout under --cp", dropout_p, "0.0")
+        calls[0] += 1
         return CPAttention.apply(query, key, value, group, scale)
 
     F.scaled_dot_product_attention = attention
     try:
-        yield
+        yield calls
     finally:
         F.scaled_dot_product_attention = sdpa
+
+
+def check_cp_ran(calls: list[int] | None, model_name: str) -> None:
+    """Refuse in one line a model whose attention never went through
+    ``F.scaled_dot_product_attention`` under ``cp_attention`` (``calls``: what it yielded; None
+    without CP): its attention would have seen only the local tokens."""
+    if calls is not None and not calls[0]:
+        raise bad_value("--cp with model", model_name, "a model whose attention calls "
+                        "torch.nn.functional.scaled_dot_product_attention (what CP replaces, as "
+                        "torch's context_parallel does)")

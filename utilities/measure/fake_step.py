@@ -730,7 +730,7 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, _Samples]:
             units[label] = UnitInfo(label, [tuple(p.shape) for p in own], is_root=not fqn,
                                     trainable=[p.requires_grad for p in own], fqn=fqn)
             tracker_names[root_name + ("." + fqn if fqn else "")] = label
-        with fake_mode, _cp_attention(cp_group):
+        with fake_mode, _cp_attention(cp_group) as cp_calls:
             data = fake_batch(spec, batch, seq // cp, device, mask=cp == 1)
             if tp > 1:
                 with loss_parallel_context(model):
@@ -766,6 +766,10 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, _Samples]:
                                    for fqn, own in _unit_parameters(model) for p in own}
                 ops.recording = False
                 optimizer.step()
+            if cp_calls is not None:
+                from utilities.measure.context_parallel import check_cp_ran
+
+                check_cp_ran(cp_calls, spec.name)
             held = census(model, optimizer)
             peak = {}
             for dev, snap in tracker.get_tracker_snapshot("peak").items():
