@@ -177,11 +177,11 @@ def cp_attention(group):
         F.scaled_dot_product_attention = sdpa
 
 
-def check_cp_ran(calls: list[int] | None, model_name: str) -> None:
+def check_cp_ran(calls: list[int], model_name: str) -> None:
     """Refuse in one line a model whose attention never went through
-    ``F.scaled_dot_product_attention`` under ``cp_attention`` (``calls``: what it yielded; None
-    without CP): its attention would have seen only the local tokens."""
-    if calls is not None and not calls[0]:
+    ``F.scaled_dot_product_attention`` under ``cp_attention`` (``calls``: what it yielded): its
+    attention would have seen only the local tokens."""
+    if not calls[0]:
         raise bad_value("--cp with model", model_name, "a model whose attention calls "
                         "torch.nn.functional.scaled_dot_product_attention (what CP replaces, as "
                         "torch's context_parallel does)")
