@@ -13,6 +13,7 @@ from conftest import (
     REPO,
     assert_documented_keys,
     assert_help_lists,
+    assert_prediction_is_the_readmes,
     assert_readme_table_is_reproduced,
     flag_error,
     notebook_results,
@@ -199,10 +200,36 @@ def test_torch_context_parallel_as_called_reaches_sdpa_on_a_cpu():
 def test_bad_flags_are_one_line_exit_2():
     assert "ring-balanced" in flag_error("17", "--variants", "ring-sideways")
     assert "llama-tiny" in flag_error("17", "--model", "t5-tiny")
+    assert "llama-8b" in flag_error("17", "--predict-model", "t5-tiny")
+    assert "a multiple of 16" in flag_error("17", "--predict-seq", "1000")
 
 
 def test_lesson_help_explains_every_flag():
-    assert_help_lists("17", ("--variants", "--seq-len", "--device", "--quick"))
+    assert_help_lists("17", ("--variants", "--seq-len", "--device", "--quick", "--predict-on",
+                             "--predict-model", "--predict-batch", "--predict-seq"))
+
+
+def test_prediction_splits_the_sequence_and_cp_makes_it_fit(results):
+    """FSDP2 alone and CP over 2, 4, 8 GPUs of one node at 65,536 tokens, one sequence per CP
+    group: each GPU's tokens/s is a group's tokens / N, CP's collectives wait on the compute lane
+    (``cp_comm_s``) and only with CP, the peak per GPU falls with N and first fits at CP 4."""
+    predicted = results["predicted"]
+    assert predicted["gpus"] == 8 and predicted["model"] == "llama-8b" and predicted["seq"] == 65536
+    by = {v["name"]: v for v in predicted["variants"]}
+    assert list(by) == ["fsdp-only", "fsdp-cp2", "fsdp-cp4", "fsdp-cp8"]
+    for name, v in by.items():
+        cp = int(name[7:]) if name.startswith("fsdp-cp") else 1
+        tokens = predicted["batch"] * predicted["seq"]  # a CP group's, per step
+        assert v["tokens_per_s_per_gpu"] == pytest.approx(tokens / v["step_s"] / cp)
+        waits = [e for e in v["timeline"] if "cp_comm_s" in e["args"]]
+        assert bool(waits) == (cp > 1) and all(e["lane"] == "compute" for e in waits), name
+    peaks = [by[n]["peak_bytes"] for n in by]
+    assert peaks == sorted(peaks, reverse=True)
+    assert [by[n]["fits"] for n in by] == [False, False, True, True]
+
+
+def test_readme_prediction_is_the_runs(results):
+    assert_prediction_is_the_readmes("17", results, "predicted_1x8xh100.json")
 
 
 def test_readme_table_is_reproduced_by_the_quick_run(results):

@@ -39,6 +39,8 @@ PRIVATE_MODULES = {
     "torch.distributed._tools.mod_tracker": "ModTracker: which module runs (the time model's units)",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper":
         "checkpoint_wrapper, apply_activation_checkpointing: checkpointing as FSDP's docs teach it",
+    "torch.distributed._functional_collectives":
+        "functional collectives: the planner's CP step gathers K/V and passes dK/dV with them",
     "torch.distributed._shard.metadata": "ShardMetadata: FSDP1 sharded checkpoints the safe loader admits",
     "torch.distributed._shard.sharded_tensor.api": "ShardedTensor: FSDP1's sharded state dict",
     "torch.distributed._shard.sharded_tensor.metadata": "ShardedTensor metadata the safe loader admits",

@@ -19,6 +19,10 @@ every rank computes the same number of score blocks.
     fsdp-cpN          a tiny Llama trained with FSDP2 over the (dp, cp) ranks, CP over N of them,
                       against the unsplit model trained on the same batches
 
+The run ends with a PREDICTION on a cluster (the step-time model, not a measurement): llama-8b at
+65,536 tokens on one node of 8 H100 with FSDP2 alone and CP over 2, 4 and 8 GPUs, one sequence per
+CP group, with the planner's peak per GPU (`fsdp-course plan --cp N` for the same configurations).
+
 Run: fsdp-course run 17 [--quick]   or   torchrun --nproc-per-node 2 context_parallel.py --device cpu
 """
 
@@ -54,7 +58,16 @@ from utilities import distributed as D
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.data import ByteTokenizer
 from utilities.distributed import world_mesh
+from utilities.errors import positive_int
 from utilities.measure import fmt_bytes
+from utilities.measure.planner import plan
+from utilities.measure.step_time import (
+    add_prediction_arguments,
+    get_gpu,
+    parse_cluster,
+    predict_from_arguments,
+)
+from utilities.models import get_model_spec
 from utilities.training import TrainStats, train
 
 VOCAB = ByteTokenizer.vocab_size  # the reversal task's tokens
@@ -338,6 +351,46 @@ def fits(name: str, world: int, seq_len: int) -> str | None:
     return None
 
 
+# -- the prediction on a cluster ---------------------------------------------------------------------
+PREDICT_MODEL, PREDICT_BATCH, PREDICT_SEQ, PREDICT_ON = "llama-8b", 1, 65536, "1x8xh100"
+PREDICT_AC = "selective"  # op-level selective checkpointing, as torchtitan's 8B runs
+PREDICT_CP = (1, 2, 4, 8)
+PREDICT_NOTE = ("The prediction on a cluster is `fsdp-course plan --cp N`'s time model and planner: "
+                "each GPU of a CP group holds 1/N of every sequence's tokens, K/V all-gathered per "
+                "layer (torch's default rotation) and timed inside a node on the compute lane, "
+                "FSDP2 over every GPU; the batch is a CP group's (1 sequence), so the GPUs train "
+                "8/N sequences a step.")
+
+
+def prediction_knobs(gpus_per_node: int) -> dict[str, dict]:
+    """The predicted variants as the step-time model takes them: FSDP2 alone (cp 1) and CP over
+    2, 4 and 8 GPUs of one node (those that divide it), FSDP2 over every GPU in each. The batch
+    is a CP group's: one long sequence, split over its N GPUs."""
+    return {("fsdp-only" if cp == 1 else f"fsdp-cp{cp}"): ({"cp": cp} if cp > 1 else {})
+            for cp in PREDICT_CP if gpus_per_node % cp == 0}
+
+
+def predict(args) -> dict | None:
+    """The ``predicted`` block (rank 0, before the group; None elsewhere or with --predict-on
+    none), each variant with the planner's peak per GPU for the same configuration (the same
+    cached fake step: ``fsdp-course plan --model M --gpus G --cp N --batch B --seq S --ac
+    selective``)."""
+    if args.predict_on == "none":
+        return None
+    cluster = parse_cluster(args.predict_on)
+    knobs = prediction_knobs(cluster.gpus_per_node)
+    block = predict_from_arguments(args, knobs, ac=PREDICT_AC, seq=args.predict_seq)
+    if block is None:
+        return None
+    block["batch_per"] = "CP group (with cp 1: per GPU)"
+    memory = get_gpu(cluster.gpu).memory_bytes
+    for row in block["variants"]:
+        p = plan(block["model"], cluster.gpus, memory, ac=PREDICT_AC, seq=block["seq"],
+                 batch=block["batch"], cp=knobs[row["name"]].get("cp", 1))
+        row.update(peak_bytes=p.peak_bytes["total"], fits=p.fits)
+    return block
+
+
 def takeaway(results: dict) -> str:
     """The lesson's point, from what the run measured (printed last)."""
     by = {v["name"]: v for v in results["variants"]}
@@ -357,7 +410,21 @@ def takeaway(results: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
+    predict_flags = add_prediction_arguments(
+        p, PREDICT_MODEL, PREDICT_BATCH, PREDICT_ON,
+        batch_help="sequences per CP group per step to predict for (each split over its N GPUs)",
+        model_help="a Llama: CP splits a decoder's sequence")
+    predict_flags.add_argument("--predict-seq", type=positive_int, default=PREDICT_SEQ,
+                               help=f"sequence length to predict for (default {PREDICT_SEQ:,}; a "
+                               "multiple of 16: 2 chunks per rank of the largest CP group)")
     args = p.parse(argv)
+    if args.predict_on != "none" and get_model_spec(args.predict_model).family != "llama":
+        p.exit(2, f"error: --predict-model {args.predict_model!r} is not allowed: the prediction "
+                  "splits a decoder's sequence; allowed: llama-tiny, llama-1b, llama-8b\n")
+    if args.predict_on != "none" and args.predict_seq % (2 * max(PREDICT_CP)):
+        p.exit(2, f"error: --predict-seq {args.predict_seq} is not allowed: each of up to "
+                  f"{max(PREDICT_CP)} CP ranks takes 2 chunks; allowed: a multiple of "
+                  f"{2 * max(PREDICT_CP)}\n")
     if args.model not in (None, "llama-tiny"):
         p.exit(2, f"error: --model {args.model!r} is not allowed: this lesson trains its own tiny "
                   "Llama (cp_helpers.TinyLlama); allowed: llama-tiny\n")
@@ -368,9 +435,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(args: argparse.Namespace) -> None:
+    predicted = predict(args)  # rank 0, before the group: the model traces on a fake group of its own
     with Lesson("17", args, settings={"tolerance": TOLERANCE, "loss_tolerance": LOSS_TOLERANCE},
-                needs_ranks="the sequence split over ranks", notes=NOTES, cpu_note=CPU_NOTE,
-                takeaway=takeaway) as lesson:
+                needs_ranks="the sequence split over ranks", notes=(*NOTES, PREDICT_NOTE),
+                cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         world = lesson.dist.world_size
         parameters = sum(p.numel() for p in TinyLlama(VOCAB).parameters())
         lesson.results.run_model("tiny-llama-cp", parameters)
@@ -397,6 +465,7 @@ def main(args: argparse.Namespace) -> None:
                     del stats
                 else:
                     lesson.results.add(name, **run_attention(lesson, name, meshes[cp]))
+        lesson.results.predicted(predicted)
 
 
 if __name__ == "__main__":

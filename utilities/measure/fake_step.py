@@ -154,9 +154,10 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
     return model
 
 
-def fake_batch(spec, batch: int, seq: int, device: torch.device):
-    """The step's batch: token ids and labels (and an attention mask for a course model), or for a
-    model with its own batch function (``--batch-fn``) the loss of the model as a function of it
+def fake_batch(spec, batch: int, seq: int, device: torch.device, mask: bool = True):
+    """The step's batch: token ids and labels (and an attention mask for a course model, unless
+    ``mask`` is False: under CP, whose attention is causal without one), or for a model with its
+    own batch function (``--batch-fn``) the loss of the model as a function of it
     (``plan_options.step_loss`` takes either)."""
     make_batch = getattr(spec, "make_batch", None)
     if make_batch is not None:
@@ -168,6 +169,9 @@ def fake_batch(spec, batch: int, seq: int, device: torch.device):
         ids = torch.randint(0, vocab, (batch, seq), device=device)
         return {"input_ids": ids, "labels": ids.clone()}
     ids = torch.randint(0, vocab, (batch, seq), device=device)
+    if not mask:  # a 4-D mask the model takes as it is, one byte held (CP attention is causal)
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones(
+            (1, 1, 1, 1), dtype=torch.bool, device=device).expand(batch, 1, seq, seq)}
     if spec.is_seq2seq:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                 "labels": torch.randint(0, vocab, (batch, seq), device=device)}
@@ -384,6 +388,7 @@ class OpRecorder:
         self.kinds: dict[Any, int | None] = {}
         self.flop_registry = flop_registry
         self.fake_mode = None  # the step's FakeTensorMode: ops under another (DTensor's) are skipped
+        self.cp_group_name = None  # the CP group's name: its collectives are named "cp:<op>"
         # the optimizer step: each parameter's local shard (by id) -> its unit, and the unit of
         # the parameter being updated (AdamW without foreach takes them one by one)
         self.param_units: dict[int, str] = {}
@@ -462,7 +467,13 @@ class OpRecorder:
         if kind == -1:
             if self.modules.is_bw and self.backward_collectives_from is None:
                 self.backward_collectives_from = len(self.collectives)
-            self.collectives.append((func.__name__.split(".")[0], unit, _kernel_bytes(args[0])))
+            name = func.__name__.split(".")[0]
+            if self.cp_group_name is not None and any(
+                    isinstance(a, str) and a == self.cp_group_name for a in args):
+                from utilities.measure.context_parallel import CP_PREFIX
+
+                name = CP_PREFIX + name
+            self.collectives.append((name, unit, _kernel_bytes(args[0])))
             return
         phase = self.phase()
         flops = 0.0
@@ -488,6 +499,16 @@ def unit_label(fqn: str) -> str:
         return "root"
     parts = [p for p in fqn.split(".") if p not in ("model", "_checkpoint_wrapped_module")]
     return ".".join(parts) or fqn
+
+
+def _cp_attention(group):
+    """Attention under context parallelism over ``group`` (``context_parallel.cp_attention``),
+    or nothing without one."""
+    if group is None:
+        return contextlib.nullcontext()
+    from utilities.measure.context_parallel import cp_attention
+
+    return cp_attention(group)
 
 
 def _segments(rows) -> list[Segment]:
@@ -677,7 +698,7 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, _Samples]:
     from utilities.torch_internals import fsdp_mem_tracker, global_peak_only, mod_tracker_of
 
     world, strategy, precision, ac = config.world, config.strategy, config.precision, config.ac
-    batch, seq, shard_size, tp = config.batch, config.seq, config.shard_size, config.tp
+    batch, seq, shard_size, tp, cp = config.batch, config.seq, config.shard_size, config.tp, config.cp
     device = torch.device(config.device_type)
     options = config.options or PlanOptions()
     t0 = time.perf_counter()
@@ -694,6 +715,11 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, _Samples]:
                                     mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh(device.type, (world,))
+        cp_group = None
+        if cp > 1:  # context parallelism: the CP group of rank 0; FSDP2 still over every rank
+            from utilities.measure.context_parallel import cp_ranks
+
+            cp_group = torch.distributed.new_group(cp_ranks(world, cp, tp))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = prepare(spec, strategy, precision, ac, mesh, fake_mode, device, options, tp)
         root_name = type(model).__name__
@@ -704,8 +730,8 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, _Samples]:
             units[label] = UnitInfo(label, [tuple(p.shape) for p in own], is_root=not fqn,
                                     trainable=[p.requires_grad for p in own], fqn=fqn)
             tracker_names[root_name + ("." + fqn if fqn else "")] = label
-        with fake_mode:
-            data = fake_batch(spec, batch, seq, device)
+        with fake_mode, _cp_attention(cp_group) as cp_calls:
+            data = fake_batch(spec, batch, seq // cp, device, mask=cp == 1)
             if tp > 1:
                 with loss_parallel_context(model):
                     step_loss(model, data).backward()
@@ -725,6 +751,7 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, _Samples]:
             ops = OpRecorder(mod_tracker_of(tracker), tracker_names, root_name,
                              causal=not spec.is_seq2seq)
             ops.fake_mode = fake_mode
+            ops.cp_group_name = cp_group.group_name if cp_group is not None else None
             samples = _Samples(ops, device.type)
             global_peak_only(tracker, observe=samples)
             recorder = EventRecorder(tracker, device.type, where=lambda: (ops.unit(), ops.phase()))
@@ -739,6 +766,10 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, _Samples]:
                                    for fqn, own in _unit_parameters(model) for p in own}
                 ops.recording = False
                 optimizer.step()
+            if cp_calls is not None:
+                from utilities.measure.context_parallel import check_cp_ran
+
+                check_cp_ran(cp_calls, spec.name)
             held = census(model, optimizer)
             peak = {}
             for dev, snap in tracker.get_tracker_snapshot("peak").items():
@@ -777,8 +808,9 @@ class StepConfig:
     """One training step's configuration, as the trace takes it and caches it by: ``world``
     ranks, the FSDP ``strategy`` (and HSDP's ``shard_size``), ``precision``, activation
     checkpointing ``ac``, ``batch`` x ``seq`` tokens per rank, the fake tensors' ``device_type``,
-    the plan's ``options`` (``PlanOptions``), tensor parallelism ``tp``, and ``scale`` (trace a
-    deep model at small depths and extend it)."""
+    the plan's ``options`` (``PlanOptions``), tensor parallelism ``tp``, ``scale`` (trace a
+    deep model at small depths and extend it), and context parallelism ``cp`` (each rank of a
+    CP group runs seq / cp of the tokens, ``utilities.measure.context_parallel``)."""
 
     world: int
     strategy: str = "full_shard"
@@ -791,16 +823,18 @@ class StepConfig:
     options: Any = None
     tp: int = 1
     scale: bool = True
+    cp: int = 1
 
 
 def trace(spec, world: int | StepConfig, strategy: str = "full_shard", precision: str = "bf16",
           ac: str = "none", batch: int = 1, seq: int | None = None, device_type: str = "cuda",
-          shard_size: int | None = None, options=None, scale: bool = True, tp: int = 1
-          ) -> StepTrace:
+          shard_size: int | None = None, options=None, scale: bool = True, tp: int = 1,
+          cp: int = 1) -> StepTrace:
     """One fake training step of ``spec`` (a ``ModelSpec`` or a course model's name) on ``world``
     ranks (or in the ``StepConfig`` given instead), cached by its ``StepConfig``: the planner and
     the time model of one configuration share it. ``tp``: tensor parallelism inside groups of
-    ``tp`` ranks, FSDP2 across them. ``scale``: trace a deep model at two small depths and scale
+    ``tp`` ranks, FSDP2 across them; ``cp``: context parallelism over groups of ``cp`` ranks
+    (FSDP2 over every rank). ``scale``: trace a deep model at two small depths and scale
     (the module's docstring); False traces every block. Read it, do not change it (the cache
     hands the same object to every caller)."""
     from utilities.measure.plan_options import PlanOptions
@@ -809,7 +843,7 @@ def trace(spec, world: int | StepConfig, strategy: str = "full_shard", precision
 
     spec = get_model_spec(spec) if isinstance(spec, str) else spec
     config = world if isinstance(world, StepConfig) else StepConfig(
-        world, strategy, precision, ac, batch, seq, device_type, shard_size, options, tp, scale)
+        world, strategy, precision, ac, batch, seq, device_type, shard_size, options, tp, scale, cp)
     config = dataclasses.replace(config, seq=config.seq or spec.default_seq_len,
                                  device_type=fake_device(config.device_type)[0].type,
                                  options=config.options or PlanOptions())

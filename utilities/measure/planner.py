@@ -34,6 +34,7 @@ import torch
 
 from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.measure import categorize, fmt_bytes
+from utilities.measure.context_parallel import check_cp
 from utilities.measure.fake_step import (
     PRECISIONS,
     STRATEGIES,
@@ -164,6 +165,7 @@ class Plan:
     # the caching allocator's peak beside the tracker's (utilities.measure.allocator)
     reserved: dict[str, int] | None = None
     tp: int = 1  # tensor parallelism inside groups of tp GPUs, FSDP2 across them
+    cp: int = 1  # context parallelism: groups of cp GPUs split every sequence, FSDP2 over all
 
     @property
     def theory(self) -> dict[str, dict[str, int]]:
@@ -177,7 +179,7 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
          precision: str = "bf16", ac: str = "none", batch: int = 1, seq: int | None = None,
          device_type: str = "cuda", shard_size: int | None = None,
          options: PlanOptions | dict[str, Any] | None = None, tp: int = 1,
-         parallelize: Any = None, batch_fn: Any = None) -> Plan:
+         parallelize: Any = None, batch_fn: Any = None, cp: int = 1) -> Plan:
     """Predict the per-rank peak of one training step by running it on fake tensors.
 
     ``hybrid_shard`` (HSDP) runs FSDP2 on a 2-D ``(gpus / shard_size, shard_size)`` mesh: shards
@@ -189,7 +191,11 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     ``nn.Module`` (or ``"FILE.py:FUNCTION"``); ``parallelize`` your sharding function
     ``fn(model, *, mesh, world_size, device)``, traced instead of the course's sequence;
     ``batch_fn`` ``fn(batch, seq) -> (inputs, loss_fn)`` for a forward that does not follow
-    Hugging Face's convention."""
+    Hugging Face's convention.
+
+    ``cp``: context parallelism (``utilities.measure.context_parallel``): groups of ``cp`` GPUs
+    run the same ``batch`` sequences, each GPU 1/cp of every sequence's tokens; FSDP2 shards over
+    every GPU."""
     spec = resolve_spec(model, parallelize, batch_fn)
     _check(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq)
     shard_size = _shard_size(strategy, gpus, shard_size)
@@ -198,7 +204,8 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     check_user_code(spec, strategy, ac, o)
     check_tp(spec, tp, gpus, strategy, o)
     seq = seq or spec.default_seq_len
-    check_tokens(spec, batch, seq, precision, gpu_memory_bytes)
+    check_cp(spec, cp, gpus, strategy, seq, tp, o, parallelize=parallelize)
+    check_tokens(spec, batch, seq // cp, precision, gpu_memory_bytes)
     warnings = [*spec.warnings, *context_warnings(spec, seq)]
     if o.param_dtype == "bf16":
         warnings.append(BF16_ACCURACY_NOTE)
@@ -223,9 +230,9 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
             budget_bytes=budget, fits=False, overflowing=_overflowing(floor, budget),
             method="lower bound: parameter shards + AdamW state alone exceed the budget "
                    "(activations not simulated)", notes=notes, warnings=warnings,
-            options=o.as_dict(), tp=tp)
+            options=o.as_dict(), tp=tp, cp=cp)
     step = trace(spec, StepConfig(world, strategy, precision, ac, batch, seq, device.type, shard_size,
-                                  o, tp))
+                                  o, tp, cp=cp))
     snap, states = dict(step.peak), dict(step.states)
     if step.traced_layers:
         depths = " and ".join(map(str, step.traced_layers))
@@ -237,6 +244,8 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
         notes.append(trainable_note(step.units, o.trainable))
     if tp > 1:
         notes.append(loss_parallel_note(o.loss_parallel, tp))
+    if cp > 1:
+        notes.append(cp_note(cp))
     cats = categorize(snap)
     detail = cats.pop("detail")
     if strategy == "no_shard":
@@ -278,7 +287,18 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
         fits=fits, overflowing=None if cats["total"] <= budget else _overflowing(cats, budget),
         method="FSDPMemTracker on FakeTensorMode + fake process group", notes=notes,
         model_states=states, warnings=warnings, options=o.as_dict(), host=host,
-        reserved=reserved, tp=tp)
+        reserved=reserved, tp=tp, cp=cp)
+
+
+def cp_note(cp: int) -> str:
+    """What a CP plan's memory assumes (``context_parallel``)."""
+    return (f"context parallelism: each GPU of a CP group holds 1/{cp} of every sequence's tokens "
+            "(embeddings, norms, MLP, logits and loss on them) and its attention runs the local "
+            "queries over all keys: torch's all-gather rotation (its default, torchtitan's), the "
+            "whole sequence's K and V gathered per layer (as the model hands them to attention: "
+            "a Llama's K/V heads repeated to the query heads, as Hugging Face's and torchtitan's "
+            "Llama do before SDPA), held while its attention runs in forward and again in "
+            "backward; autograd keeps only the local q, k, v, output and log-sum-exp")
 
 
 def loss_parallel_note(loss_parallel: bool, tp: int) -> str:
@@ -499,7 +519,7 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
                   device_type: str = "cuda", limit: int = 4096,
                   shard_size: int | None = None,
                   options: PlanOptions | dict[str, Any] | None = None,
-                  tp: int = 1, parallelize: Any = None, batch_fn: Any = None
+                  tp: int = 1, parallelize: Any = None, batch_fn: Any = None, cp: int = 1
                   ) -> tuple[int, Plan | None]:
     """The largest per-rank batch that fits (0 when even batch 1 does not), and its plan.
 
@@ -514,7 +534,7 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
         try:
             extra = {} if options is None else {"options": options}
             return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
-                        shard_size, tp=tp, parallelize=parallelize, batch_fn=batch_fn, **extra)
+                        shard_size, tp=tp, parallelize=parallelize, batch_fn=batch_fn, cp=cp, **extra)
         except TooManyTokens as e:  # batch 1 is refused; a larger batch does not fit
             if b == 1:
                 raise
@@ -710,6 +730,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="tensor parallelism: GPUs per TP group (a divisor of --gpus and of a "
                         "node's), FSDP2 across the groups (2-D, as torchtitan; Llama models); "
                         "--batch is then one group's; default 1 (FSDP only)")
+    parser.add_argument("--cp", default="1",
+                        help="context parallelism: GPUs per CP group (a divisor of --gpus and of a "
+                        "node's), each running 1/cp of every sequence's tokens, K/V all-gathered "
+                        "per layer (torch's context_parallel default), FSDP2 over every GPU (as "
+                        "torchtitan; causal decoders; --seq a multiple of 2 x cp); --batch is then "
+                        "one CP group's; default 1")
     parser.add_argument("--no-loss-parallel", action="store_true",
                         help="with --tp: gather the whole logits on every rank of a TP group "
                         "(default: loss parallel, torchtitan's, the LM head's logits split over "
@@ -721,7 +747,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "(block-level, lesson 02's 'selective'); full (every block)")
     parser.add_argument("--batch", default="1",
                         help="per-rank batch size (with --tp: per TP group, whose ranks all run "
-                        "the same tokens); default 1")
+                        "the same tokens; with --cp: per CP group, whose ranks split the same "
+                        "sequences); default 1")
     parser.add_argument("--seq", default=None, help="sequence length (default: the model's)")
     parser.add_argument("--gpu", default=None,
                         help="the GPU the step time is predicted for (h100, h100-96gb, h200, "
@@ -874,7 +901,7 @@ def predict_time(p: Plan, options: dict[str, Any]):
     return estimate_step_time(planned_spec(p.model), p.gpus, p.strategy, p.precision, p.ac, p.batch,
                               p.seq, shard_size=p.shard_size,
                               plan_options=PlanOptions(**p.options) if p.options else None,
-                              tp=p.tp, **options)
+                              tp=p.tp, cp=p.cp, **options)
 
 
 def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
@@ -883,7 +910,8 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
     kw = dict(model=args.model, gpus=_int_arg("--gpus", args.gpus),
               gpu_memory_bytes=gpu_memory_bytes, strategy=args.strategy,
               precision=args.precision, ac=args.ac, seq=_int_arg("--seq", args.seq),
-              shard_size=_int_arg("--shard-size", args.shard_size), tp=_int_arg("--tp", args.tp))
+              shard_size=_int_arg("--shard-size", args.shard_size), tp=_int_arg("--tp", args.tp),
+              cp=_int_arg("--cp", getattr(args, "cp", "1")))
     batch = _int_arg("--batch", args.batch)
     yours = dict(parallelize=getattr(args, "parallelize", None), batch_fn=getattr(args, "batch_fn", None))
     spec = resolve_spec(kw["model"], **yours)  # the user's files imported here, once
@@ -896,6 +924,9 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
                   _shard_size(kw["strategy"], kw["gpus"], kw["shard_size"]) or kw["gpus"])
     check_tp(spec, kw["tp"], kw["gpus"], kw["strategy"], kw["options"],
              _int_arg("--gpus-per-node", args.gpus_per_node) if options is not None else None)
+    check_cp(spec, kw["cp"], kw["gpus"], kw["strategy"], kw["seq"] or spec.default_seq_len, kw["tp"],
+             kw["options"], _int_arg("--gpus-per-node", args.gpus_per_node) if options is not None
+             else None, parallelize=yours["parallelize"])
     if getattr(args, "trace", None):  # a FIFO or a device there: one line before the plan runs
         from utilities.safe_files import check_output_file
 
@@ -935,9 +966,12 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
     lines = [f"{p.model} ({p.parameters_total:,} parameters) on {p.gpus} x "
              f"{fmt_bytes(p.gpu_memory_bytes)}: {p.strategy}"
              f"{f' (shard groups of {p.shard_size})' if p.shard_size else ''}"
-             f"{f' across TP groups of {p.tp}' if p.tp > 1 else ''}, {p.precision}, "
+             f"{f' across TP groups of {p.tp}' if p.tp > 1 else ''}"
+             f"{f' with CP groups of {p.cp}' if p.cp > 1 else ''}, {p.precision}, "
              f"AC {p.ac}, batch {p.batch} x seq {p.seq} "
-             + (f"per TP group (each of its {p.tp} ranks runs these tokens)" if p.tp > 1 else
+             + (f"per CP group (each of its {p.cp} ranks runs 1/{p.cp} of every sequence's tokens"
+                + (f"; a TP group of {p.tp} per CP rank" if p.tp > 1 else "") + ")" if p.cp > 1 else
+                f"per TP group (each of its {p.tp} ranks runs these tokens)" if p.tp > 1 else
                 "per rank"),
              f"{'category':<13}{'peak per rank' if p.detail else 'at least':>14}{'share':>7}"
              f"{'FSDP2 formula':>15}{'ZeRO paper':>12}"]
@@ -1057,6 +1091,10 @@ def format_time(time: dict[str, Any]) -> str:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    if getattr(args, "cp", "1") not in ("1", 1):
+        raise UsageError(f"--cp {args.cp} is not allowed with --sweep (the sweep's strategies "
+                         "include no_shard and hybrid_shard); allowed: --cp with a single plan or "
+                         "--max-batch")
     if getattr(args, "tp", "1") not in ("1", 1):
         raise UsageError(f"--tp {args.tp} is not allowed with --sweep (the sweep's strategies "
                          "include no_shard); allowed: --tp with a single plan or --max-batch")

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from utilities.errors import UsageError, bad_value
+from utilities.measure.context_parallel import check_cp
 from utilities.measure.fake_step import (
     ATTENTION,
     ATTENTION_BACKWARD,
@@ -644,7 +645,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                        forward_prefetch: int | None = None, limit_all_gathers: bool = False,
                        shard_size: int | None = None, tf32: bool = False,
                        efficiencies: Efficiencies | None = None, plan_options=None,
-                       tp: int = 1) -> StepTime:
+                       tp: int = 1, cp: int = 1) -> StepTime:
     """Predict one training step of ``model`` (a name from ``utilities.models`` or a ``ModelSpec``)
     on ``gpus`` GPUs of kind ``gpu`` (``GPUS``), per-rank ``batch`` x ``seq`` tokens.
 
@@ -663,7 +664,10 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     reshard_after_forward's all-gathers, frozen parameters' gradients, bf16 parameters).
     ``tp``: tensor parallelism inside groups of ``tp`` GPUs (2-D: FSDP across the groups); the
     trace runs TP's own ops and collectives (``parallelize.parallelize_model``), which block the
-    compute lane; ``batch`` is one TP group's.
+    compute lane; ``batch`` is one TP group's. ``cp``: context parallelism over groups of
+    ``cp`` GPUs (each runs seq / cp of every sequence's tokens; FSDP over every GPU); the trace
+    runs CP's K/V all-gathers and dK/dV passes (``context_parallel``), timed over the CP group on
+    the compute lane; ``batch`` is one CP group's.
     """
     from utilities.measure.plan_options import PlanOptions
 
@@ -677,6 +681,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
            backward_prefetch, forward_prefetch)
     check_tp(spec, tp, gpus, strategy, po, gpus_per_node)
     seq = seq or spec.default_seq_len
+    check_cp(spec, cp, gpus, strategy, seq, tp, po, gpus_per_node)
     if strategy == "hybrid_shard":
         shard_size = shard_size or min(gpus, gpus_per_node)
         if gpus % shard_size:
@@ -691,7 +696,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     node = min(gpus, gpus_per_node)
     traced = strategy if strategy in ("full_shard", "shard_grad_op") else "full_shard"
     world = min(node, shard_size) if strategy == "hybrid_shard" else node
-    profile = trace(spec, StepConfig(world, traced, precision, ac, batch, seq, "cuda", None, po, tp))
+    profile = trace(spec, StepConfig(world, traced, precision, ac, batch, seq, "cuda", None, po, tp,
+                                     cp=cp))
     notes = [f"GPU: {g.name}: {g.source}", *g.notes, _efficiency_note(g.name)]
     fp8_used = fp8 and "fp8" in g.peak_flops and precision != "fp32"
     if fp8 and not fp8_used:
@@ -704,9 +710,9 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                                                 tf32),
                   {"flops": float(s.flops.sum()), "bytes": float(s.nbytes.sum()), "ops": len(s.kind)})
                  for s in profile.segments]
-    if tp > 1:
+    if tp > 1 or cp > 1:
         plan_segs = _with_tp_collectives(plan_segs, profile, tp, g, eff, gpus_per_node,
-                                         network_gbps)
+                                         network_gbps, cp)
     if copies and eff.unit_overhead_s:
         seen: set[tuple[str, str]] = set()
         for i, (unit, phase, secs, args) in enumerate(plan_segs):
@@ -783,9 +789,10 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     compute_s = sum(e.end - e.start for e in lanes.events if e.lane == "compute")
     comm_s = sum(e.end - e.start for e in lanes.events if e.lane == "comm")
     step_s = max(e.end for e in lanes.events)
-    tps = batch * seq * po.grad_accum / step_s / tp  # a TP group's tokens per step, per GPU
+    # a TP (and CP) group's tokens per step, per GPU of the group
+    tps = batch * seq * po.grad_accum / step_s / (tp * cp)
     if getattr(spec, "flops_from_trace", False):  # a model of yours: the FLOPs its traced ops do
-        flops_per_token, counted = traced_flops_per_token(profile, batch * seq), ""
+        flops_per_token, counted = traced_flops_per_token(profile, batch * seq // cp), ""
     else:
         flops_per_token, counted = model_flops_per_token(spec, profile, seq)
     mfu = tps * flops_per_token / g.peak_flops["bf16"]
@@ -810,6 +817,8 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                      + ("loss parallel: the logits split over the vocabulary, the loss's "
                         "all-reduces traced" if po.loss_parallel else
                         "whole logits gathered on every rank (--no-loss-parallel)"))
+    if cp > 1:
+        notes.append(cp_assumption(cp, tp))
     return StepTime(
         model=spec.name, gpus=gpus, gpu=g.name, strategy=strategy, precision=precision, ac=ac,
         batch=batch, seq=seq, compile=compile, fp8=fp8_used, step_s=step_s, compute_s=compute_s,
@@ -965,24 +974,50 @@ TP_COLLECTIVES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor
                   "all_reduce": "all_reduce"}  # the functional collectives DTensor (TP) issues
 
 
-def _with_tp_collectives(plan_segs, profile, tp, g, eff, gpus_per_node, network_gbps):
+def cp_assumption(cp: int, tp: int) -> str:
+    """How the time model treats context parallelism (``context_parallel``)."""
+    per_rank = f" (each of them a TP group of {tp})" if tp > 1 else ""
+    return (f"context parallelism: {cp} GPUs per CP group{per_rank} run the same sequences, "
+            f"each 1/{cp} of every sequence's tokens (chunks r and "
+            f"2x{cp}-1-r: the causal work balanced), FSDP2 over every GPU (torchtitan's "
+            "dp_shard_cp); torch's all-gather rotation (its default): per layer the local K and V "
+            "all-gathered over the CP group in forward, again in backward (and again in a "
+            "checkpoint's recomputation, which torch's cached ring-attention op skips under "
+            f"selective checkpointing), and the dK/dV accumulators passed {cp} times to the next "
+            "rank; these "
+            "are timed on the compute lane, not overlapped with attention (an upper bound: torch "
+            "overlaps them partly with the local chunk's attention); attention FLOPs: the local "
+            f"queries over all keys, causal, 1/{cp} of the unsplit work per GPU; tokens/s per GPU "
+            f"is a CP group's tokens / {cp * tp}")
+
+
+def _with_tp_collectives(plan_segs, profile, tp, g, eff, gpus_per_node, network_gbps, cp=1):
     """``plan_segs`` with the TP collectives the trace recorded (DTensor's functional all-gathers,
-    reduce-scatters, all-reduces inside each tp group; FSDP2's own are c10d's) added to the
-    compute of the unit and phase that issued them: eager TP waits for them on the compute
-    stream."""
-    seconds: dict[tuple[str, str], float] = {}
+    reduce-scatters, all-reduces inside each tp group; FSDP2's own are c10d's) and CP's (named
+    ``cp:<op>``, over each cp group: K/V all-gathers, dK/dV passes to the next rank) added to
+    the compute of the unit and phase that issued them: eager TP waits for them on the compute
+    stream, and CP is put there too (``cp_assumption``)."""
+    from utilities.measure.context_parallel import CP_PREFIX
+
+    seconds: dict[tuple[str, str], dict[str, float]] = {}
     for i, (op, unit, nbytes) in enumerate(profile.collectives):
+        group, n = ("cp", cp) if op.startswith(CP_PREFIX) else ("tp", tp)
+        op = op.removeprefix(CP_PREFIX)
         kind = TP_COLLECTIVES.get(op)
-        if kind is None:
+        if group == "cp" and op == "all_to_all_single":  # a pass to the next rank: one ring step
+            secs = collective_time("all_gather", 2 * nbytes, 2, g, eff, gpus_per_node, network_gbps)
+        elif kind is None:
             continue
-        total = nbytes * tp if kind == "all_gather" else nbytes  # the input is one rank's part
+        else:
+            total = nbytes * n if kind == "all_gather" else nbytes  # the input is one rank's part
+            secs = collective_time(kind, total, n, g, eff, gpus_per_node, network_gbps)
         stage = "forward" if i < profile.backward_collectives_from else "backward"
-        seconds[(unit, stage)] = seconds.get((unit, stage), 0.0) + collective_time(
-            kind, total, tp, g, eff, gpus_per_node, network_gbps)
+        waits = seconds.setdefault((unit, stage), {})
+        waits[f"{group}_comm_s"] = waits.get(f"{group}_comm_s", 0.0) + secs
     out = []
     for unit, phase, secs, args in plan_segs:
-        extra = seconds.pop((unit, "forward" if phase == "forward" else "backward"), 0.0)
-        out.append((unit, phase, secs + extra, dict(args, tp_comm_s=extra) if extra else args))
+        waits = seconds.pop((unit, "forward" if phase == "forward" else "backward"), {})
+        out.append((unit, phase, secs + sum(waits.values()), dict(args, **waits) if waits else args))
     return out
 
 
@@ -1172,9 +1207,9 @@ def predicted_rows(block: dict[str, Any]) -> list[list[str]]:
 
 
 def predicted_batch_text(block: dict[str, Any]) -> str:
-    """The block's batch as its title says it: per GPU, and, where variants carry their own (a
-    TP group's), where the table gives it."""
-    text = f"batch {block['batch']} x {block['seq']} per GPU"
+    """The block's batch as its title says it: per GPU (or per what its ``batch_per`` names: a CP
+    group), and, where variants carry their own (a TP group's), where the table gives it."""
+    text = f"batch {block['batch']} x {block['seq']} per {block.get('batch_per', 'GPU')}"
     if any("batch" in v for v in block["variants"]):
         text += " (a variant with its own batch, a TP group's, says it in the batch column)"
     return text
