@@ -117,7 +117,7 @@ def test_the_issue_command_reports_memory_and_time_in_seconds(capsys):
     assert rc == 0, out
     for c in P.CATEGORY_ORDER:
         assert f"\n{c}" in out
-    assert "with CP groups of 4" in out and "step time, PREDICTED" in out
+    assert "with CP groups of 4" in " ".join(out.split()) and "step time, PREDICTED" in out  # folded
     assert "context parallelism: 4 GPUs per CP group" in out
     assert wall < 60, wall
 

@@ -445,12 +445,17 @@ def _header(name: str, kind: bytes, size: int) -> bytes:
     return info.tobuf(format=tarfile.USTAR_FORMAT)
 
 
-@pytest.mark.parametrize("case", ["pax-header", "long-name", "many-folders", "file-then-folder",
+@pytest.mark.parametrize("case", ["pax-header", "pax-size", "long-name", "many-folders", "file-then-folder",
                                   "long-member-name", "truncated", "not-gzip", "fifo"])
 def test_unpack_bombs_and_odd_archives_are_refused_in_one_line_within_bounds(tmp_path, case):
     path = tmp_path / "bomb.tar.gz"
     if case == "pax-header":  # a 8 MiB pax header: refused from its size, before tarfile reads it
         _raw_tar_gz(path, [(_header("././@PaxHeader", tarfile.XHDTYPE, 8 * 2**20), b"0" * (8 * 2**20))])
+    elif case == "pax-size":  # a small pax header restating the next member's size as 1 GiB
+        record = b"size=1073741824\n"
+        record = str(len(record) + 3).encode() + b" " + record
+        _raw_tar_gz(path, [(_header("././@PaxHeader", tarfile.XHDTYPE, len(record)), record),
+                           (_header("quick-01.log", tarfile.REGTYPE, 0), b"")])
     elif case == "long-name":
         _raw_tar_gz(path, [(_header("././@LongLink", tarfile.GNUTYPE_LONGNAME, 2**20), b"a" * 2**20)])
     elif case == "many-folders":

@@ -652,6 +652,7 @@ def scan_archive(archive: Path, limit: int, max_members: int = MAX_MEMBERS) -> N
     try:
         with gzip.open(archive, "rb") as raw:
             headers = total = 0
+            restated = None  # a pax header's size for the member after it, as tarfile will read it
             while True:
                 header = raw.read(512)
                 if len(header) < 512:
@@ -662,6 +663,8 @@ def scan_archive(archive: Path, limit: int, max_members: int = MAX_MEMBERS) -> N
                 if headers > max_members:
                     raise _refuse(archive, f"it holds more than {max_members:,} members")
                 kind, size = header[156:157], _tar_number(header[124:136])
+                if restated is not None and kind not in (b"x", b"L"):
+                    size, restated = max(size, restated), None
                 if kind not in allowed_types:
                     raise _refuse(archive, f"a member of tar type {kind!r} (only plain files and folders)")
                 if kind in (b"x", b"L") and size > MAX_HEADER_BYTES:
@@ -670,6 +673,11 @@ def scan_archive(archive: Path, limit: int, max_members: int = MAX_MEMBERS) -> N
                 if total > limit:
                     raise _refuse(archive, f"it holds more than {limit // 2**20} MiB")
                 remaining = -(-size // 512) * 512
+                if kind == b"x":  # read it (at most MAX_HEADER_BYTES) for a restated size
+                    block = raw.read(remaining)
+                    remaining = 0
+                    found = re.search(rb"(?:^|\n)\d+ size=(\d{1,20})\n", block[:size])
+                    restated = int(found.group(1)) if found else restated
                 while remaining:
                     block = raw.read(min(remaining, 2**20))
                     if not block:
@@ -681,11 +689,12 @@ def scan_archive(archive: Path, limit: int, max_members: int = MAX_MEMBERS) -> N
         raise _refuse(archive, f"{type(e).__name__}: {str(e)[:100]}") from None
 
 
-def _safe_members(tar: tarfile.TarFile, archive: Path, known: set[str]) -> list[tarfile.TarInfo]:
+def _safe_members(tar: tarfile.TarFile, archive: Path, known: set[str], limit: int) -> list[tarfile.TarInfo]:
     """The archive's files, each the manifest, ``STEP.log`` or ``STEP/FILE`` (one folder more at most)
     for a step of the catalog (``known``), named in letters, digits, '.', '_' and '-', at most
-    ``MAX_NAME_CHARS`` each, no name twice, no file where another needs a folder."""
-    members, names = [], set()
+    ``MAX_NAME_CHARS`` each, no name twice, no file where another needs a folder, at most ``limit``
+    bytes in all."""
+    members, names, total = [], set(), 0
     allowed = ("allowed: manifest.json, STEP.log and STEP/FILE for a step `fsdp-course evidence --plan` "
                "lists, named in letters, digits, '.', '_', '-'")
     for member in tar.getmembers():
@@ -698,6 +707,10 @@ def _safe_members(tar: tarfile.TarFile, archive: Path, known: set[str]) -> list[
                 or (member.name != "manifest.json" and step not in known)):
             raise UsageError(f"--unpack: {member.name[:120]!r} is not allowed in an evidence archive; "
                              f"{allowed}")
+        total += member.size  # as tarfile reads it (a pax header may restate a member's size)
+        if total > limit:
+            raise UsageError(f"--unpack {str(archive)!r} is not allowed: it holds more than "
+                             f"{limit // 2**20} MiB")
         names.add(member.name)
         members.append(member)
     for name in names:
@@ -738,7 +751,7 @@ def unpack(archive: Path, into: Path | None = None, root: Path = REPO_ROOT,
         raise _refuse(archive, type(e).__name__) from None
     with tar, tempfile.TemporaryDirectory(prefix="fsdp-course-unpack-") as tmp:
         try:
-            members = _safe_members(tar, archive, known)
+            members = _safe_members(tar, archive, known, limit)
             if "manifest.json" not in {m.name for m in members}:
                 raise UsageError(f"--unpack {str(archive)!r} is not allowed: no manifest.json in it")
             staging = Path(tmp)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
 from utilities.text import markdown, width, wrap_lines
 from utilities.training import TrainStats
@@ -150,13 +151,13 @@ class Results:
         target = Path(out_dir) / "results.json"
         try:
             return write_json(target, self.data)
-        except OSError as e:
+        except (OSError, UsageError) as e:  # UsageError: the path is not a writable file
             first = e
         try:
             path = Path(tempfile.mkdtemp(prefix=f"fsdp-course-{self.data['lesson']}-")) / "results.json"
             self.data["notes"].append(f"written to {path}: {target} was not writable ({_why(first)})")
             write_json(path, self.data)
-        except OSError:
+        except (OSError, UsageError):
             print(json.dumps(self.data, indent=2), flush=True)
             print(f"error: could not write {target} ({_why(first)}) nor a fallback copy; the "
                   "results are printed above", file=sys.stderr, flush=True)
@@ -166,8 +167,8 @@ class Results:
         return path
 
 
-def _why(e: OSError) -> str:
-    return f"{type(e).__name__}: {e.strerror or e}"
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
 
 
 def write_json(path: Path, data: Any) -> Path:
