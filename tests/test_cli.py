@@ -589,3 +589,16 @@ def test_what_a_learner_runs_first_fits_80_columns(monkeypatch, capsys, tmp_path
     assert command[0].startswith("$ torchrun --standalone") and command[0].endswith(" \\")
     lines = out.splitlines() + command
     assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+
+
+def test_output_cut_short_by_its_reader_ends_quietly():
+    """``fsdp-course evidence --plan | head -3``: the reader gone, the command ends without a
+    traceback (the pipe closed before the first line is written, so the write surely fails)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "utilities", "list"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
