@@ -297,9 +297,12 @@ def _module_files(name: str, level: int, here: Path, root: Path) -> list[Path]:
     return []
 
 
-def code_files(patterns: Iterable[str], root: Path = REPO_ROOT) -> list[Path]:
+def code_files(patterns: Iterable[str], root: Path = REPO_ROOT,
+               imports: dict[Path, list[Path]] | None = None) -> list[Path]:
     """The files matching ``patterns`` and every repository module they import, at any depth (a
-    file in ``SHALLOW`` through its module-level imports only)."""
+    file in ``SHALLOW`` through its module-level imports only). ``imports``: each file's own
+    repository imports, filled as they are found, for several calls on one unchanged checkout."""
+    imports = {} if imports is None else imports
     todo = sorted({p for pattern in patterns for p in root.glob(pattern)
                    if p.suffix == ".py" and p.is_file()})
     seen: set[Path] = set()
@@ -308,9 +311,11 @@ def code_files(patterns: Iterable[str], root: Path = REPO_ROOT) -> list[Path]:
         if path in seen:
             continue
         seen.add(path)
-        shallow = path.relative_to(root).as_posix() in SHALLOW
-        for name, level in _imported(path, shallow):
-            todo += [f for f in _module_files(name, level, path.parent, root) if f not in seen]
+        if path not in imports:
+            shallow = path.relative_to(root).as_posix() in SHALLOW
+            imports[path] = [f for name, level in _imported(path, shallow)
+                             for f in _module_files(name, level, path.parent, root)]
+        todo += [f for f in imports[path] if f not in seen]
     return sorted(seen)
 
 
@@ -321,16 +326,17 @@ def _hash_files(paths: Iterable[Path], root: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def version_of(step: Step, root: Path = REPO_ROOT) -> str:
+def version_of(step: Step, root: Path = REPO_ROOT, imports: dict | None = None) -> str:
     """A hash of the content of the files the step runs (``code_files``: sorted paths and bytes)."""
-    return _hash_files(code_files(step.inputs, root), root)
+    return _hash_files(code_files(step.inputs, root, imports), root)
 
 
-def own_version_of(step: Step, root: Path = REPO_ROOT, harness: Iterable[Path] | None = None) -> str:
+def own_version_of(step: Step, root: Path = REPO_ROOT, harness: Iterable[Path] | None = None,
+                   imports: dict | None = None) -> str:
     """A hash of the step's own files: those ``version_of`` hashes less the harness's (``HARNESS``
     and what it imports). Equal to a record's ``own`` when only a shared harness file changed."""
-    harness = set(code_files(HARNESS, root) if harness is None else harness)
-    return _hash_files([p for p in code_files(step.inputs, root) if p not in harness], root)
+    harness = set(code_files(HARNESS, root, imports) if harness is None else harness)
+    return _hash_files([p for p in code_files(step.inputs, root, imports) if p not in harness], root)
 
 
 @dataclass(frozen=True)
@@ -342,9 +348,10 @@ class Versions:
 
     @classmethod
     def of(cls, steps: Iterable[Step], root: Path = REPO_ROOT) -> Versions:
-        steps, harness = list(steps), code_files(HARNESS, root)
-        return cls({s.name: version_of(s, root) for s in steps},
-                   {s.name: own_version_of(s, root, harness) for s in steps})
+        steps, imports = list(steps), {}
+        harness = code_files(HARNESS, root, imports)
+        return cls({s.name: version_of(s, root, imports) for s in steps},
+                   {s.name: own_version_of(s, root, harness, imports) for s in steps})
 
 
 def is_done(record: Record | None, version: str) -> bool:
