@@ -58,20 +58,16 @@ def check_cp(spec, cp, gpus: int, strategy: str, seq: int | None, tp: int = 1, o
     if getattr(spec, "is_seq2seq", False):
         raise bad_value("--cp", cp, "1 for an encoder-decoder (T5): CP is modelled for a "
                         "decoder's causal self-attention")
-    if strategy not in ("full_shard", "shard_grad_op"):
-        raise bad_value("--strategy", strategy, "full_shard or shard_grad_op with --cp (FSDP2 "
-                        "over every GPU, data x context, as torchtitan's dp_shard_cp)")
+    from utilities.measure.plan_options import check_beside_fsdp2
+
+    check_beside_fsdp2("--cp", cp, strategy, options, "CP step",
+                       "over every GPU, data x context, as torchtitan's dp_shard_cp")
     if parallelize is not None or getattr(spec, "parallelize", None) is not None:
         raise bad_value("--cp", cp, "1 with --parallelize (the CP step shards with the course's "
                         "sequence; your function gets no CP group)")
     if seq is not None and seq % (2 * cp):
         raise bad_value("--seq", seq, f"a multiple of 2 x --cp ({2 * cp}): the causal load "
                         "balancing splits every sequence into 2 x cp chunks")
-    if options is not None and (options.offload or options.frozen
-                                or options.reshard_after_forward is not None):
-        raise bad_value("--cp", cp, "1 with --offload, --trainable, --lora-rank or "
-                        "--reshard-after-forward (the CP step plans accumulation and "
-                        "--param-dtype only)")
 
 
 def cp_ranks(world: int, cp: int, tp: int = 1) -> list[int]:

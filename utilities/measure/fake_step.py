@@ -83,14 +83,9 @@ def check_tp(spec, tp, gpus: int, strategy: str, options=None, gpus_per_node: in
     if gpus_per_node is not None and gpus_per_node % tp:
         raise bad_value("--tp", tp, f"a divisor of --gpus-per-node ({gpus_per_node}): TP runs "
                         "inside a node, over NVLink")
-    if strategy not in ("full_shard", "shard_grad_op"):
-        raise bad_value("--strategy", strategy, "full_shard or shard_grad_op with --tp (FSDP2 "
-                        "across the TP groups)")
-    if options is not None and (options.offload or options.frozen
-                                or options.reshard_after_forward is not None):
-        raise bad_value("--tp", tp, "1 with --offload, --trainable, --lora-rank or "
-                        "--reshard-after-forward (the 2-D step plans accumulation and "
-                        "--param-dtype only)")
+    from utilities.measure.plan_options import check_beside_fsdp2
+
+    check_beside_fsdp2("--tp", tp, strategy, options, "2-D step", "across the TP groups")
     from utilities.measure.tensor_parallel import check_tensor_parallel
 
     check_tensor_parallel(spec.config(), tp)

@@ -241,6 +241,21 @@ def freeze_fraction(model: nn.Module, blocks: list[nn.Module], trainable: float)
     return total - frozen
 
 
+def check_beside_fsdp2(flag: str, value: int, strategy: str, options: PlanOptions | None,
+                       step: str, across: str) -> None:
+    """What a step beside FSDP2 (``--tp``, ``--cp``) plans: FSDP2's full_shard or shard_grad_op
+    ``across`` its groups, with accumulation and ``--param-dtype`` only; anything else is refused
+    in one line naming ``flag``."""
+    if strategy not in ("full_shard", "shard_grad_op"):
+        raise bad_value("--strategy", strategy, f"full_shard or shard_grad_op with {flag} (FSDP2 "
+                        f"{across})")
+    if options is not None and (options.offload or options.frozen
+                                or options.reshard_after_forward is not None):
+        raise bad_value(flag, value, "1 with --offload, --trainable, --lora-rank or "
+                        f"--reshard-after-forward (the {step} plans accumulation and "
+                        "--param-dtype only)")
+
+
 def apply_to_model(model: nn.Module, blocks: list[nn.Module], o: PlanOptions) -> None:
     """What the options do to the model before it is sharded: bf16 storage, freezing, adapters."""
     if o.param_dtype == "bf16":
