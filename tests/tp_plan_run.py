@@ -8,18 +8,15 @@ tests/test_tensor_parallel_plan.py holds the fake prediction to.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import free_port  # noqa: E402 (this script runs from tests/, beside conftest)
+from gloo_ranks import on_two_ranks  # noqa: E402 (this script runs from tests/, beside it)
 
 
 def measured_peak(model_name: str, batch: int, seq: int, sequence_parallel: bool,
@@ -44,24 +41,9 @@ def measured_peak(model_name: str, batch: int, seq: int, sequence_parallel: bool
                                  foreach=False)
 
 
-def worker(rank: int, world: int, port: int, out: str, model: str, batch: int, seq: int,
-           sequence_parallel: bool, loss_parallel: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        peak = measured_peak(model, batch, seq, sequence_parallel, loss_parallel)
-        if rank == 0:
-            Path(out).write_text(json.dumps(peak))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str]) -> None:
     out, model, batch, seq = argv[0], argv[1], int(argv[2]), int(argv[3])
-    sp, lp = argv[4] == "1", argv[5] == "1"
-    port = free_port()
-    mp.spawn(worker, args=(2, port, out, model, batch, seq, sp, lp), nprocs=2, join=True)
+    on_two_ranks(out, measured_peak, model, batch, seq, argv[4] == "1", argv[5] == "1")
 
 
 if __name__ == "__main__":

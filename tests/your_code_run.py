@@ -7,18 +7,15 @@ it: what tests/test_plan_your_code.py holds ``plan(model=build, parallelize=shar
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import free_port  # noqa: E402 (this script runs from tests/, beside conftest)
+from gloo_ranks import on_two_ranks  # noqa: E402 (this script runs from tests/, beside it)
 
 
 def step_peak(batch: int, seq: int) -> dict:
@@ -44,21 +41,8 @@ def step_peak(batch: int, seq: int) -> dict:
                                              "activations")}
 
 
-def worker(rank: int, world: int, port: int, out: str, batch: int, seq: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        peak = step_peak(batch, seq)
-        if rank == 0:
-            Path(out).write_text(json.dumps(peak))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str]) -> None:
-    out, batch, seq = argv[0], int(argv[1]), int(argv[2])
-    mp.spawn(worker, args=(2, free_port(), out, batch, seq), nprocs=2, join=True)
+    on_two_ranks(argv[0], step_peak, int(argv[1]), int(argv[2]))
 
 
 if __name__ == "__main__":
