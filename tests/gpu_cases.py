@@ -204,3 +204,20 @@ CASES = [
     Case("17-context-parallel", "17", ("--variants", ",".join(CP_VARIANTS), "--steps", "4"),
          _context_parallel, _context_parallel_gpu, gpu_quick=True),
 ]
+
+
+# What tests/gpu/test_shared_gpu.py runs with 2 (or 4) ranks on one GPU: lesson -> (ranks, lesson
+# flags); tests/test_shared_gpu_cpu.py checks the same names and flags on the CPU.
+SHARED_GPU_RUNS = {
+    "06": (2, ["--variants", "fsdp1-full-shard,fsdp2-reshard-true", "--steps", "3",
+               "--batch-size", "2"]),
+    "06x4": (4, ["--variants", "fsdp2-reshard-true", "--steps", "3", "--batch-size", "2"]),
+    "01": (2, ["--variants", "fsdp2-one-unit,fsdp2-per-block,fsdp1-one-unit,fsdp1-per-block",
+               "--steps", "3", "--batch-size", "2"]),
+    "14": (2, ["--quick", "--model", "llama-1b", "--batch-size", "2", "--variants",
+               "full_shard-fp32"]),
+}
+
+
+def lesson_of(key: str) -> str:
+    return key[:2]

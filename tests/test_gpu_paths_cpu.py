@@ -24,8 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO, free_port, lesson_module, no_rendezvous_env, run_ranks
+from fakes import FakeCuda, MiB, lesson_shell
 from gpu_cases import every_variant_released
-from test_gpu_readiness import FakeCuda, MiB, _lesson_shell
 
 from utilities import distributed as D
 from utilities.devices import CUDA_BACKEND, NOT_MEASURABLE, SHARED_GPU_BACKEND, resolve_backend
@@ -388,7 +388,7 @@ def test_a_gpu_variant_ended_by_an_oom_gives_its_memory_back(monkeypatch, error,
     debugging) and the reading shows the memory still held."""
     cuda = FakeCuda(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    lesson = _lesson_shell(torch.device("cuda", 0))
+    lesson = lesson_shell(torch.device("cuda", 0))
 
     def free(nbytes):
         cuda.tensors -= nbytes

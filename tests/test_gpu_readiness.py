@@ -8,41 +8,10 @@ import gc
 
 import pytest
 import torch
+from fakes import FakeCuda, MiB, lesson_shell
 from gpu_cases import every_variant_released
 
 from utilities.measure import release
-
-MiB = 2**20
-WORKSPACE = 32 * MiB  # what cuBLAS allocates per (handle, stream) on sm90
-
-
-class FakeCuda:
-    """A caching allocator's ``memory_allocated`` as a counter, and cuBLAS's workspaces: made by
-    the first matmul of each thread, never freed by ``empty_cache``, only by torch's clear call
-    (``clears``: all of them, only this thread's, or no such call in this torch)."""
-
-    def __init__(self, monkeypatch, clears: str = "all"):
-        self.tensors = 0
-        self.workspaces: set[str] = set()
-        self.clears = clears
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
-        if clears == "none":
-            monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces", raising=False)
-        else:
-            monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", self.clear, raising=False)
-        monkeypatch.setattr(release, "_make_cublas_workspaces", lambda device: self.matmul())
-
-    @property
-    def allocated(self) -> int:
-        return self.tensors + WORKSPACE * len(self.workspaces)
-
-    def clear(self) -> None:
-        self.workspaces -= {"forward", "autograd"} if self.clears == "all" else {"forward"}
-
-    def matmul(self) -> None:
-        self.workspaces |= {"forward", "autograd"}  # this thread's handle and the autograd one's
 
 
 def _variant(cuda: FakeCuda) -> dict:
@@ -74,19 +43,6 @@ def test_a_real_leak_still_fails_the_check(monkeypatch):
 
 
 # -- an out-of-memory trial is an OOM, not a leak ---------------------------------------------------
-def _lesson_shell(device: torch.device):
-    """A ``Lesson`` with only what ``variant`` and ``_track`` use (no process group, no model)."""
-    import argparse
-
-    from utilities.course.lesson import Lesson
-    from utilities.measure.results import Results
-
-    lesson = object.__new__(Lesson)
-    lesson.args = argparse.Namespace(log_all_ranks=False)
-    lesson.device = device
-    lesson._scope = None
-    lesson.results = Results("05", "t", device, 1, "m", 0, {})
-    return lesson
 
 
 def test_an_oom_trial_is_reported_as_an_oom_not_a_leak():
@@ -95,7 +51,7 @@ def test_an_oom_trial_is_reported_as_an_oom_not_a_leak():
     nothing alive (it found the model, its parameters and the AdamW state, held by the frames)."""
     from utilities.measure.batch_search import Trial, find_max_batch
 
-    lesson = _lesson_shell(torch.device("cpu"))
+    lesson = lesson_shell(torch.device("cpu"))
 
     def step(model, optimizer, batch):
         activations = model(torch.randn(batch, 256))
@@ -126,7 +82,7 @@ def test_an_oom_trial_is_reported_as_an_oom_not_a_leak():
 
 
 def test_other_errors_keep_their_frames():
-    lesson = _lesson_shell(torch.device("cpu"))
+    lesson = lesson_shell(torch.device("cpu"))
     with pytest.raises(ValueError) as info:
         with lesson.variant("broken"):
             model = torch.nn.Linear(4, 4)

@@ -14,6 +14,7 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
+from gpu_cases import SHARED_GPU_RUNS, lesson_of
 
 from utilities import distributed as D
 from utilities.course import cli as C
@@ -22,23 +23,6 @@ from utilities.errors import UsageError
 from utilities.models import get_model_spec
 
 GiB = 2**30
-
-# What the GPU tests run with 2 (or 4) ranks on one GPU: lesson -> (ranks, lesson flags). The GPU
-# tests import this, so the names and flags checked here are the ones run there.
-SHARED_GPU_RUNS = {
-    "06": (2, ["--variants", "fsdp1-full-shard,fsdp2-reshard-true", "--steps", "3",
-               "--batch-size", "2"]),
-    "06x4": (4, ["--variants", "fsdp2-reshard-true", "--steps", "3", "--batch-size", "2"]),
-    "01": (2, ["--variants", "fsdp2-one-unit,fsdp2-per-block,fsdp1-one-unit,fsdp1-per-block",
-               "--steps", "3", "--batch-size", "2"]),
-    "14": (2, ["--quick", "--model", "llama-1b", "--batch-size", "2", "--variants",
-               "full_shard-fp32"]),
-}
-
-
-def lesson_of(key: str) -> str:
-    return key[:2]
-
 
 @pytest.fixture
 def one_gpu(monkeypatch):

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
+from fakes import lesson10_module, train_step
 from hostile_files import build_zip, local_record, memo_dag, torch_file_with_pickle, torch_save_records
-from test_trust_checkpoints import _lesson10, _step
 
 import utilities.dcp as D
 import utilities.safe_files as S
@@ -89,7 +89,7 @@ def test_a_refused_metadata_cannot_redefine_path_division(tiny, tmp_path):
     ``a / b`` of the process changed meaning. End to end: a planted ``step_9999999`` made lesson 10
     --resume start from 0, then every save failed. Now it is passed over, nothing changes."""
     model, opt = tiny
-    train = _lesson10()
+    train = lesson10_module()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ckpts = tmp_path / "checkpoints"
     train.save_training_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
@@ -281,7 +281,7 @@ def test_a_fresh_lesson10_run_in_an_old_folder_keeps_its_own_newest_checkpoints(
     """keep_last counted the earlier run's higher steps: each new save of the fresh run was deleted
     as soon as it was written. The fresh run now neither counts nor prunes the earlier run's."""
     model, opt = tiny
-    train = _lesson10()
+    train = lesson10_module()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ckpts = tmp_path / "checkpoints"
     for step in (100, 110):  # the earlier run
@@ -329,7 +329,7 @@ def test_a_zip_bomb_pt_is_refused_before_it_inflates(tmp_path):
 def test_a_hostile_step_is_one_line(tiny, tmp_path):
     """trainer.step = -10**12 resumed and trained 'forever'."""
     model, opt = tiny
-    train = _lesson10()
+    train = lesson10_module()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     D.save_checkpoint(tmp_path / "ckpt", model, opt, step=-10 ** 12)
     with pytest.raises(UsageError) as e:
@@ -345,7 +345,7 @@ def test_a_hostile_step_is_one_line(tiny, tmp_path):
 def test_a_string_where_the_scheduler_keeps_its_rates_is_one_line(tiny, tmp_path):
     """A string ``base_lrs`` loaded, then failed once per rank with a traceback at the next step."""
     model, opt = tiny
-    train = _lesson10()
+    train = lesson10_module()
     ckpts = tmp_path / "checkpoints"
     hostile = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     hostile.base_lrs = "abc"
@@ -374,7 +374,7 @@ def test_a_shard_swapped_for_a_link_or_a_fifo_after_the_check_is_refused(tiny, t
     model, opt = tiny
     ckpt, other = tmp_path / "ckpt", tmp_path / "other"
     D.save_checkpoint(ckpt, model, opt, step=1)
-    _step(model, opt)
+    train_step(model, opt)
     D.save_checkpoint(other, model, opt, step=2)
     shard = ckpt / "__0_0.distcp"
     kept = tmp_path / "kept.distcp"

@@ -7,7 +7,6 @@ no torchrun launch, well under a second per save.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pickle
 import shutil
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
+from fakes import lesson10_module, train_step
 from torch import nn
 
 import utilities.dcp as D
@@ -36,10 +36,6 @@ class _Touch:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _step(model, opt) -> None:
-    model(torch.randn(2, 8)).sum().backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -97,7 +93,7 @@ def test_metadata_with_enums_pickled_by_name_loads_and_other_getattrs_are_refuse
     D.save_checkpoint(ckpt, model, opt, step=2)
     _repickle_enums_by_name(ckpt)
     assert b"getattr" in (ckpt / ".metadata").read_bytes()
-    _step(model, opt)
+    train_step(model, opt)
     assert D.load_checkpoint(ckpt, model, opt).step == 2 and _same(_weights(model), before)
 
     marker = tmp_path / "ran"
@@ -170,7 +166,7 @@ def test_a_good_checkpoint_still_round_trips(tiny, tmp_path):
     model, opt = tiny
     before = _weights(model)
     D.save_checkpoint(tmp_path / "ckpt", model, opt, step=3, batches_consumed=5)
-    _step(model, opt)
+    train_step(model, opt)
     resumed = D.load_checkpoint(tmp_path / "ckpt", model, opt)
     assert (resumed.step, resumed.batches_consumed) == (3, 5) and _same(_weights(model), before)
     one = D.to_torch_save(tmp_path / "ckpt", tmp_path / "one.pt")
@@ -246,12 +242,6 @@ def _half(name, real, *args, **kwargs) -> None:
         (Path(kwargs["checkpoint_id"]) / ".metadata").unlink()  # DCP writes it last
 
 
-def _lesson10():
-    spec = importlib.util.spec_from_file_location("lesson10_train_trust",
-                                                  REPO / "lessons/10_end_to_end/train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _overwrite_ops(tiny, tmp_path, monkeypatch) -> list[str]:
@@ -280,13 +270,13 @@ def test_kill_between_any_two_operations_keeps_a_checkpoint(tiny, tmp_path, monk
         path = tmp_path / f"k{k}" / "ckpt"
         D.save_checkpoint(path, model, opt, step=1)
         a = _weights(model)
-        _step(model, opt)
+        train_step(model, opt)
         b = _weights(model)
         _fs_ops(monkeypatch, k, how)
         with pytest.raises(_Killed):
             D.save_checkpoint(path, model, opt, step=2)
         monkeypatch.undo()
-        _step(model, opt)  # so a load that does nothing cannot pass
+        train_step(model, opt)  # so a load that does nothing cannot pass
         expect_b = k > saved_at  # a kill during dcp.save ("half": data without .metadata) keeps A
         resumed = D.load_checkpoint(path, model, opt)
         assert resumed.step == (2 if expect_b else 1), (k, ops[k], how, os.listdir(path.parent))
@@ -301,11 +291,11 @@ def test_lesson10_resumes_from_a_save_killed_mid_publish(tiny, tmp_path, monkeyp
     """Lesson 10's save uses the same swap; its latest_checkpoint and load find the finished save
     even where the kill left it as .step_N.tmp (before: --resume silently restarted at step 0)."""
     model, opt = tiny
-    train = _lesson10()
+    train = lesson10_module()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ckpts = tmp_path / "checkpoints"
     train.save_training_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)
-    _step(model, opt)
+    train_step(model, opt)
     b = _weights(model)
     ops = _fs_ops(monkeypatch, None)
     train.save_training_checkpoint(ckpts, model, opt, sched, step=20, batches=20, keep_last=2)
@@ -318,11 +308,11 @@ def test_lesson10_resumes_from_a_save_killed_mid_publish(tiny, tmp_path, monkeyp
         monkeypatch.undo()
         latest = train.latest_checkpoint(ckpts)
         assert latest is not None and latest.name in ("step_000020", ".step_000020.tmp"), k
-        _step(model, opt)
+        train_step(model, opt)
         assert train.load_training_checkpoint(latest, model, opt, sched) == (20, 20)
         assert _same(_weights(model), b)
         shutil.rmtree(latest)
-        _step(model, opt)
+        train_step(model, opt)
         b = _weights(model)
     # an unfinished save (no .metadata) is never picked: step 10 is
     _fs_ops(monkeypatch, ops.index("dcp.save"), "half")
@@ -504,7 +494,7 @@ def test_lesson10_orders_checkpoints_by_step_across_the_padding_width(tiny, tmp_
     """``step_{step:06d}`` grows a digit at step 1,000,000; sorted as text it came first, so each
     new save was pruned at once and --resume picked step 999,999."""
     model, opt = tiny
-    train = _lesson10()
+    train = lesson10_module()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ckpts = tmp_path / "checkpoints"
     for step in (999_998, 999_999, 1_000_000, 1_000_001):
@@ -558,7 +548,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     from torch.distributed.checkpoint import filesystem
 
     model, opt = tiny
-    train = _lesson10()
+    train = lesson10_module()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ckpts = tmp_path / "checkpoints"
     train.save_training_checkpoint(ckpts, model, opt, sched, step=10, batches=10, keep_last=2)

@@ -2,7 +2,7 @@
 
 Each test launches a lesson through ``fsdp-course run NN --device cuda --nproc N`` so that N ranks
 share GPU 0 over gloo, and asserts the lesson's point there. The lesson flags and variant names are
-``SHARED_GPU_RUNS`` in tests/test_shared_gpu_cpu.py, whose CPU twins check the same launch (the
+``SHARED_GPU_RUNS`` in tests/gpu_cases.py, whose CPU twins check the same launch (the
 decision, backend, refusal and flags) in the normal suite. Skipped without CUDA (marker gpu).
 """
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, run_lesson, variant
-from test_shared_gpu_cpu import SHARED_GPU_RUNS, lesson_of
+from gpu_cases import SHARED_GPU_RUNS, lesson_of
 
 sys.path.insert(0, str(REPO / "lessons" / "06_sharding_strategies"))  # lesson 06's formulas
 

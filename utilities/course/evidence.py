@@ -63,7 +63,7 @@ HARNESS = ("utilities/__main__.py", "utilities/course/cli.py", "utilities/course
            "utilities/course/torchrun.py", "utilities/course/lesson.py", "utilities/measure/planner.py")
 # Followed only through their module-level imports: the command's lazy imports serve other commands.
 SHALLOW = frozenset({"utilities/course/cli.py"})
-GPU_TESTS = ("tests/conftest.py", "tests/gpu_cases.py", "tests/test_shared_gpu_cpu.py")
+GPU_TESTS = ("tests/conftest.py", "tests/gpu_cases.py")
 
 # Done: a result for this version. "skipped": every test the step ran skipped itself (the reason is in
 # its log); "too-long": killed after it had a whole chunk to itself.
