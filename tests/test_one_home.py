@@ -192,3 +192,16 @@ def test_the_sharding_check_sees_a_copy():
             "    torch.distributed.fsdp.fully_shard(model, mesh=mesh)\n")
     assert len(fully_shard_calls(copy)) == 2
     assert fully_shard_calls("x = 'fully_shard(model)'\n") == []
+
+
+def test_no_test_file_imports_another():
+    """What tests share lives in helper modules (conftest, gpu_cases, fakes, hostile_files, ...),
+    never in another test file: a test file can be read, run and changed on its own."""
+    root = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(root.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [(path.name, n) for n in names if n.split(".")[-1].startswith("test_")]
+    assert not found, found
