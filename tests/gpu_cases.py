@@ -1,10 +1,11 @@
-"""The GPU claims of the lessons, each run two ways from one definition.
+"""What the lessons' GPU claims assert, each claim run two ways from one definition.
 
 A GPU test that CI never runs rots: a renamed variant or flag breaks it silently. So every case here
 is run by ``tests/gpu/test_gpu_smoke.py`` on a GPU (the lesson's GPU defaults, ``--device cuda``)
 and by ``tests/test_gpu_twins.py`` on the CPU (the same flags parsed by the lesson, the same variant
-names, on the lesson's ``--quick`` run with 2 gloo ranks). ``check`` asserts what holds on both;
-``gpu_check`` adds what only a GPU shows.
+names, on the lesson's ``--quick`` run with 2 gloo ranks). The claims, their flags and the runs
+on ranks sharing a GPU are the lesson catalog's (``utilities.course.catalog``); here is what must
+hold: ``check`` on both, ``gpu_check`` what only a GPU shows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+
+from utilities.course.catalog import LESSONS, shared_gpu_runs
 
 
 def variant(results: dict, name: str) -> dict:
@@ -132,9 +135,6 @@ def _dcp(r: dict) -> None:
 
 
 # -- 16: CPU offload moves the sharded state to the host and copies it each step --------------------
-OFFLOAD_VARIANTS = ("fsdp2", "fsdp2-offload", "fsdp1", "fsdp1-offload")
-
-
 def _offload(r: dict) -> None:
     every_variant_released(r)
     for api in ("fsdp2", "fsdp1"):
@@ -155,7 +155,6 @@ def _offload_gpu(r: dict) -> None:
 
 
 # -- 17: context parallelism computes unsplit attention; torch's own API on a GPU ----------------
-CP_VARIANTS = ("ring-contiguous", "ring-balanced", "torch-cp", "fsdp-cp1", "fsdp-cp2")
 CP_TOLERANCE = 1e-5  # fp32, the lesson's ring against SDPA on the whole sequence
 TORCH_CP_TOLERANCE = 1e-4  # fp32, torch's ring over CUDA's memory-efficient SDPA kernel
 
@@ -183,41 +182,25 @@ def _context_parallel_gpu(r: dict) -> None:
     assert torch_cp["max_abs_diff"] < TORCH_CP_TOLERANCE
 
 
-CASES = [
-    Case("01-wrap", "01", ("--variants", "fsdp2-one-unit,fsdp2-per-block,fsdp1-one-unit,"
-                                         "fsdp1-per-block", "--steps", "4"), _wrap),
-    Case("02-activation-checkpointing", "02",
-         ("--variants", "fsdp2-none,fsdp2-all,fsdp1-none,fsdp1-all", "--steps", "4", "--search",
-          "off"), _ac),
-    Case("03-full-state-dict", "03", ("--variants", "fsdp2,fsdp1"), _full_state_dict,
-         gpu_quick=True),
-    Case("04-prefetch", "04", ("--variants", "fsdp1-no-prefetch,fsdp1-backward-pre,fsdp2-implicit",
-                               "--steps", "4"), _prefetch, _prefetch_gpu),
-    Case("05-memory-maximizer", "05", ("--start-batch", "16"), _maximizer, _maximizer_gpu),
-    Case("07-mixed-precision", "07", ("--policies", "fp32,bf16", "--steps", "6"), _precision,
-         _precision_gpu),
-    Case("08-distributed-checkpoint", "08", (), _dcp, gpu_quick=True),
-    Case("16-cpu-offload", "16", ("--variants", ",".join(OFFLOAD_VARIANTS), "--steps", "4"),
-         _offload, _offload_gpu),
-    # on one GPU: one rank (a ring of one: torch's API and its kernels, against SDPA); the 2-GPU
-    # ring is tests/gpu/test_context_parallel.py
-    Case("17-context-parallel", "17", ("--variants", ",".join(CP_VARIANTS), "--steps", "4"),
-         _context_parallel, _context_parallel_gpu, gpu_quick=True),
-]
-
-
-# What tests/gpu/test_shared_gpu.py runs with 2 (or 4) ranks on one GPU: lesson -> (ranks, lesson
-# flags); tests/test_shared_gpu_cpu.py checks the same names and flags on the CPU.
-SHARED_GPU_RUNS = {
-    "06": (2, ["--variants", "fsdp1-full-shard,fsdp2-reshard-true", "--steps", "3",
-               "--batch-size", "2"]),
-    "06x4": (4, ["--variants", "fsdp2-reshard-true", "--steps", "3", "--batch-size", "2"]),
-    "01": (2, ["--variants", "fsdp2-one-unit,fsdp2-per-block,fsdp1-one-unit,fsdp1-per-block",
-               "--steps", "3", "--batch-size", "2"]),
-    "14": (2, ["--quick", "--model", "llama-1b", "--batch-size", "2", "--variants",
-               "full_shard-fp32"]),
+# What must hold of each GPU claim of the catalog, by id: (everywhere, on a GPU only).
+CHECKS: dict[str, tuple[Callable[[dict], None], Callable[[dict], None] | None]] = {
+    "01-wrap": (_wrap, None),
+    "02-activation-checkpointing": (_ac, None),
+    "03-full-state-dict": (_full_state_dict, None),
+    "04-prefetch": (_prefetch, _prefetch_gpu),
+    "05-memory-maximizer": (_maximizer, _maximizer_gpu),
+    "07-mixed-precision": (_precision, _precision_gpu),
+    "08-distributed-checkpoint": (_dcp, None),
+    "16-cpu-offload": (_offload, _offload_gpu),
+    "17-context-parallel": (_context_parallel, _context_parallel_gpu),
 }
+CASES = [Case(claim.id, info.number, claim.flags, *CHECKS[claim.id], gpu_quick=claim.gpu_quick)
+         for info in LESSONS.values() for claim in info.gpu_claims]
+
+# What tests/gpu/test_shared_gpu.py runs with 2 (or 4) ranks on one GPU, by key: (ranks, lesson
+# flags); tests/test_shared_gpu_cpu.py checks the same names and flags on the CPU.
+SHARED_GPU_RUNS = {key: (run.nproc, list(run.flags)) for key, (_, run) in shared_gpu_runs().items()}
 
 
 def lesson_of(key: str) -> str:
-    return key[:2]
+    return shared_gpu_runs()[key][0].number

@@ -10,73 +10,24 @@ and parameter or optimizer bytes exactly; losses within the rounding of their pr
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
+
+from utilities.course.catalog import LESSONS, Claims
 
 Row = dict[str, Any]
 
-
-def _picked(*keys: str) -> Callable[[Row], dict[str, Any]]:
-    return lambda v: {k: v.get(k) for k in keys}
-
-
-# Per lesson: what a variant's row claims beyond the memory at the peak (sizes, counts, dtypes,
-# bytes, differences within one run), compared by ``differences``. A parameter, gradient or
-# optimizer byte count is the product of shapes and dtypes, the same on every machine, so it is
-# exact: one parameter more or less is a different model. A difference measured inside one run
-# (``outputs_max_abs_diff``: a reload against the model it saved) is 0.0 on any machine, or a bug.
-CLAIMS: dict[str, Callable[[Row], dict[str, Any]]] = {
-    "01": lambda v: dict(units=v["fsdp_units"], largest=v["largest_unit_parameters"],
-                         unsharded=v["peak_unsharded_parameter_bytes"]),
-    "02": _picked("checkpointed_blocks"),
-    "03": _picked("checkpoint_bytes", "loaded_step", "outputs_max_abs_diff", "next_loss_a", "next_loss_b",
-                  "after_step_max_abs_diff", "hf_export_bytes", "hf_max_abs_diff"),
-    "04": _picked("prefetch", "peak_unsharded_parameter_bytes", "peak_gathered_parameter_bytes"),
-    "05": _picked("batch", "phase", "verdict"),
-    "06": _picked("resident_bytes", "peak_unsharded_parameter_bytes", "sent_per_step_bytes"),
-    "07": lambda v: dict(forward=v["forward_param_dtypes"], reduce=v["reduce_dtypes"]),
-    "08": _picked("format", "files", "flat_params", "reload_outputs_equal", "max_abs_loss_diff"),
-    "09": _picked("trainable_parameters", "frozen_parameters", "gradient_bytes_per_rank",
-                  "optimizer_bytes_per_rank", "frozen_bit_identical"),
-    "10": _picked("precision", "activation_checkpointing"),
-    "11": _picked("limit_all_gathers"),
-    "12": _picked("tp_size", "dp_size", "weight_bytes_per_rank", "split_weight_bytes_per_rank",
-                  "replicated_weight_bytes_per_rank"),
-    "13": _picked("compiled_blocks", "parameters"),
-    "14": lambda v: {"planned": v["predicted_peak_bytes"]},
-    # each failure's pair, and the byte and collective counts its shapes fix
-    "15": _picked("symptom_shown", "fix_works", "mistake_weight_copies", "fix_weight_copies",
-                  "unsharded_gradient_bytes", "mistake_peak_gradient_bytes", "fix_peak_gradient_bytes",
-                  "mistake_reduce_scatters", "fix_reduce_scatters", "mistake_all_gathers",
-                  "fix_all_gathers", "trainable_gradient_bytes_per_rank", "frozen_gradient_bytes_per_rank",
-                  "tensors", "mistake_tensors_as_a_rank_built", "fix_tensors_as_a_rank_built",
-                  "mistake_reduce_dtypes", "fix_reduce_dtypes"),
-    "16": _picked("parameters_on", "gradients_on", "optimizer_on", "pinned", "sharded_bytes",
-                  "to_device_copies", "to_device_bytes", "to_device_moved_bytes", "to_host_copies",
-                  "to_host_bytes", "to_host_moved_bytes"),
-    # the work per rank and the bytes the ring sends are fixed by the shapes and the layout
-    "17": _picked("cp", "dp", "score_blocks_per_rank", "forward_sent_bytes", "backward_sent_bytes",
-                  "tokens_per_rank"),
-}
+# What a variant's row claims beyond the memory at the peak (sizes, counts, dtypes, bytes,
+# differences within one run) is the lesson's catalog entry's ``Claims``, compared by ``differences``.
 PEAK_PARTS = ("total_without_all_gather", "parameters", "optimizer", "activations")
-# The parts of the peak a lesson's quick run reproduces of its committed run (default: all of
-# PEAK_PARTS). Lessons 09 and 12 commit a full run whose sequences or widths the quick run does
-# not use, so only the parts independent of those are claims. Lesson 05's small batches have two
-# moments of backward within a few hundred KiB of each other, and which one is the peak depends on
-# timing (batch 1: activations 3.67 or 4.27 MiB from one run of the same code to the next; its
-# README says more): only the state the batch does not change is claimed.
-PEAK_CLAIMED: dict[str, tuple[str, ...]] = {
-    "05": ("optimizer",),  # the parameters booked at its peak move by a bias under load
-    "09": ("parameters", "optimizer"),
-    "12": ("parameters", "optimizer"),
-}
-# Variants a quick run does not repeat: lesson 12's quick FeedForward is half as wide as the full run's.
-UNCLAIMED: dict[str, Callable[[Row], bool]] = {"12": lambda v: v.get("kind") == "mlp"}
 
 
-# Claims that are losses, per lesson: lesson 03's next step after the reload, taken after the
-# run's ``steps`` optimizer steps.
-LOSS_CLAIMS: dict[str, tuple[str, ...]] = {"03": ("next_loss_a", "next_loss_b")}
+def row_claims(lesson_claims: Claims, v: Row) -> dict[str, Any]:
+    """A row's claims: its ``columns`` as they are, and its ``named`` columns under their names
+    (``KeyError`` when the row lacks one: a summary row claims only its peak)."""
+    out = {key: v.get(key) for key in lesson_claims.columns}
+    out.update({name: v[key] for name, key in lesson_claims.named})
+    return out
+
 
 # The bits after the point of each precision a loss is computed in (fp32's 23, bf16's 7, fp16's 10).
 MANTISSA_BITS = {"fp32": 23, "bf16": 7, "fp16": 10}
@@ -149,8 +100,8 @@ def loss_precision(row: Row, results: dict[str, Any]) -> str:
 
 
 def claims(lesson: str, results: dict[str, Any]) -> dict[str, Any]:
-    """What any run of the lesson must reproduce, per variant: the lesson's own claims (``CLAIMS``:
-    units and sizes, dtypes, bytes, counts; ``LOSS_CLAIMS``) and the memory at the peak by
+    """What any run of the lesson must reproduce, per variant: the lesson's own claims (its
+    catalog entry's ``Claims``: units and sizes, dtypes, bytes, counts, losses) and the memory at the peak by
     category; the losses too when ``results`` is a quick run (a quick run repeats a committed
     quick run's batches; a full run trains on more). Step times and gradient statistics depend on
     the run, so they are not claims. Nor is the number of all-gather buffers alive at the peak:
@@ -159,8 +110,9 @@ def claims(lesson: str, results: dict[str, Any]) -> dict[str, Any]:
     them. Losses are ``Loss``es, which ``differences`` compares within ``loss_tolerance``."""
     out: dict[str, Any] = {}
     settings = results.get("settings", {})
+    lesson_claims = LESSONS[lesson].claims if lesson in LESSONS else Claims()
     for v in results["variants"]:
-        if UNCLAIMED.get(lesson, lambda v: False)(v):
+        if v.get("kind") in lesson_claims.unclaimed_kinds:
             continue
         c: dict[str, Any] = {}
         peak = v.get("peak_memory_bytes")
@@ -168,13 +120,13 @@ def claims(lesson: str, results: dict[str, Any]) -> dict[str, Any]:
             gathers = (peak.get("detail") or {}).get("all_gather") or 0
             whole = {"total_without_all_gather": peak["total"] - gathers,
                      **{k: peak[k] for k in ("parameters", "optimizer", "activations")}}
-            c["peak"] = {k: whole[k] for k in PEAK_CLAIMED.get(lesson, PEAK_PARTS)}
+            c["peak"] = {k: whole[k] for k in lesson_claims.peak or PEAK_PARTS}
         try:
-            c.update(CLAIMS[lesson](v))
+            c.update(row_claims(lesson_claims, v))
         except KeyError:
             pass  # a row without the lesson's columns (a summary row): only its peak, if any
         precision = loss_precision(v, results)
-        for key in LOSS_CLAIMS.get(lesson, ()):
+        for key in lesson_claims.losses:
             if c.get(key) is not None:
                 c[key] = Loss(c[key], precision, settings["steps"])
         if settings.get("quick") and v.get("losses"):

@@ -33,12 +33,16 @@ def test_the_plan_names_every_lesson_twice_and_every_gpu_test_and_fits_80_column
     kinds = [s.kind for s in steps]  # the catalog in order of value: claims ... lessons at GPU size
     assert kinds == sorted(kinds, key=E.KINDS.index) and E.SMOKE in names
     # every GPU test is some step's: the claims by id, the shared-GPU tests by name
-    from gpu_cases import CASES
+    from gpu_cases import CASES, CHECKS
 
-    assert E.claim_ids() == [c.id for c in CASES]
+    from utilities.course.catalog import shared_gpu_runs
+
+    assert E.claim_ids() == [c.id for c in CASES] and set(CHECKS) == set(E.claim_ids())
     shared = ast.parse((REPO / "tests/gpu/test_shared_gpu.py").read_text())
     functions = {f.name for f in shared.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
-    assert {node.split("[")[0] for node in E.SHARED_GPU_TESTS.values()} == functions
+    runs = shared_gpu_runs()
+    assert {run.test.split("[")[0] for _, run in runs.values()} == functions
+    assert {f"shared-{key}" for key in runs} <= set(names)
     assert len(names) == len(set(names))
 
 

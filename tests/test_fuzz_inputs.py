@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 from markdown_oracle import live_in_a_value, markup
 
+from utilities.course.catalog import LESSONS
 from utilities.errors import UsageError
 
 # hypothesis keeps what it learns (the constants of the code under test) in a folder of its own,
@@ -216,8 +217,7 @@ def test_any_bytes_read_as_json_are_a_bounded_value_or_one_line(data):
 
 
 # -- lesson README tables -----------------------------------------------------------------------------
-LESSON_FILES = {"01": "01_auto_wrap", "02": "02_activation_checkpointing", "04": "04_backward_prefetch",
-                "08": "08_local_state_dict", "09": "09_fine_tuning"}
+LESSON_FILES = {n: LESSONS[n].folder for n in ("01", "02", "04", "08", "09")}
 
 
 def lesson_copy(root: Path, lesson: str) -> Path:

@@ -1,7 +1,7 @@
 """Lesson 17 on two GPUs (`pytest -m gpu tests/gpu -s`): torch's own ``context_parallel`` as a user
 calls it, one rank per GPU over NCCL, equal to SDPA on the whole sequence, beside the lesson's ring.
-The same flags and variant names run on the CPU in the normal suite (``gpu_cases``'
-``17-context-parallel`` twin, on the lesson's quick run). Skipped without two GPUs; one GPU runs the
+The same flags and variant names run on the CPU in the normal suite (the catalog's
+``17-context-parallel`` claim's twin, on the lesson's quick run). Skipped without two GPUs; one GPU runs the
 ``gpu_cases`` case (a ring of one)."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import run_lesson, variant
-from gpu_cases import CP_VARIANTS, TORCH_CP_TOLERANCE, _context_parallel
+from gpu_cases import TORCH_CP_TOLERANCE, _context_parallel
+
+from utilities.course.catalog import CP_VARIANTS
 
 pytestmark = pytest.mark.gpu
 

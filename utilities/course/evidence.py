@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from utilities.course.catalog import LESSONS, REPO_ROOT
+from utilities.course.catalog import LESSONS, REPO_ROOT, gpu_claims, shared_gpu_runs
 from utilities.errors import UsageError, bad_value
 from utilities.json_input import read_json
 
@@ -166,15 +166,7 @@ class Manifest:
 # -- the steps, most valuable first ---------------------------------------------------------------
 def claim_ids() -> list[str]:
     """The ids of the GPU claims, from the lesson catalog (each a case of tests/gpu_cases.py)."""
-    return [cid for info in LESSONS.values() for cid in info.gpu_claims]
-
-
-SHARED_GPU_TESTS = {  # step -> pytest node id: lessons 01/06/14's memory on ranks sharing the GPU
-    "shared-06": "test_lesson_06_full_shard_bytes_per_rank_equal_theory[06]",
-    "shared-06x4": "test_lesson_06_full_shard_bytes_per_rank_equal_theory[06x4]",
-    "shared-01": "test_lesson_01_per_block_unsharded_peak_below_one_unit",
-    "shared-14": "test_lesson_14_plan_within_10_percent_of_the_allocator_peak",
-}
+    return [claim.id for claim in gpu_claims()]
 
 
 def gpu_steps(python: str = sys.executable) -> list[Step]:
@@ -219,28 +211,25 @@ def gpu_steps(python: str = sys.executable) -> list[Step]:
     steps.append(pytest_step("fp8", 1.5, "tests/gpu/test_fp8_smoke.py", "FP8 + compile (lesson 13)",
                              lessons=("13",), needs=("torchao",), kind="bench"))
     shared = "tests/gpu/test_shared_gpu.py"
-    steps += [pytest_step(name, 1.0, f"{shared}::{node}", f"ranks sharing the GPU: {node.split('[')[0][5:]}",
-                          lessons=(name[7:9],), kind="shared") for name, node in SHARED_GPU_TESTS.items()]
+    steps += [pytest_step(f"shared-{key}", 1.0, f"{shared}::{run.test}",
+                          f"ranks sharing the GPU: {run.test.split('[')[0][5:]}", lessons=(info.number,),
+                          kind="shared") for key, (info, run) in shared_gpu_runs().items()]
     steps.append(pytest_step("gpu-readiness", 0.4, smoke, "Memory_Maximizer and bf16_ready on a real GPU",
                              extra=("-k", "not test_gpu_claim"), kind="readiness"))
-    quick_minutes = {"02": 0.8, "05": 0.8, "10": 0.8, "13": 1.5}
     steps.append(Step(SMOKE, 0.6, (*course, "run", "01", "--quick", "--device", "cuda", "--out", "{scratch}"),
                       "lesson 01's quick run through the current harness (refreshes the quick runs "
                       "whose own files did not change)", lesson_files("01"), keep=("results.json",),
                       kind="readiness"))
-    steps += [Step(f"quick-{n}", quick_minutes.get(n, 0.5),
+    steps += [Step(f"quick-{n}", LESSONS[n].evidence.quick_minutes,
                    (*course, "run", n, "--quick", "--device", "cuda", "--out", "{scratch}"),
                    f"lesson {n}'s quick run on the GPU", lesson_files(n), keep=("results.json",),
                    kind="quick")
               for n in ready]
-    long_runs = {"02": "its batch search is long", "05": "its batch search is long",
-                 "10": "a full training run is long"}
-    full_minutes = {"01": 0.8, "02": 1.0, "03": 0.6, "04": 1.0, "05": 1.0, "06": 0.8, "07": 1.0,
-                    "08": 0.6, "09": 0.8, "10": 1.0, "11": 0.8, "12": 0.6, "13": 1.5, "14": 1.0}
     for n in ready:
-        flags = ("--quick",) if n in long_runs else ()
-        note = f" (--quick: {long_runs[n]})" if n in long_runs else ""
-        steps.append(Step(f"lesson-{n}", full_minutes.get(n, 1.0),
+        because = LESSONS[n].evidence.quick_because
+        flags = ("--quick",) if because else ()
+        note = f" (--quick: {because})" if because else ""
+        steps.append(Step(f"lesson-{n}", LESSONS[n].evidence.minutes,
                           (*course, "run", n, "--device", "cuda", *flags, "--out", "{scratch}"),
                           f"lesson {n} at its GPU size{note}", lesson_files(n), keep=("results.json",),
                           kind="lesson"))

@@ -15,7 +15,7 @@ same cells, none cut for the terminal's width), then the run's takeaway. A table
 (``results_cpu.json,results_cpu_4ranks.json``): one caption each, their rows in that order after
 a first column naming the flags each run added. ``columns=a,b`` after the files shows those
 columns instead (headers such as ``peak`` or variant keys); ``table=NAME`` renders a lesson's
-summary of a run (``SUMMARIES``) instead of its variants.
+summary of a run (``SUMMARIES``, those the lesson's catalog entry names) instead of its variants.
 
 ``python -m utilities.course.readme_tables`` checks every marked table against its JSON (exit 1 and a
 diff if one differs); ``--write NN`` re-renders it after a new run. The tests do the check, and
@@ -120,11 +120,27 @@ def _capacity(r: dict[str, Any]) -> list[str]:
     return [markdown([header, *rows])]
 
 
-# lines a lesson's table ends with, from the same run (after its takeaway)
-FOOTERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {"08": _checkpoints, "09": _fisher}
-# a lesson's other tables of one run, by the name its marker gives (table=NAME)
-SUMMARIES: dict[str, Callable[[dict[str, Any]], list[str]]] = {"02 search": _batch_search,
-                                                               "06 capacity": _capacity}
+# lines a lesson's table ends with, from the same run (after its takeaway), by the name its
+# catalog entry gives (``readme_footer``)
+FOOTERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {"checkpoints": _checkpoints, "fisher": _fisher}
+# other tables of one run, by the name a marker gives (table=NAME) and a lesson's catalog entry
+# allows (``readme_summaries``)
+SUMMARIES: dict[str, Callable[[dict[str, Any]], list[str]]] = {"search": _batch_search,
+                                                               "capacity": _capacity}
+
+
+def summary(lesson: str, name: str) -> Callable[[dict[str, Any]], list[str]]:
+    """The summary ``name`` of the lesson's run; ``KeyError`` unless its catalog entry allows it."""
+    info = LESSONS.get(lesson)
+    if info is None or name not in info.readme_summaries:
+        raise KeyError(f"{lesson} {name}")
+    return SUMMARIES[name]
+
+
+def footer(lesson: str) -> Callable[[dict[str, Any]], list[str]]:
+    """What the lesson's table ends with (its catalog entry's ``readme_footer``; none: nothing)."""
+    info = LESSONS.get(lesson)
+    return FOOTERS[info.readme_footer] if info is not None and info.readme_footer else lambda r: []
 
 
 def machine(results: dict[str, Any]) -> str:
@@ -215,7 +231,7 @@ def _render(lesson: str, runs: list[tuple[str, dict[str, Any]]], name: str | Non
     first = runs[0][1]
     lines = "\n\n".join(caption(r, src, first if len(runs) > 1 else None) for src, r in runs).split("\n")
     if name is not None:
-        return "\n".join(lines + ["\n" + line for line in SUMMARIES[f"{lesson} {name}"](first)]) + "\n"
+        return "\n".join(lines + ["\n" + line for line in summary(lesson, name)(first)]) + "\n"
     ranks = len({r["world_size"] for _, r in runs}) > 1
     variants = []
     for _, r in runs:
@@ -231,7 +247,7 @@ def _render(lesson: str, runs: list[tuple[str, dict[str, Any]]], name: str | Non
         lines.append(f"\nTakeaway, as the run printed it: {first['takeaway']}.")
     for _, r in runs:
         lines += [f"\n{v}: skipped, {why}" for v, why in (r.get("skipped") or {}).items()]
-        lines += ["\n" + line for line in FOOTERS.get(lesson, lambda r: [])(r)]
+        lines += ["\n" + line for line in footer(lesson)(r)]
     return "\n".join(lines) + "\n"
 
 
