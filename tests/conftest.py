@@ -40,7 +40,7 @@ def work_unit(nodeid: str) -> str:
     Lesson 14 checks its planner against lesson 06's run, so the two are one unit."""
     path, _, name = nodeid.partition("::")
     lesson = re.search(r"test_lesson_(\d\d)\.py$", path)
-    if lesson is None and path.endswith(("test_gpu_twins.py", "test_notebooks.py")):
+    if lesson is None and path.endswith(("test_gpu_claims_on_cpu.py", "test_notebooks.py")):
         lesson = re.search(r"\[(\d\d)\b", name)
     if lesson is None:
         return path

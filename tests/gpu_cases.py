@@ -2,7 +2,7 @@
 
 A GPU test that CI never runs rots: a renamed variant or flag breaks it silently. So every case here
 is run by ``tests/gpu/test_gpu_smoke.py`` on a GPU (the lesson's GPU defaults, ``--device cuda``)
-and by ``tests/test_gpu_twins.py`` on the CPU (the same flags parsed by the lesson, the same variant
+and by ``tests/test_gpu_claims_on_cpu.py`` on the CPU (the same flags parsed by the lesson, the same variant
 names, on the lesson's ``--quick`` run with 2 gloo ranks). The claims, their flags and the runs
 on ranks sharing a GPU are the lesson catalog's (``utilities.course.catalog``); here is what must
 hold: ``check`` on both, ``gpu_check`` what only a GPU shows.
@@ -198,7 +198,7 @@ CASES = [Case(claim.id, info.number, claim.flags, *CHECKS[claim.id], gpu_quick=c
          for info in LESSONS.values() for claim in info.gpu_claims]
 
 # What tests/gpu/test_shared_gpu.py runs with 2 (or 4) ranks on one GPU, by key: (ranks, lesson
-# flags); tests/test_shared_gpu_cpu.py checks the same names and flags on the CPU.
+# flags); tests/test_shared_gpu_launch.py checks the same names and flags on the CPU.
 SHARED_GPU_RUNS = {key: (run.nproc, list(run.flags)) for key, (_, run) in shared_gpu_runs().items()}
 
 

@@ -136,7 +136,7 @@ def test_cuda_requests_without_gpu_are_refused():
 
 
 def test_nproc_larger_than_gpus_shares_them(monkeypatch, capsys, tmp_path):
-    """More ranks than GPUs: they share the GPUs over gloo (tests/test_shared_gpu_cpu.py
+    """More ranks than GPUs: they share the GPUs over gloo (tests/test_shared_gpu_launch.py
     has the rest), planned first, and say so on the first line."""
     from utilities.course import cli as cli_module
 

@@ -57,7 +57,7 @@ def test_lesson_help_explains_every_flag():
 
 def test_readme_table_is_reproduced_by_the_quick_run(results):
     """The README's table is rendered from results_cpu.json, the lesson's own `fsdp-course run 01`
-    (tests/test_trust_newcomer.py checks the rendering). The quick run must reproduce what that
+    (tests/test_readme_tables.py checks the rendering). The quick run must reproduce what that
     table claims about wrapping and memory, exactly: units, largest unit, unsharded parameters and
     the peak by category."""
     from conftest import assert_readme_table_is_reproduced

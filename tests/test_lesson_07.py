@@ -3,9 +3,14 @@ config); bf16 tracks fp32's loss and lowers peak memory; fp16 without a scaler l
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import sys
+import types
+import warnings
 
 import pytest
+import torch
 from conftest import REPO, flag_error, notebook_results, run_lesson, variant
 
 sys.path.insert(0, str(REPO / "lessons" / "07_mixed_precision"))  # the lesson's own policies
@@ -122,7 +127,7 @@ def test_bad_policy_is_one_line_exit_2():
 
 def test_readme_table_is_reproduced_by_the_quick_run(results):
     """The README's table is rendered from results_cpu.json, the lesson's own `fsdp-course run 07`
-    (tests/test_trust_newcomer.py checks the rendering). The quick run must reproduce its observed
+    (tests/test_readme_tables.py checks the rendering). The quick run must reproduce its observed
     dtypes, and the peak's height and optimizer state. Not how the peak splits between parameters
     and activations: fsdp2-bf16-fp32-reduce has two moments within 0.3% of each other (the forward
     peak fsdp2-bf16 has, and one in backward with its fp32 gradient), and which of the two is the
@@ -130,3 +135,79 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     from conftest import assert_readme_table_is_reproduced
 
     assert_readme_table_is_reproduced("07", results, peak_parts=("total_without_all_gather", "optimizer"))
+
+
+# -- lesson 07: no DTensor UserWarnings from the loss scaler --------------------------------------
+def _lesson07():
+    spec = importlib.util.spec_from_file_location(
+        "lesson07_scaler", REPO / "lessons/07_mixed_precision/mixed_precision.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _WithLoss(torch.nn.Module):
+    """What the lesson's step reads: ``model(**batch).loss``."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> types.SimpleNamespace:
+        return types.SimpleNamespace(loss=self.net(x).float().sum())
+
+
+def _fp16_steps(quiet: bool) -> list[str]:
+    """Two fp16 steps of a sharded model through the lesson's ``scaled_step``; the DTensor
+    warnings they raise. ``quiet``: with the filters every lesson run and notebook applies."""
+    from torch.distributed.fsdp import fully_shard
+
+    from utilities.precision import attach_scaler, fsdp2_policy, make_scaler
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    fully_shard(net[0], mp_policy=fsdp2_policy("fp16"))
+    fully_shard(net, mp_policy=fsdp2_policy("fp16"))
+    model = _WithLoss(net)
+    opt = torch.optim.AdamW(net.parameters())
+    scaler = make_scaler("fp16", "cpu")
+    step = _lesson07().scaled_step(scaler)
+    attach_scaler(opt, scaler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if quiet:
+            from utilities.distributed import quiet_torch_internal_warnings
+
+            quiet_torch_internal_warnings()
+        for _ in range(2):
+            step(model, {"x": torch.randn(2, 8)})
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in caught if "numel=1" in str(w.message)]
+
+
+def test_lesson07_scaler_step_prints_no_dtensor_warning(world1):
+    """ShardedGradScaler unscales FSDP2's DTensor gradients with [1]-shaped tensors: DTensor warns
+    (the cause, reproduced without the course's filters); the filters a lesson run applies hide it,
+    with no patch of the scaler in the lesson."""
+    assert _fp16_steps(quiet=False)
+    assert _fp16_steps(quiet=True) == []
+
+
+# -- notebook 07: the plot says fp16-with-scaler's first step was skipped ---------------------------
+def test_notebook07_plot_says_the_scaler_skipped_a_step(monkeypatch):
+    import matplotlib
+    import nbformat
+
+    matplotlib.use("Agg")
+    nb = nbformat.read(REPO / "lessons/07_mixed_precision/07_mixed_precision.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if "axes[1].bar(" in c.source)
+    results = json.loads((REPO / "lessons/07_mixed_precision/results_cpu.json").read_text())
+    scope = {"results": results}
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "show", lambda *a, **k: None)
+    exec(cell.source, scope)  # noqa: S102 - the notebook's own plotting cell
+    labels = [t.get_text() for t in scope["axes"][1].get_xticklabels()]
+    assert "fp16 (scaler):\nfirst step skipped" in labels
+    assert any("not a real saving" in t.get_text() for t in scope["axes"][1].texts)
+    plt.close("all")

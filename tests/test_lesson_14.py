@@ -85,7 +85,7 @@ def test_bad_memory_value_is_one_line():
     assert "'80XB'" in proc.stderr
 
 
-def test_the_issue_command_plans_llama_8b_on_a_laptop():
+def test_the_documented_command_plans_llama_8b_on_a_laptop():
     """The documented command, as a user types it: a per-category breakdown and a verdict (the
     plan `fsdp-course run 14` records without --quick; the quick run plans no big model)."""
     import json

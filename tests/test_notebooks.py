@@ -49,7 +49,8 @@ def test_a_lessons_tests_share_one_worker_and_a_gpu_machine_runs_serially(monkey
 
     for case in CASES:
         unit = work_unit(f"tests/test_lesson_{case.lesson}.py::test_x")
-        assert work_unit(f"tests/test_gpu_twins.py::test_gpu_claim_holds_on_the_cpu_run[{case.id}]") == unit
+        claim = f"tests/test_gpu_claims_on_cpu.py::test_gpu_claim_holds_on_the_cpu_run[{case.id}]"
+        assert work_unit(claim) == unit
         assert work_unit(f"tests/test_notebooks.py::test_notebook_runs_top_to_bottom[{case.lesson}]") == unit
     # lesson 14 reads lesson 06's run
     assert work_unit("tests/test_lesson_14.py::t") == work_unit("tests/test_lesson_06.py::t")

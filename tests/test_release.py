@@ -2,7 +2,7 @@
 every variant alive (FSDP1's flat parameter <-> module views, and the autograd hooks of PyTorch's
 memory trackers). One process here; FSDP1's loop forms only with 2+ ranks (at world size 1 it runs
 NO_SHARD), so the 2-rank lesson runs check it: ``conftest.run_lesson`` fails any lesson run whose
-variants leave anything alive, and ``tests/test_gpu_twins.py`` runs FSDP1 variants of lessons 01,
+variants leave anything alive, and ``tests/test_gpu_claims_on_cpu.py`` runs FSDP1 variants of lessons 01,
 02, 04 and 07 that way."""
 
 from __future__ import annotations

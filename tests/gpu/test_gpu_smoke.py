@@ -1,7 +1,7 @@
 """GPU smoke tests: run on an H100 / H200 (`pytest -m gpu tests/gpu -s`); skipped without CUDA.
 
 The lesson claims come from ``tests/gpu_cases.py``, whose CPU twins run in the normal suite
-(``tests/test_gpu_twins.py``), so a renamed variant or flag fails in CI, not here."""
+(``tests/test_gpu_claims_on_cpu.py``), so a renamed variant or flag fails in CI, not here."""
 
 from __future__ import annotations
 

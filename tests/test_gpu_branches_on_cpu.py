@@ -1,4 +1,4 @@
-"""CPU twins of the GPU code paths the other twins did not reach.
+"""The course's GPU-only branches, run on the CPU.
 
 Each test runs the course's own code for a branch only a GPU takes, with the device-specific call
 faked (``torch.cuda``'s answers, a GPU-resident model's ``offload_to_cpu``, a torchao module) or its

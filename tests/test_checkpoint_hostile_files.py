@@ -1,4 +1,4 @@
-"""The second red team's holes in reading and writing checkpoints, each reproduced as an attack.
+"""Hostile checkpoint files and folders, each attack reproduced: reading and writing refuse it.
 
 A refused file leaves the process as it was; any file is read or refused in time proportional to
 its size; the lock cannot be redirected or bypassed; two saves never share a temporary; a fresh run
@@ -55,7 +55,7 @@ def no_hang():
     signal.signal(signal.SIGALRM, old)
 
 
-# -- item 1: a refused .metadata changes nothing in the process ----------------------------------
+# -- a refused .metadata changes nothing in the process ----------------------------------
 def _build_on(module: str, name: str, state: bytes) -> bytes:
     """A pickle that pushes the global ``module.name`` and BUILDs it with ``state`` (opcodes)."""
     return b"\x80\x04c" + f"{module}\n{name}\n".encode() + state + b"b."
@@ -132,7 +132,7 @@ def test_the_metadata_unpickler_gives_state_only_to_dcp_objects_it_built(tiny, t
         _one_line(e, says)
 
 
-# -- item 2: keys that all hash alike --------------------------------------------------------------
+# -- keys that all hash alike --------------------------------------------------------------
 _P = 2 ** 61 - 1  # every multiple of it hashes to 0
 
 
@@ -201,7 +201,7 @@ def test_many_distinct_int_keys_still_load(tmp_path):
     assert len(read_full(path)["optimizer"]["state"]) == 50_000
 
 
-# -- items 3 and 4: the lock cannot be redirected, nor bypassed through a link ------------------------
+# -- the lock cannot be redirected, nor bypassed through a link ------------------------
 def test_a_planted_lock_link_fifo_or_hard_link_is_refused_and_its_target_untouched(tmp_path, no_hang):
     victim = tmp_path / "precious.txt"
     victim.write_text("precious")
@@ -234,7 +234,7 @@ def test_a_symlinked_checkpoint_folder_takes_the_same_lock(tmp_path):
     first.close()
 
 
-# -- item 5: lesson 03's temporaries are its own, and a run locks its folder ---------------------------
+# -- lesson 03's temporaries are its own, and a run locks its folder ---------------------------
 def test_lesson03_saves_at_once_never_share_a_temporary(world1, tmp_path, monkeypatch):
     """With the fixed name ``.NAME.tmp`` a second save during the first one wrote into the first's
     temporary, and the first then published the other run's state or a torn file."""
@@ -276,7 +276,7 @@ def test_lesson03_refuses_a_checkpoint_folder_another_run_holds(tmp_path):
     assert list(ckpts.iterdir()) == []
 
 
-# -- item 6: a fresh lesson 10 run in an old folder prunes only its own -----------------------------
+# -- a fresh lesson 10 run in an old folder prunes only its own -----------------------------
 def test_a_fresh_lesson10_run_in_an_old_folder_keeps_its_own_newest_checkpoints(tiny, tmp_path):
     """keep_last counted the earlier run's higher steps: each new save of the fresh run was deleted
     as soon as it was written. The fresh run now neither counts nor prunes the earlier run's."""
@@ -301,10 +301,10 @@ def test_a_fresh_lesson10_run_in_an_old_folder_keeps_its_own_newest_checkpoints(
     assert "earlier_run" in (REPO / "lessons/10_end_to_end/train.py").read_text()
 
 
-# -- item 7: a zip bomb in a .pt ---------------------------------------------------------------------
+# -- a zip bomb in a .pt ---------------------------------------------------------------------
 def test_a_zip_bomb_pt_is_refused_before_it_inflates(tmp_path):
     """torch's reader inflates a compressed record: 8 MB of zeros in a 20 KB file loaded (2 MiB
-    inflating to 2.2 GiB in the red team's). torch.save never compresses: refused."""
+    inflating to 2.2 GiB in a crafted one). torch.save never compresses: refused."""
     plain = io.BytesIO()
     torch.save({"format": FORMAT, "step": 1, "model": {"w": torch.zeros(2_000_000)}, "optimizer": {}},
                plain)
@@ -325,7 +325,7 @@ def test_a_zip_bomb_pt_is_refused_before_it_inflates(tmp_path):
         S.safe_torch_load(entry, "entry")
 
 
-# -- item 8: hostile trainer values ------------------------------------------------------------------
+# -- hostile trainer values ------------------------------------------------------------------
 def test_a_hostile_step_is_one_line(tiny, tmp_path):
     """trainer.step = -10**12 resumed and trained 'forever'."""
     model, opt = tiny
@@ -367,7 +367,7 @@ def test_a_string_where_the_scheduler_keeps_its_rates_is_one_line(tiny, tmp_path
     _one_line(e, "scheduler.last_epoch is -1000000000000")
 
 
-# -- item 9: a data file swapped after the check --------------------------------------------------------
+# -- a data file swapped after the check --------------------------------------------------------
 def test_a_shard_swapped_for_a_link_or_a_fifo_after_the_check_is_refused(tiny, tmp_path, no_hang):
     """After the check, the shard became a link to another checkpoint's shard (its weights loaded)
     or a FIFO (the load hung). Shards are opened without following links, as regular files."""
@@ -403,7 +403,7 @@ def test_a_shard_swapped_for_a_link_or_a_fifo_after_the_check_is_refused(tiny, t
     _one_line(e, "FIFO")
 
 
-# -- item 10: the HF export is published with one rename --------------------------------------------
+# -- the HF export is published with one rename --------------------------------------------
 class _Killed(BaseException):
     pass
 

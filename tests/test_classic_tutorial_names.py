@@ -1,8 +1,8 @@
 """The names the classic FSDP tutorials had users import behave as that code expects.
 
 The classic idiom is ``if verify_bfloat_support: mp_policy = bfSixteen`` with ``verify_bfloat_support``
-a module-level bool; the course's first version made it a function, which is always truthy. These
-tests use the classic lines literally, on this machine and on faked GPUs.
+a module-level bool (a function there would always be truthy). These tests use the classic lines
+literally, on this machine and on faked GPUs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The GPU paths that a CPU can exercise with the device-specific call faked: each test
-runs the course's own code with CUDA's counters, OOMs or accelerator detection replaced by fakes,
-and fails on the behaviour a GPU run would have shown."""
+"""A GPU run's memory checks, OOM handling, meshes and process-group backends, exercised on a CPU:
+each test runs the course's own code with CUDA's counters, OOMs or accelerator detection replaced by
+fakes, and fails on the behaviour a GPU run would have shown."""
 
 from __future__ import annotations
 
