@@ -29,7 +29,9 @@ from fakes import lesson10_module, train_step
 from hostile_files import build_zip, local_record, memo_dag, torch_file_with_pickle, torch_save_records
 
 import utilities.dcp as D
+import utilities.owned_paths as O
 import utilities.safe_files as S
+import utilities.torch_zip as Z
 from utilities.errors import UsageError
 from utilities.state_dict import FORMAT, read_full
 
@@ -322,7 +324,7 @@ def test_a_zip_bomb_pt_is_refused_before_it_inflates(tmp_path):
     _one_line(e, "damaged or hostile", "8000000 bytes (compressed)", f"file of {path.stat().st_size}")
     entry = io.BytesIO(bomb.getvalue())  # a DCP non-tensor entry is read the same way
     with pytest.raises(UsageError, match="compressed"):
-        S.safe_torch_load(entry, "entry")
+        Z.safe_torch_load(entry, "entry")
 
 
 # -- item 8: hostile trainer values ------------------------------------------------------------------
@@ -440,7 +442,7 @@ def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkey
         def first_only(*args, calls=calls):  # the leftovers' cleanup before staging; a kill then
             calls.append(args)                # cleans up nothing after it
             if len(calls) == 1:
-                S.discard_owned(*args)
+                O.discard_owned(*args)
 
         monkeypatch.setattr(state_dict, "discard_owned", first_only)
         with torch.no_grad():
@@ -651,7 +653,7 @@ def test_export_hf_refuses_a_file_or_a_downloaded_folder_and_deletes_nothing(tmp
     before = _tree(downloaded)
     with pytest.raises(UsageError) as e:
         export_hf(state, config, downloaded)
-    _one_line(e, "not an export the course wrote", S.OWNED_MARKER)
+    _one_line(e, "not an export the course wrote", O.OWNED_MARKER)
     assert _tree(downloaded) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "notes.txt"]
 
@@ -667,7 +669,7 @@ def test_export_hf_keeps_the_users_files_beside_an_earlier_export(tmp_path, llam
     hf = tmp_path / "hf"
     export_hf(state, config, hf)
     ours = json_names(hf)
-    assert "model.safetensors" in ours and "config.json" in ours and S.OWNED_MARKER not in ours
+    assert "model.safetensors" in ours and "config.json" in ours and O.OWNED_MARKER not in ours
     (hf / "tokenizer.json").write_text("{\"tok\": 1}")
     (hf / "README.md").write_text("# my model")
     (hf / "link.txt").symlink_to("README.md")
@@ -685,7 +687,7 @@ def test_export_hf_keeps_the_users_files_beside_an_earlier_export(tmp_path, llam
 
 
 def json_names(folder: Path) -> list[str]:
-    return json.loads((folder / S.OWNED_MARKER).read_text())["files"]
+    return json.loads((folder / O.OWNED_MARKER).read_text())["files"]
 
 
 def test_export_hf_refuses_a_users_file_where_it_would_write_and_a_forged_marker(tmp_path,
@@ -697,9 +699,9 @@ def test_export_hf_refuses_a_users_file_where_it_would_write_and_a_forged_marker
     export_hf(state, config, hf)
     (hf / "generation_config.json").unlink()
     (hf / "generation_config.json").write_text("mine")  # now the user's, and not in the marker
-    listed = json.loads((hf / S.OWNED_MARKER).read_text())
+    listed = json.loads((hf / O.OWNED_MARKER).read_text())
     listed["files"].remove("generation_config.json")
-    (hf / S.OWNED_MARKER).write_text(json.dumps(listed))
+    (hf / O.OWNED_MARKER).write_text(json.dumps(listed))
     before = _tree(hf)
     with pytest.raises(UsageError) as e:
         export_hf(state, config, hf)
@@ -709,7 +711,7 @@ def test_export_hf_refuses_a_users_file_where_it_would_write_and_a_forged_marker
     precious.write_text("keep")
     for forged in ('{"written_by": "fsdp-course", "files": ["../precious"]}', "[" * 100_000,
                    '{"written_by": "fsdp-course", "files": 1}', "not json"):
-        (hf / S.OWNED_MARKER).write_text(forged)
+        (hf / O.OWNED_MARKER).write_text(forged)
         with pytest.raises(UsageError) as e:
             export_hf(state, config, hf)
         _one_line(e, "marker", "nothing was replaced or deleted")

@@ -119,7 +119,7 @@ def test_sharded_tensor_metadata_with_enums_pickled_by_name_loads(tmp_path):
     3.11.2 pickles enums. Loaded with the local state dict's allowlist (``load_fsdp1_local``)."""
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-    from utilities.safe_files import safe_torch_load
+    from utilities.torch_zip import safe_torch_load
 
     props = TensorProperties.create_from_tensor(torch.zeros(2, 3))
     path = tmp_path / "rank0_of_2.pt"

@@ -45,27 +45,20 @@ from torch import nn
 
 from utilities.distributed import fail_together, world_size
 from utilities.errors import UsageError
+from utilities.pickle_scan import DamagedPickle, RefusedChange, RefusedGlobal, printable, scan_pickle
+from utilities.restricted_unpickler import RestrictedUnpickler, enum_member, guarded_container
 from utilities.safe_files import (
-    DamagedPickle,
-    RefusedChange,
-    RefusedGlobal,
-    RestrictedUnpickler,
     atomic_torch_save,
-    check_torch_slice,
-    enum_member,
-    guarded_container,
     open_regular,
     previous_path,
-    printable,
     read_at_most,
     regular_file_size,
     remove_path,
-    safe_torch_load,
-    scan_pickle,
     staging_path,
     swap_in,
 )
 from utilities.torch_internals import require_dcp_reader_hooks
+from utilities.torch_zip import check_torch_slice, safe_torch_load
 
 METADATA = ".metadata"
 

@@ -34,19 +34,16 @@ from torch import nn
 
 from utilities.distributed import fail_together, one_line_error
 from utilities.errors import UsageError
+from utilities.owned_paths import OWNED_MARKER, discard_owned, mark_owned, owned_names
 from utilities.safe_files import (
-    OWNED_MARKER,
     atomic_torch_save,
-    discard_owned,
     exchange_in,
     fsync_files,
-    mark_owned,
-    owned_names,
     regular_file_size,
-    safe_torch_load,
     staging_path,
     swap_in,
 )
+from utilities.torch_zip import safe_torch_load
 
 FORMAT = "fsdp-course-full-state-dict-v1"
 HOWS = ("dcp", "fsdp1-classic")
@@ -271,7 +268,7 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory:
     the config, and ``save_pretrained`` stores each tied tensor once (safetensors refuses aliases).
 
     ``directory`` is a new folder, an empty one, or an earlier export: its marker
-    (``safe_files.OWNED_MARKER``) lists the files the course wrote there, and only those are
+    (``owned_paths.OWNED_MARKER``) lists the files the course wrote there, and only those are
     replaced or deleted; a user's files beside them (a tokenizer, a README) are kept. Anything else
     (a file, a downloaded model folder) is refused in one line, nothing replaced or deleted.
     """
