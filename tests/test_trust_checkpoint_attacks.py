@@ -716,3 +716,42 @@ def test_export_hf_refuses_a_users_file_where_it_would_write_and_a_forged_marker
             export_hf(state, config, hf)
         _one_line(e, "marker", "nothing was replaced or deleted")
         assert precious.read_text() == "keep" and (hf / "config.json").is_file()
+
+
+def _scan_peak(scan) -> tuple[int, float]:
+    """The peak of Python memory traced while ``scan()`` runs, and the seconds it took."""
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        scan()
+        return tracemalloc.get_traced_memory()[1], time.perf_counter() - start
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_large_legal_pickle_is_scanned_in_memory_far_below_its_size(tmp_path):
+    """The pickle scan reads opcode by opcode, a long argument in pieces: 64 MiB of bytes and
+    8 MiB of text are scanned holding a few MiB (the whole pickle held once is over 72 MiB),
+    from a file and from the data.pkl of a torch.save file; a long text that is not UTF-8 or a
+    long argument cut short is still refused."""
+    from utilities.pickle_scan import DamagedPickle, scan_pickle
+
+    payload = {"weights": bytes(64 << 20), "notes": "é" * (4 << 20), "step": 3}
+    path = tmp_path / "big.pkl"
+    path.write_bytes(pickle.dumps(payload, protocol=4))
+    size = path.stat().st_size
+    assert size > 72 << 20
+    with open(path, "rb") as f:
+        peak, seconds = _scan_peak(lambda: scan_pickle(f, 64, lambda module, name: True))
+    assert peak < 4 << 20 and seconds < 10, (peak, seconds)
+    saved = tmp_path / "big.pt"
+    torch.save(payload, saved)
+    with open(saved, "rb") as f:
+        peak, seconds = _scan_peak(lambda: Z.check_torch_zip(f, "big.pt"))
+    assert peak < 4 << 20 and seconds < 10, (peak, seconds)
+    long_text = pickle.dumps("é" * 5000, protocol=4)
+    for damaged in (long_text.replace("é".encode(), b"\xff\xfe", 1), long_text[:-2000]):
+        with pytest.raises(DamagedPickle):
+            scan_pickle(damaged, 64, lambda module, name: True)

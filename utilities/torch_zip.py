@@ -64,23 +64,31 @@ def check_torch_zip(source: BinaryIO, what: str) -> None:
                     f") in a file of {size} bytes; allowed: stored records within the file, as "
                     "torch.save writes them; refused, nothing was loaded")
         check_records_apart(view, records, getattr(archive, "start_dir", size), size, what)
-        pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+        pickles = [r for r in records if r.filename.endswith("/data.pkl") and r.filename.count("/") == 1]
         if len(pickles) != 1:
             raise UsageError(f"{what} is not readable (truncated or not a torch.save file): it holds "
                              f"{len(pickles)} data.pkl records")
-        try:
-            data = archive.read(pickles[0])
-        except Exception as e:  # noqa: BLE001 - a damaged record: BadZipFile, a bad CRC, ...
-            raise UsageError(unreadable(what, e)) from None
-        try:
-            scan_pickle(data, TORCH_PICKLE_DEPTH, lambda module, name: True)
-        except RefusedGlobal:  # pragma: no cover - every global is admitted here
-            raise
-        except DamagedPickle as e:
-            raise UsageError(f"{what} is damaged or hostile: its pickle {e}; refused, nothing was "
-                             "loaded") from None
+        _scan_record(archive, pickles[0], what)
     finally:
         source.seek(start)
+
+
+def _scan_record(archive: Any, record: Any, what: str) -> None:
+    """``scan_pickle`` of the zip ``record`` (a ``ZipInfo`` of ``archive``), read as a stream, then
+    the rest of it (its CRC is checked at its end): one ``UsageError`` line for a damaged record or
+    pickle."""
+    try:
+        with archive.open(record) as stream:
+            scan_pickle(stream, TORCH_PICKLE_DEPTH, lambda module, name: True, size=record.file_size)
+            while stream.read(1 << 20):
+                pass
+    except RefusedGlobal:  # pragma: no cover - every global is admitted here
+        raise
+    except DamagedPickle as e:
+        raise UsageError(f"{what} is damaged or hostile: its pickle {e}; refused, nothing was "
+                         "loaded") from None
+    except Exception as e:  # noqa: BLE001 - a damaged record: BadZipFile, a bad CRC, ...
+        raise UsageError(unreadable(what, e)) from None
 
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip record's local header: signature ... name, extra lengths
