@@ -162,7 +162,7 @@ def _main(argv: list[str] | None = None) -> int:
         if args.command == "doctor":
             return _doctor(args)
         if args.command == "evidence":
-            from utilities.course.evidence import main as evidence_main
+            from utilities.course.evidence_command import main as evidence_main
 
             return evidence_main(args)
     except UsageError as e:
