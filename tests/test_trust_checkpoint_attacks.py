@@ -755,3 +755,42 @@ def test_a_large_legal_pickle_is_scanned_in_memory_far_below_its_size(tmp_path):
     for damaged in (long_text.replace("é".encode(), b"\xff\xfe", 1), long_text[:-2000]):
         with pytest.raises(DamagedPickle):
             scan_pickle(damaged, 64, lambda module, name: True)
+
+
+def test_the_ownership_rules_refuse_what_the_course_did_not_write(tmp_path):
+    """One set of rules for every writer (utilities.owned_paths): a folder is the course's to write
+    into only when new, empty or marked; an entry is replaced only when listed and still of its
+    kind; a name from the input is never a path. The DCP converter follows them: a user's file
+    or a link where it would write is refused and left as it was."""
+    from utilities.owned_paths import folder_state, owned_entry, replaceable
+
+    marked, foreign, empty = tmp_path / "marked", tmp_path / "foreign", tmp_path / "empty"
+    for folder in (marked, foreign, empty):
+        folder.mkdir()
+    (marked / "manifest.json").write_text("{}")
+    (foreign / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "link").symlink_to(marked)
+    states = {p.name: folder_state(p, "manifest.json") for p in (marked, foreign, empty, tmp_path / "file",
+                                                                  tmp_path / "link", tmp_path / "new")}
+    assert states == {"marked": "marked", "foreign": "foreign", "empty": "empty", "file": "file",
+                      "link": "link", "new": "missing"}
+    assert replaceable(marked / "manifest.json", True, "file") and replaceable(marked / "gone", False, "file")
+    assert not replaceable(marked / "manifest.json", False, "file")  # not listed: the user's
+    assert not replaceable(tmp_path / "link", True, "folder")  # a link is never the course's
+    for name in ("..", "a/b", "", O.OWNED_MARKER):
+        with pytest.raises(UsageError):
+            owned_entry(tmp_path, name, "--unpack")
+    model = {"w": torch.ones(2)}
+    torch.save(model, tmp_path / "model.pt")
+    def everything() -> dict[str, bytes | str]:
+        return {str(p.relative_to(tmp_path)): os.readlink(p) if p.is_symlink() else
+                p.read_bytes() if p.is_file() else "folder" for p in sorted(tmp_path.rglob("*"))}
+
+    for target in (tmp_path / "file", tmp_path / "link", foreign):
+        before = everything()
+        with pytest.raises(UsageError) as e:
+            D.from_torch_save(tmp_path / "model.pt", target)
+        _one_line(e, "is not a DCP checkpoint", "not replaced")
+        assert everything() == before
+    assert D.from_torch_save(tmp_path / "model.pt", empty) == empty and (empty / ".metadata").is_file()

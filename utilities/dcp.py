@@ -45,6 +45,7 @@ from torch import nn
 
 from utilities.distributed import fail_together, world_size
 from utilities.errors import UsageError
+from utilities.owned_paths import folder_state
 from utilities.pickle_scan import DamagedPickle, RefusedChange, RefusedGlobal, printable, scan_pickle
 from utilities.restricted_unpickler import RestrictedUnpickler, enum_member, guarded_container
 from utilities.safe_files import (
@@ -811,14 +812,16 @@ def from_torch_save(file: str | os.PathLike, dcp_dir: str | os.PathLike) -> Path
     Not PyTorch's ``torch_save_to_dcp``: it reads the file with ``weights_only=False``. We read it
     with ``weights_only=True`` (one line naming what it refused) and write it with ``dcp.save``,
     into ``.NAME.tmp``, then rename it over ``dcp_dir`` (``swap_in``): an earlier conversion there is
-    replaced whole, never mixed with the new files. A folder there that is not a DCP checkpoint
-    (no ``.metadata``) and not empty is refused, not replaced.
+    replaced whole, never mixed with the new files. Anything else there (``owned_paths.folder_state``:
+    a folder neither empty nor a DCP checkpoint, a file, a link) is refused, not replaced.
     """
     from torch.distributed.checkpoint import FileSystemWriter
 
     target = Path(dcp_dir)
-    if target.is_dir() and any(target.iterdir()) and not (target / METADATA).is_file():
-        raise UsageError(f"{str(target)!r} exists and is not a DCP checkpoint: not replaced")
+    state = folder_state(target, METADATA)
+    if state not in ("missing", "empty", "marked"):
+        kind = {"link": " (a symbolic link)", "file": " (a file)"}.get(state, "")
+        raise UsageError(f"{str(target)!r} exists and is not a DCP checkpoint{kind}: not replaced")
     if not Path(file).is_file():
         raise UsageError(f"torch.save file {str(file)!r} does not exist")
     state = safe_torch_load(Path(file), f"torch.save file {str(file)!r}")

@@ -29,6 +29,7 @@ from utilities.course.evidence import (
     repo_relative,
 )
 from utilities.errors import UsageError, bad_value
+from utilities.owned_paths import folder_state, owned_entry, replaceable, staging_folder
 
 MAX_MEMBERS = 2048  # an archive --pack writes holds a few hundred files
 MAX_HEADER_BYTES = 4096  # a pax header or a GNU long name longer than this is not ours
@@ -157,11 +158,13 @@ def _safe_members(tar: tarfile.TarFile, archive: Path, known: set[str], limit: i
 
 
 def _evidence_folder(into: Path) -> Path:
-    """``into`` as a folder an unpack may write: a new or empty folder, or an evidence folder (one
-    holding a manifest ``fsdp-course evidence`` wrote); never a link."""
-    if into.is_symlink() or (into.exists() and not into.is_dir()):
+    """``into`` as a folder an unpack may write (``owned_paths.folder_state``): a new or empty
+    folder, or an evidence folder (marked by a manifest ``fsdp-course evidence`` wrote); never a
+    link."""
+    state = folder_state(into, "manifest.json")
+    if state in ("link", "file"):
         raise bad_value("--into", str(into), "a folder (not a link or a file)")
-    if into.is_dir() and any(into.iterdir()) and Manifest.read(into / "manifest.json") is None:
+    if state == "foreign" or (state == "marked" and Manifest.read(into / "manifest.json") is None):
         raise bad_value("--into", str(into), "a new or empty folder, or an evidence folder (one with "
                         "the manifest.json `fsdp-course evidence` writes)")
     return into
@@ -214,13 +217,12 @@ def unpack(archive: Path, into: Path | None = None, root: Path = REPO_ROOT,
         taken = [name for name, record in incoming.steps.items()
                  if name not in current.steps or current.steps[name].date <= record.date]
         for name in taken:  # what will be replaced must be the folder's own, before anything moves
-            for path, is_kind in ((into / name, os.path.isdir), (into / f"{name}.log", os.path.isfile)):
-                if os.path.lexists(path) and (name not in current.steps or path.is_symlink()
-                                              or not is_kind(path)):
+            for leaf, kind in ((name, "folder"), (f"{name}.log", "file")):
+                path = owned_entry(into, leaf, "--unpack")
+                if not replaceable(path, name in current.steps, kind):
                     raise UsageError(f"--unpack: {repo_relative(path)!r} is in the way and is not this "
                                      "evidence folder's own; move it away and unpack again")
-        into.mkdir(parents=True, exist_ok=True)
-        replaced = Path(tempfile.mkdtemp(prefix=".unpack-", dir=into))
+        replaced = staging_folder(into, "unpack")
         try:
             for name in taken:
                 current.steps[name] = incoming.steps[name]
