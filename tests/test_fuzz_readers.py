@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import utilities.dcp as D
+import utilities.dcp_metadata as DM
 import utilities.owned_paths as O
 import utilities.safe_files as S
 import utilities.torch_zip as Z
@@ -306,7 +307,7 @@ def test_hostile_dcp_metadata_is_read_or_refused_in_one_line(data, dcp_checkpoin
             body[data.draw(st.integers(0, len(body) - 1))] ^= data.draw(st.integers(1, 255))
         shard.write_bytes(bytes(body))
     elif how == "field":
-        metadata = D.read_metadata(folder)
+        metadata = DM.read_metadata(folder)
         for _ in range(data.draw(st.integers(1, 3))):
             _refield(metadata, data.draw)
         raw = bytearray(pickle.dumps(metadata, protocol=data.draw(st.sampled_from([2, 4, 5]))))

@@ -29,6 +29,7 @@ from fakes import lesson10_module, train_step
 from hostile_files import build_zip, local_record, memo_dag, torch_file_with_pickle, torch_save_records
 
 import utilities.dcp as D
+import utilities.dcp_metadata as DM
 import utilities.owned_paths as O
 import utilities.safe_files as S
 import utilities.torch_zip as Z
@@ -120,7 +121,7 @@ def test_the_metadata_unpickler_gives_state_only_to_dcp_objects_it_built(tiny, t
     ckpt = tmp_path / "ckpt"
     D.save_checkpoint(ckpt, model, opt, step=1)
     good = (ckpt / ".metadata").read_bytes()
-    assert D.read_metadata(ckpt) == pickle.loads(good)
+    assert DM.read_metadata(ckpt) == pickle.loads(good)
     md = "torch.distributed.checkpoint.metadata"
     for payload, says in [
         (b"\x80\x04ctorch\nfloat32\n)\x81.", "to create an object"),  # NEWOBJ on a dtype
@@ -397,7 +398,7 @@ def test_a_shard_swapped_for_a_link_or_a_fifo_after_the_check_is_refused(tiny, t
     (ckpt / ".metadata").unlink()
     os.mkfifo(ckpt / ".metadata")
     with pytest.raises(UsageError) as e:
-        D.read_metadata(ckpt)
+        DM.read_metadata(ckpt)
     _one_line(e, "FIFO")
     os.mkfifo(tmp_path / "fifo.pt")
     with pytest.raises(UsageError) as e:
