@@ -758,11 +758,11 @@ def test_a_large_legal_pickle_is_scanned_in_memory_far_below_its_size(tmp_path):
             scan_pickle(damaged, 64, lambda module, name: True)
 
 
-def test_the_ownership_rules_refuse_what_the_course_did_not_write(tmp_path):
+def test_the_ownership_rules_refuse_what_the_course_did_not_write(tiny, tmp_path):
     """One set of rules for every writer (utilities.owned_paths): a folder is the course's to write
     into only when new, empty or marked; an entry is replaced only when listed and still of its
-    kind; a name from the input is never a path. The DCP converter follows them: a user's file
-    or a link where it would write is refused and left as it was."""
+    kind; a name from the input is never a path. The DCP converter and the checkpoint save follow
+    them: a user's file, folder or link where they would write is refused and left as it was."""
     from utilities.owned_paths import folder_state, owned_entry, replaceable
 
     marked, foreign, empty = tmp_path / "marked", tmp_path / "foreign", tmp_path / "empty"
@@ -793,5 +793,9 @@ def test_the_ownership_rules_refuse_what_the_course_did_not_write(tmp_path):
         with pytest.raises(UsageError) as e:
             D.from_torch_save(tmp_path / "model.pt", target)
         _one_line(e, "is not a DCP checkpoint", "not replaced")
+        assert everything() == before
+        with pytest.raises(UsageError) as e:
+            D.save_checkpoint(target, *tiny, step=1)
+        _one_line(e, "not a DCP checkpoint", "not replaced")
         assert everything() == before
     assert D.from_torch_save(tmp_path / "model.pt", empty) == empty and (empty / ".metadata").is_file()

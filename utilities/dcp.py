@@ -93,9 +93,20 @@ def prepare_save(path: Path) -> Path:
     with fail_together(f"preparing {tmp}"):  # also the barrier: rank 0 failing stops every rank
         if _rank() == 0:
             recover_checkpoint(path)  # first finish or undo what a killed earlier save left
+            _check_replaceable(path)
             remove_path(tmp)  # an unfinished save's leftovers, or a file planted in its place
             tmp.mkdir(parents=True)
     return tmp
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse, in one line, to save over anything at ``path`` but a DCP checkpoint or an empty
+    folder (``owned_paths.folder_state``): the save replaces what is there whole."""
+    state = folder_state(path, METADATA)
+    if state not in ("missing", "empty", "marked"):
+        kind = {"link": "a symbolic link", "file": "a file"}.get(state, "a folder of other files")
+        raise UsageError(f"checkpoint {str(path)!r} is {kind}, not a DCP checkpoint: not replaced; "
+                         "allowed: a new or empty folder, or a checkpoint the course saved")
 
 
 def publish_save(tmp: Path, path: Path) -> None:
