@@ -29,7 +29,10 @@ from fakes import lesson10_module, train_step
 from hostile_files import build_zip, local_record, memo_dag, torch_file_with_pickle, torch_save_records
 
 import utilities.dcp as D
+import utilities.dcp_metadata as DM
+import utilities.owned_paths as O
 import utilities.safe_files as S
+import utilities.torch_zip as Z
 from utilities.errors import UsageError
 from utilities.state_dict import FORMAT, read_full
 
@@ -118,7 +121,7 @@ def test_the_metadata_unpickler_gives_state_only_to_dcp_objects_it_built(tiny, t
     ckpt = tmp_path / "ckpt"
     D.save_checkpoint(ckpt, model, opt, step=1)
     good = (ckpt / ".metadata").read_bytes()
-    assert D.read_metadata(ckpt) == pickle.loads(good)
+    assert DM.read_metadata(ckpt) == pickle.loads(good)
     md = "torch.distributed.checkpoint.metadata"
     for payload, says in [
         (b"\x80\x04ctorch\nfloat32\n)\x81.", "to create an object"),  # NEWOBJ on a dtype
@@ -322,7 +325,7 @@ def test_a_zip_bomb_pt_is_refused_before_it_inflates(tmp_path):
     _one_line(e, "damaged or hostile", "8000000 bytes (compressed)", f"file of {path.stat().st_size}")
     entry = io.BytesIO(bomb.getvalue())  # a DCP non-tensor entry is read the same way
     with pytest.raises(UsageError, match="compressed"):
-        S.safe_torch_load(entry, "entry")
+        Z.safe_torch_load(entry, "entry")
 
 
 # -- hostile trainer values ------------------------------------------------------------------
@@ -395,7 +398,7 @@ def test_a_shard_swapped_for_a_link_or_a_fifo_after_the_check_is_refused(tiny, t
     (ckpt / ".metadata").unlink()
     os.mkfifo(ckpt / ".metadata")
     with pytest.raises(UsageError) as e:
-        D.read_metadata(ckpt)
+        DM.read_metadata(ckpt)
     _one_line(e, "FIFO")
     os.mkfifo(tmp_path / "fifo.pt")
     with pytest.raises(UsageError) as e:
@@ -440,7 +443,7 @@ def test_a_kill_at_any_instant_of_an_hf_export_leaves_an_export(tmp_path, monkey
         def first_only(*args, calls=calls):  # the leftovers' cleanup before staging; a kill then
             calls.append(args)                # cleans up nothing after it
             if len(calls) == 1:
-                S.discard_owned(*args)
+                O.discard_owned(*args)
 
         monkeypatch.setattr(state_dict, "discard_owned", first_only)
         with torch.no_grad():
@@ -651,7 +654,7 @@ def test_export_hf_refuses_a_file_or_a_downloaded_folder_and_deletes_nothing(tmp
     before = _tree(downloaded)
     with pytest.raises(UsageError) as e:
         export_hf(state, config, downloaded)
-    _one_line(e, "not an export the course wrote", S.OWNED_MARKER)
+    _one_line(e, "not an export the course wrote", O.OWNED_MARKER)
     assert _tree(downloaded) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "notes.txt"]
 
@@ -667,7 +670,7 @@ def test_export_hf_keeps_the_users_files_beside_an_earlier_export(tmp_path, llam
     hf = tmp_path / "hf"
     export_hf(state, config, hf)
     ours = json_names(hf)
-    assert "model.safetensors" in ours and "config.json" in ours and S.OWNED_MARKER not in ours
+    assert "model.safetensors" in ours and "config.json" in ours and O.OWNED_MARKER not in ours
     (hf / "tokenizer.json").write_text("{\"tok\": 1}")
     (hf / "README.md").write_text("# my model")
     (hf / "link.txt").symlink_to("README.md")
@@ -685,7 +688,7 @@ def test_export_hf_keeps_the_users_files_beside_an_earlier_export(tmp_path, llam
 
 
 def json_names(folder: Path) -> list[str]:
-    return json.loads((folder / S.OWNED_MARKER).read_text())["files"]
+    return json.loads((folder / O.OWNED_MARKER).read_text())["files"]
 
 
 def test_export_hf_refuses_a_users_file_where_it_would_write_and_a_forged_marker(tmp_path,
@@ -697,9 +700,9 @@ def test_export_hf_refuses_a_users_file_where_it_would_write_and_a_forged_marker
     export_hf(state, config, hf)
     (hf / "generation_config.json").unlink()
     (hf / "generation_config.json").write_text("mine")  # now the user's, and not in the marker
-    listed = json.loads((hf / S.OWNED_MARKER).read_text())
+    listed = json.loads((hf / O.OWNED_MARKER).read_text())
     listed["files"].remove("generation_config.json")
-    (hf / S.OWNED_MARKER).write_text(json.dumps(listed))
+    (hf / O.OWNED_MARKER).write_text(json.dumps(listed))
     before = _tree(hf)
     with pytest.raises(UsageError) as e:
         export_hf(state, config, hf)
@@ -709,8 +712,90 @@ def test_export_hf_refuses_a_users_file_where_it_would_write_and_a_forged_marker
     precious.write_text("keep")
     for forged in ('{"written_by": "fsdp-course", "files": ["../precious"]}', "[" * 100_000,
                    '{"written_by": "fsdp-course", "files": 1}', "not json"):
-        (hf / S.OWNED_MARKER).write_text(forged)
+        (hf / O.OWNED_MARKER).write_text(forged)
         with pytest.raises(UsageError) as e:
             export_hf(state, config, hf)
         _one_line(e, "marker", "nothing was replaced or deleted")
         assert precious.read_text() == "keep" and (hf / "config.json").is_file()
+
+
+def _scan_peak(scan) -> tuple[int, float]:
+    """The peak of Python memory traced while ``scan()`` runs, and the seconds it took."""
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        scan()
+        return tracemalloc.get_traced_memory()[1], time.perf_counter() - start
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_large_legal_pickle_is_scanned_in_memory_far_below_its_size(tmp_path):
+    """The pickle scan reads opcode by opcode, a long argument in pieces: 64 MiB of bytes and
+    8 MiB of text are scanned holding a few MiB (the whole pickle held once is over 72 MiB),
+    from a file and from the data.pkl of a torch.save file; a long text that is not UTF-8 or a
+    long argument cut short is still refused."""
+    from utilities.pickle_scan import DamagedPickle, scan_pickle
+
+    payload = {"weights": bytes(64 << 20), "notes": "é" * (4 << 20), "step": 3}
+    path = tmp_path / "big.pkl"
+    path.write_bytes(pickle.dumps(payload, protocol=4))
+    size = path.stat().st_size
+    assert size > 72 << 20
+    with open(path, "rb") as f:
+        peak, seconds = _scan_peak(lambda: scan_pickle(f, 64, lambda module, name: True))
+    assert peak < 4 << 20 and seconds < 10, (peak, seconds)
+    saved = tmp_path / "big.pt"
+    torch.save(payload, saved)
+    with open(saved, "rb") as f:
+        peak, seconds = _scan_peak(lambda: Z.check_torch_zip(f, "big.pt"))
+    assert peak < 4 << 20 and seconds < 10, (peak, seconds)
+    long_text = pickle.dumps("é" * 5000, protocol=4)
+    for damaged in (long_text.replace("é".encode(), b"\xff\xfe", 1), long_text[:-2000]):
+        with pytest.raises(DamagedPickle):
+            scan_pickle(damaged, 64, lambda module, name: True)
+
+
+def test_the_ownership_rules_refuse_what_the_course_did_not_write(tiny, tmp_path):
+    """One set of rules for every writer (utilities.owned_paths): a folder is the course's to write
+    into only when new, empty or marked; an entry is replaced only when listed and still of its
+    kind; a name from the input is never a path. The DCP converter and the checkpoint save follow
+    them: a user's file, folder or link where they would write is refused and left as it was."""
+    from utilities.owned_paths import folder_state, owned_entry, replaceable
+
+    marked, foreign, empty = tmp_path / "marked", tmp_path / "foreign", tmp_path / "empty"
+    for folder in (marked, foreign, empty):
+        folder.mkdir()
+    (marked / "manifest.json").write_text("{}")
+    (foreign / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "link").symlink_to(marked)
+    states = {p.name: folder_state(p, "manifest.json") for p in (marked, foreign, empty, tmp_path / "file",
+                                                                  tmp_path / "link", tmp_path / "new")}
+    assert states == {"marked": "marked", "foreign": "foreign", "empty": "empty", "file": "file",
+                      "link": "link", "new": "missing"}
+    assert replaceable(marked / "manifest.json", True, "file") and replaceable(marked / "gone", False, "file")
+    assert not replaceable(marked / "manifest.json", False, "file")  # not listed: the user's
+    assert not replaceable(tmp_path / "link", True, "folder")  # a link is never the course's
+    for name in ("..", "a/b", "", O.OWNED_MARKER):
+        with pytest.raises(UsageError):
+            owned_entry(tmp_path, name, "--unpack")
+    model = {"w": torch.ones(2)}
+    torch.save(model, tmp_path / "model.pt")
+    def everything() -> dict[str, bytes | str]:
+        return {str(p.relative_to(tmp_path)): os.readlink(p) if p.is_symlink() else
+                p.read_bytes() if p.is_file() else "folder" for p in sorted(tmp_path.rglob("*"))}
+
+    for target in (tmp_path / "file", tmp_path / "link", foreign):
+        before = everything()
+        with pytest.raises(UsageError) as e:
+            D.from_torch_save(tmp_path / "model.pt", target)
+        _one_line(e, "is not a DCP checkpoint", "not replaced")
+        assert everything() == before
+        with pytest.raises(UsageError) as e:
+            D.save_checkpoint(target, *tiny, step=1)
+        _one_line(e, "not a DCP checkpoint", "not replaced")
+        assert everything() == before
+    assert D.from_torch_save(tmp_path / "model.pt", empty) == empty and (empty / ".metadata").is_file()

@@ -21,6 +21,7 @@ from fakes import lesson10_module, train_step
 from torch import nn
 
 import utilities.dcp as D
+import utilities.dcp_metadata as DM
 import utilities.safe_files as S
 from utilities.errors import UsageError
 from utilities.state_dict import FORMAT, read_full
@@ -78,7 +79,7 @@ class _EnumsByName(pickle.Pickler):
 def _repickle_enums_by_name(ckpt: Path) -> None:
     import io
 
-    metadata = D.read_metadata(ckpt)
+    metadata = DM.read_metadata(ckpt)
     buf = io.BytesIO()
     _EnumsByName(buf).dump(metadata)
     (ckpt / ".metadata").write_bytes(buf.getvalue())
@@ -119,7 +120,7 @@ def test_sharded_tensor_metadata_with_enums_pickled_by_name_loads(tmp_path):
     3.11.2 pickles enums. Loaded with the local state dict's allowlist (``load_fsdp1_local``)."""
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-    from utilities.safe_files import safe_torch_load
+    from utilities.torch_zip import safe_torch_load
 
     props = TensorProperties.create_from_tensor(torch.zeros(2, 3))
     path = tmp_path / "rank0_of_2.pt"
@@ -381,7 +382,7 @@ def test_metadata_swapped_after_any_read_never_runs_code(tiny, tmp_path, monkeyp
 
 # -- crafted metadata of DCP's own classes: one line, damaged or hostile, nothing loaded ----------
 def _rewrite_metadata(ckpt: Path, change) -> None:
-    metadata = D.read_metadata(ckpt)
+    metadata = DM.read_metadata(ckpt)
     change(metadata)
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
 

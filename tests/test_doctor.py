@@ -18,8 +18,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from utilities import doctor
-from utilities.doctor import COLUMNS, Finding, diagnose, findings_text
+from utilities import doctor, doctor_units
+from utilities.doctor import diagnose, findings_text
+from utilities.doctor_parts import COLUMNS, Finding
 from utilities.models import get_model_spec, init_weights
 from utilities.precision import fsdp1_policy, fsdp2_policy
 from utilities.wrapping import shard_model
@@ -369,7 +370,7 @@ def test_fsdp1_mixed_unit_without_use_orig_params_where_torch_lets_it_through(mo
     model.shared.weight.requires_grad_(False)
     wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block()}), device_id=CPU,
                    use_orig_params=True)
-    monkeypatch.setattr(doctor, "fsdp1_uses_orig_params", lambda unit: False)
+    monkeypatch.setattr(doctor_units, "fsdp1_uses_orig_params", lambda unit: False)
     assert checks(diagnose(wrapped)) == ["fsdp1-mixed-unit"]
 
 

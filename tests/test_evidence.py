@@ -20,6 +20,8 @@ import pytest
 from conftest import REPO, cli_here
 
 from utilities.course import evidence as E
+from utilities.course import evidence_archive as A
+from utilities.course import evidence_command as C
 
 
 def test_the_plan_names_every_lesson_twice_and_every_gpu_test_and_fits_80_columns():
@@ -81,10 +83,10 @@ def fake_machine(date):
 
 
 def chunk(steps, into, archive, monkeypatch, date, minutes="8"):
-    monkeypatch.setattr(E, "describe_machine", lambda: fake_machine(date))
+    monkeypatch.setattr(C, "describe_machine", lambda: fake_machine(date))
     args = E.add_arguments(argparse.ArgumentParser()).parse_args(
         ["--minutes", minutes, "--into", str(into), "--pack", str(archive)])
-    return E.main(args, gpu_available=lambda: True, steps=steps)
+    return C.main(args, gpu_available=lambda: True, steps=steps)
 
 
 def test_consecutive_chunks_complete_the_plan_with_nothing_run_twice_one_archive_each(tmp_path, monkeypatch):
@@ -101,7 +103,7 @@ def test_consecutive_chunks_complete_the_plan_with_nothing_run_twice_one_archive
         assert archive.stat().st_size < E.PACK_LIMIT_BYTES
         with tarfile.open(archive) as tar:
             assert "manifest.json" in tar.getnames()
-        E.unpack(archive, into=here, known=[s.name for s in steps])
+        A.unpack(archive, into=here, known=[s.name for s in steps])
         ran_per_chunk.append(counter.read_text().split() if counter.exists() else [])
         counter.unlink(missing_ok=True)
     # 3-minute estimates in 8-minute chunks: two steps per chunk, then nothing is left
@@ -166,10 +168,10 @@ def test_a_loan_measures_what_never_ran_first_claims_and_benchmarks_before_stale
     into = tmp_path / "ev"
     into.mkdir()
     manifest.write(into / "manifest.json")
-    monkeypatch.setattr(E, "describe_machine", lambda: fake_machine("2026-11-28T10:00:00+00:00"))
+    monkeypatch.setattr(C, "describe_machine", lambda: fake_machine("2026-11-28T10:00:00+00:00"))
     monkeypatch.setattr(E, "missing_modules", no_torchao)
     args = E.add_arguments(argparse.ArgumentParser()).parse_args(["--plan", "--into", str(into)])
-    assert E.main(args, gpu_available=lambda: True) == 0
+    assert C.main(args, gpu_available=lambda: True) == 0
     out = capsys.readouterr().out
     marked = [line.split()[1] for line in out.splitlines() if line.startswith("> ")]
     assert marked == [s.name for s in chunk] and all(len(line) <= 80 for line in out.splitlines()[1:])
@@ -232,7 +234,7 @@ def test_an_archive_over_the_limit_keeps_the_logs_tails(tmp_path):
     folder.mkdir()
     (folder / "manifest.json").write_text("{}")
     (folder / "big.log").write_bytes(os.urandom(400_000).hex().encode()[:600_000] + b"\nTHE END\n")
-    size = E.pack(folder, tmp_path / "e.tar.gz", limit=150_000)
+    size = A.pack(folder, tmp_path / "e.tar.gz", limit=150_000)
     assert size <= 150_000
     with tarfile.open(tmp_path / "e.tar.gz") as tar:
         log = tar.extractfile("big.log").read()
@@ -263,7 +265,7 @@ def _archive(tmp_path, members: dict[str, bytes], link: str | None = None):
 ])
 def test_unpack_refuses_an_archive_that_could_write_outside_its_folder(tmp_path, members, link, says):
     with pytest.raises(E.UsageError, match=None) as error:
-        E.unpack(_archive(tmp_path, members, link), root=tmp_path)
+        A.unpack(_archive(tmp_path, members, link), root=tmp_path)
     assert says in str(error.value)
     assert not (tmp_path.parent / "escape.log").exists()
 
@@ -282,8 +284,8 @@ def test_unpack_keeps_the_newer_result_and_renders_the_readme_tables(tmp_path, m
         incoming / "manifest.json")
     (incoming / "lesson-01").mkdir()
     (incoming / "lesson-01" / "results.json").write_text(json.dumps(results))
-    E.pack(incoming, tmp_path / "e.tar.gz")
-    folder, taken = E.unpack(tmp_path / "e.tar.gz", into=here)
+    A.pack(incoming, tmp_path / "e.tar.gz")
+    folder, taken = A.unpack(tmp_path / "e.tar.gz", into=here)
     assert taken == ["lesson-01"] and E.Manifest.read(here / "manifest.json").steps["quick-01"].status == "ok"
     lessons = tmp_path / "lessons"
     (lessons / "01_auto_wrap").mkdir(parents=True)
@@ -315,13 +317,13 @@ def test_the_unpack_command_renders_the_benchmark_tables_and_the_calibration_row
     assert "old" not in block and row in block and block.startswith("a\n") and block.endswith("\nb\n")
     # the command: merge, then the lesson and benchmark READMEs re-rendered
     E.Manifest(folder="x", steps={}).write(folder / "manifest.json")
-    E.pack(folder, tmp_path / "e.tar.gz")
+    A.pack(folder, tmp_path / "e.tar.gz")
     calls = []
-    monkeypatch.setattr(E, "render_readmes", lambda f: calls.append(("lessons", f)) or ["01"])
-    monkeypatch.setattr(E, "render_benchmarks", lambda: calls.append(("benchmarks",)) or "table written")
+    monkeypatch.setattr(C, "render_readmes", lambda f: calls.append(("lessons", f)) or ["01"])
+    monkeypatch.setattr(C, "render_benchmarks", lambda: calls.append(("benchmarks",)) or "table written")
     args = E.add_arguments(argparse.ArgumentParser()).parse_args(
         ["--unpack", str(tmp_path / "e.tar.gz"), "--into", str(tmp_path / "merged")])
-    assert E.main(args) == 0
+    assert C.main(args) == 0
     assert calls == [("lessons", tmp_path / "merged"), ("benchmarks",)]
 
 
@@ -392,7 +394,7 @@ def test_no_step_name_in_an_archive_decides_what_unpack_writes_or_deletes(tmp_pa
     archive = _evidence_archive(tmp_path, {step: _record()}, {})
     for into in (gpu, gpu / "new"):
         with pytest.raises(E.UsageError) as error:
-            E.unpack(archive, into=into, root=tmp_path)
+            A.unpack(archive, into=into, root=tmp_path)
         assert "\n" not in str(error.value)
     assert (committed / "manifest.json").read_text() == "kept"
     assert (tmp_path / "lessons" / "kept.md").read_text() == "kept" and not (gpu / "new").exists()
@@ -412,25 +414,25 @@ def test_unpack_replaces_only_what_its_folder_owns(tmp_path):
         here / "manifest.json")
     (here / "quick-01").symlink_to(user, target_is_directory=True)
     with pytest.raises(E.UsageError, match="in the way"):
-        E.unpack(archive, into=here)
+        A.unpack(archive, into=here)
     assert (user / "precious.txt").read_text() == "kept" and (here / "quick-01").is_symlink()
     # a file of the user's where a step's log goes, the step not in the folder's manifest: refused
     (here / "quick-01").unlink()
     (here / "quick-02.log").write_text("the user's")
     with pytest.raises(E.UsageError, match="quick-02.log"):
-        E.unpack(archive, into=here)
+        A.unpack(archive, into=here)
     assert (here / "quick-02.log").read_text() == "the user's"
     # out of the way: merged, the old step folder replaced, no staging folder left behind
     (here / "quick-02.log").unlink()
     (here / "quick-01").mkdir()
     (here / "quick-01" / "old.json").write_text("old")
-    assert E.unpack(archive, into=here)[1] == ["quick-01", "quick-02"]
+    assert A.unpack(archive, into=here)[1] == ["quick-01", "quick-02"]
     assert sorted(p.name for p in here.iterdir()) == ["manifest.json", "quick-01", "quick-01.log",
                                                       "quick-02.log"]
     assert [p.name for p in (here / "quick-01").iterdir()] == ["results.json"]
     # --into a folder that holds other things and no evidence manifest: refused
     with pytest.raises(E.UsageError, match="--into"):
-        E.unpack(archive, into=tmp_path)
+        A.unpack(archive, into=tmp_path)
 
 
 def _raw_tar_gz(path, headers_and_data: list[tuple[bytes, bytes]]):
@@ -463,7 +465,7 @@ def test_unpack_bombs_and_odd_archives_are_refused_in_one_line_within_bounds(tmp
     elif case == "long-name":
         _raw_tar_gz(path, [(_header("././@LongLink", tarfile.GNUTYPE_LONGNAME, 2**20), b"a" * 2**20)])
     elif case == "many-folders":
-        _raw_tar_gz(path, [(_header(f"d{i}", tarfile.DIRTYPE, 0), b"") for i in range(E.MAX_MEMBERS + 1)])
+        _raw_tar_gz(path, [(_header(f"d{i}", tarfile.DIRTYPE, 0), b"") for i in range(A.MAX_MEMBERS + 1)])
     elif case == "file-then-folder":
         path = _evidence_archive(tmp_path, {"quick-01": _record()},
                                  {"quick-01/a": b"x", "quick-01/a/b": b"y"}, name="bomb.tar.gz")
@@ -500,5 +502,5 @@ def test_a_manifest_of_the_wrong_types_is_refused_in_one_line(tmp_path, manifest
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     with pytest.raises(E.UsageError, match="not an evidence manifest"):
-        E.unpack(path, into=tmp_path / "ev")
+        A.unpack(path, into=tmp_path / "ev")
     assert not (tmp_path / "ev").exists()

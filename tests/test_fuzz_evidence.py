@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from utilities.course import evidence as E
+from utilities.course import evidence_archive as A
 
 LONG_RUN = int(os.environ.get("FSDP_COURSE_FUZZ_EXAMPLES", "0") or 0)
 EXAMPLES = LONG_RUN or 60  # the default run draws the same examples every time (it cannot flake)
@@ -104,7 +105,7 @@ def test_an_archive_is_merged_within_its_folder_or_refused_in_one_line(tmp_path_
     before = _tree(outside)
     began = time.monotonic()
     try:
-        folder, taken = E.unpack(archive, into=into, root=base, known=KNOWN)
+        folder, taken = A.unpack(archive, into=into, root=base, known=KNOWN)
     except E.UsageError as e:
         assert "\n" not in str(e) and len(str(e)) < 800
         event("refused")

@@ -1,7 +1,7 @@
 """Property-based fuzzing (``hypothesis``) of the readers of checkpoint files the course did not
-write: ``torch.save`` files (``safe_files.safe_torch_load``: the zip check, the pickle scan, the
+write: ``torch.save`` files (``torch_zip.safe_torch_load``: the zip check, the pickle scan, the
 weights-only load), DCP ``.metadata`` (``dcp.check_checkpoint``) and the marker of an export folder
-(``safe_files.owned_names``); and the writers of a path the user names (``plan --trace``, ``record
+(``owned_paths.owned_names``); and the writers of a path the user names (``plan --trace``, ``record
 --out``: ``safe_files.atomic_write_text``, ``open_output``) over whatever is planted there.
 
 Each property: the reader gives a correct result or refuses in one ``UsageError`` line, within
@@ -39,7 +39,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import utilities.dcp as D
+import utilities.dcp_metadata as DM
+import utilities.owned_paths as O
 import utilities.safe_files as S
+import utilities.torch_zip as Z
 from utilities.errors import UsageError
 
 LONG_RUN = int(os.environ.get("FSDP_COURSE_FUZZ_EXAMPLES", "0") or 0)
@@ -171,7 +174,7 @@ _KNOWN = [b"\x80\x04}" + memo_dag(40) + b"K\x01s.",  # a 40-deep memo DAG as a k
 @example(data=_KNOWN[0])
 @example(data=_KNOWN[1])
 def test_hostile_pickles_in_a_pt_are_read_or_refused_in_one_line(data, tmp_path):
-    read_within_bounds(lambda: S.safe_torch_load(io.BytesIO(torch_file_with_pickle(data)), "fuzzed.pt"),
+    read_within_bounds(lambda: Z.safe_torch_load(io.BytesIO(torch_file_with_pickle(data)), "fuzzed.pt"),
                        tmp_path)
 
 
@@ -192,7 +195,7 @@ def test_what_torch_save_writes_loads_back_as_it_was(obj, tmp_path):
     whole (the work bound counts shared objects but never refuses honest sharing)."""
     buf = io.BytesIO()
     torch.save({"obj": obj}, buf)
-    got = read_within_bounds(lambda: S.safe_torch_load(io.BytesIO(buf.getvalue()), "saved.pt"),
+    got = read_within_bounds(lambda: Z.safe_torch_load(io.BytesIO(buf.getvalue()), "saved.pt"),
                              tmp_path)
     assert got is not None and _same(obj, got["obj"])
 
@@ -237,7 +240,7 @@ def test_hostile_zips_are_read_or_refused_in_one_line(zip_and_intact, tmp_path):
     tensor's data changes its value: torch checks no CRC), no record is read twice, out of place or
     under another record's name."""
     data, intact = zip_and_intact
-    got = read_within_bounds(lambda: S.safe_torch_load(io.BytesIO(data), "fuzzed.pt"), tmp_path)
+    got = read_within_bounds(lambda: Z.safe_torch_load(io.BytesIO(data), "fuzzed.pt"), tmp_path)
     if got is not None and intact:
         assert isinstance(got, dict) and set(got) <= {"format", "w", "b"}
         if "w" in got:
@@ -247,7 +250,7 @@ def test_hostile_zips_are_read_or_refused_in_one_line(zip_and_intact, tmp_path):
 
 
 def test_the_zip_builder_writes_what_torch_reads():
-    assert torch.equal(S.safe_torch_load(io.BytesIO(build_zip(_BASE)), "built.pt")["w"],
+    assert torch.equal(Z.safe_torch_load(io.BytesIO(build_zip(_BASE)), "built.pt")["w"],
                        torch.arange(64.0))
 
 
@@ -304,7 +307,7 @@ def test_hostile_dcp_metadata_is_read_or_refused_in_one_line(data, dcp_checkpoin
             body[data.draw(st.integers(0, len(body) - 1))] ^= data.draw(st.integers(1, 255))
         shard.write_bytes(bytes(body))
     elif how == "field":
-        metadata = D.read_metadata(folder)
+        metadata = DM.read_metadata(folder)
         for _ in range(data.draw(st.integers(1, 3))):
             _refield(metadata, data.draw)
         raw = bytearray(pickle.dumps(metadata, protocol=data.draw(st.sampled_from([2, 4, 5]))))
@@ -322,7 +325,7 @@ def test_the_unchanged_dcp_checkpoint_is_read(dcp_checkpoint):
 
 
 # -- the marker of an export folder ---------------------------------------------------------------------
-_names = st.one_of(st.text(max_size=12), st.sampled_from(["..", ".", "a/b", "/etc", S.OWNED_MARKER,
+_names = st.one_of(st.text(max_size=12), st.sampled_from(["..", ".", "a/b", "/etc", O.OWNED_MARKER,
                                                           "config.json", "x\0y"]))
 _markers = st.one_of(
     st.binary(max_size=300),
@@ -339,8 +342,8 @@ _markers = st.one_of(
 def test_hostile_export_markers_are_read_or_refused_in_one_line(marker, tmp_path_factory):
     folder = tmp_path_factory.mktemp("export")
     (folder / "config.json").write_text("{}")
-    (folder / S.OWNED_MARKER).write_bytes(marker)
-    names = read_within_bounds(lambda: S.owned_names(folder, "fuzzed export"), folder)
+    (folder / O.OWNED_MARKER).write_bytes(marker)
+    names = read_within_bounds(lambda: O.owned_names(folder, "fuzzed export"), folder)
     if names is not None:
         assert all(n and "/" not in n and n not in (".", "..") for n in names), names
 

@@ -220,7 +220,7 @@ def test_hf_export_replaces_an_earlier_one_whole_and_survives_a_crash(tmp_path, 
     """export_hf wrote into the folder: files of an earlier export stayed beside the new ones, and
     a crash mid-write left a mix. It now writes beside it and renames it into place; of the earlier
     export it deletes what its marker lists (a file the course wrote in an older format)."""
-    import utilities.safe_files as S
+    import utilities.owned_paths as O
     from utilities.models import get_model_spec
     from utilities.state_dict import export_hf
 
@@ -230,7 +230,7 @@ def test_hf_export_replaces_an_earlier_one_whole_and_survives_a_crash(tmp_path, 
     hf = tmp_path / "hf"
     export_hf(model.state_dict(), spec.config(), hf)
     (hf / "pytorch_model.bin").write_bytes(b"an earlier export in the older format")
-    S.mark_owned(hf, [*S.owned_names(hf, "hf"), "pytorch_model.bin"])
+    O.mark_owned(hf, [*O.owned_names(hf, "hf"), "pytorch_model.bin"])
     before = sorted(p.name for p in hf.iterdir())
     import transformers
 

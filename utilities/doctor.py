@@ -45,13 +45,8 @@ What it looks for:
 
 from __future__ import annotations
 
-import ast
-import inspect
 import math
-import statistics
-import textwrap
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,47 +54,28 @@ import torch.distributed as dist
 from torch import nn
 
 from utilities.bf16 import bf16_ready
-from utilities.text import wrap_lines
+from utilities.doctor_parts import (
+    Finding,
+    clean_name,
+    elements,
+    is_dtensor,
+    local_tensor,
+    modules_with_units,
+    named_unique,
+    some_names,
+)
+from utilities.doctor_units import fsdp1_mixed_units, unit_sizes, unmanaged_parameters, unregistered_methods
 from utilities.torch_internals import (
-    fsdp1_flat_param,
-    fsdp1_flat_param_contents,
     fsdp1_mixed_precision,
-    fsdp1_orig_params,
-    fsdp1_uses_orig_params,
-    fsdp2_forward_method_registered,
     fsdp2_mp_policy,
     fsdp2_sharded_parameters,
     is_flat_param,
 )
-from utilities.wrapping import fsdp_units, unit_parameter_counts
+from utilities.wrapping import fsdp_units
 
-COLUMNS = 80  # a printed finding is folded to this width
-ROOT_SHARE_LIMIT = 0.5  # more of the parameters than this in the root unit: the model gathered at once
-LARGE_UNIT_FACTOR = 4  # a unit this many times the median unit is far larger than the others
-FROZEN_SHARE_LIMIT = 0.1  # frozen share of an FSDP1 use_orig_params unit worth its gradient memory
 HUGE_VALUE = 1e20  # a parameter this large was never initialised
 INV_FREQ_RANGE = (1e-12, 1.0)  # every rotary inverse frequency: base^(-2i/d), scaled down or not
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem: ``check`` names it, ``problem`` says what is wrong (with the numbers),
-    ``why`` why it matters, ``fix`` what to do. ``str()`` is the finding as one line folded at
-    ``COLUMNS``; ``line`` the same unfolded."""
-
-    check: str
-    problem: str
-    why: str
-    fix: str
-
-    @property
-    def line(self) -> str:
-        return f"{self.check}: {self.problem}; {self.why}. Fix: {self.fix}"
-
-    def __str__(self) -> str:
-        return wrap_lines(self.line, COLUMNS, indent="    ")
 
 
 def findings_text(findings: list[Finding]) -> str:
@@ -145,11 +121,11 @@ def diagnose(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, b
         findings += _meta_and_bad_values(model, params)
         findings += _rotary_buffers(model)
     if api == "fsdp1":
-        findings += _fsdp1_mixed_units(model, units)
+        findings += fsdp1_mixed_units(model, units)
     else:
-        findings += _unregistered_methods(model, units, tuple(methods))
-    findings += _unmanaged_parameters(params, units, api)
-    findings += _unit_sizes(model, units, api)
+        findings += unregistered_methods(model, units, tuple(methods))
+    findings += unmanaged_parameters(params, units, api)
+    findings += unit_sizes(model, units, api)
     findings += _no_mixed_precision_on_bf16_gpu(params, units, api)
     if batch is not None:
         findings += _batch(model, params, batch)
@@ -175,7 +151,7 @@ def _sharded_named_parameters(model: nn.Module, units: list[nn.Module],
             p = sharded.get((id(module), name), p)
             if id(p) not in seen:
                 seen.add(id(p))
-                out.append((_clean(f"{module_name}.{name}".lstrip(".")), p))
+                out.append((clean_name(f"{module_name}.{name}".lstrip(".")), p))
     return out
 
 
@@ -197,9 +173,9 @@ def same_build_findings(model: nn.Module, tensors: list[tuple[str, torch.Tensor]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return []
     if tensors is None:
-        tensors = _named_unique([*model.named_parameters(), *model.named_buffers()])
+        tensors = named_unique([*model.named_parameters(), *model.named_buffers()])
     tensors = [(n, t) for n, t in tensors
-               if not _is_dtensor(t) and not t.is_meta and t.is_floating_point()]
+               if not is_dtensor(t) and not t.is_meta and t.is_floating_point()]
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend(group) == "nccl" else torch.device("cpu"))
     mine = torch.zeros(len(tensors), 3, dtype=torch.float64)
@@ -231,7 +207,7 @@ def same_build_findings(model: nn.Module, tensors: list[tuple[str, torch.Tensor]
     if not differ:
         return []
     return [_divergent(f"{len(differ)} of {len(tensors)} tensors differ between rank 0 and rank "
-                       f"{worst_rank} ({_some(differ)})")]
+                       f"{worst_rank} ({some_names(differ)})")]
 
 
 def _divergent(problem: str) -> Finding:
@@ -249,8 +225,8 @@ def _replicated_tensors(model: nn.Module, params: list[tuple[str, torch.Tensor]]
                         api: str) -> list[tuple[str, torch.Tensor]]:
     """What every rank holds in full after sharding: buffers, and (FSDP2) parameters no unit
     shards; FSDP1's parameters are all views of flat shards."""
-    kept = [] if api == "fsdp1" else [(n, p) for n, p in params if not _is_dtensor(p)]
-    return kept + _named_unique(model.named_buffers())
+    kept = [] if api == "fsdp1" else [(n, p) for n, p in params if not is_dtensor(p)]
+    return kept + named_unique(model.named_buffers())
 
 
 # -- the optimizer ---------------------------------------------------------------------------------
@@ -264,7 +240,7 @@ def _stale_optimizer(model: nn.Module, params: list[tuple[str, torch.Tensor]],
         return []
     if api == "fsdp2":
         kind = ("plain tensors, not the DTensors fully_shard made"
-                if not any(_is_dtensor(p) for p in stale) else "tensors the model no longer holds")
+                if not any(is_dtensor(p) for p in stale) else "tensors the model no longer holds")
         fix = ("build the optimizer after fully_shard, from model.parameters(), while every unit is "
                "sharded (not after a torch.no_grad() forward, which leaves the root unsharded)")
     else:
@@ -287,7 +263,7 @@ def _low_precision_storage(named: list[tuple[str, torch.Tensor]], api: str) -> l
         return []
     dtype = str(low[0].dtype).replace("torch.", "")
     return [Finding("low-precision-weights",
-                    f"{_count(low):,} of {_count(params):,} parameters are stored in {dtype} (the model "
+                    f"{elements(low):,} of {elements(params):,} parameters are stored in {dtype} (the model "
                     "was cast before sharding)",
                     "there are no fp32 master weights: optimizer state is in bf16 and updates "
                     "smaller than bf16's resolution are lost, so the loss stalls above a mixed-"
@@ -371,10 +347,10 @@ def _bf16_gpu(params: list[torch.Tensor]) -> str | None:
 def _tied_weights(model: nn.Module, units: list[nn.Module]) -> list[Finding]:
     findings = []
     owners: dict[int, dict[int, str]] = {}  # tensor -> {unit: a name it has there}
-    for name, module, unit in _modules_with_units(model, units):
+    for name, module, unit in modules_with_units(model, units):
         for pname, p in module._parameters.items():
             if p is not None and not is_flat_param(p):
-                owners.setdefault(id(p), {}).setdefault(id(unit), _clean(f"{name}.{pname}".lstrip(".")))
+                owners.setdefault(id(p), {}).setdefault(id(unit), clean_name(f"{name}.{pname}".lstrip(".")))
     split = [names for names in owners.values() if len(names) > 1]
     if split:
         shown = ", ".join(" and ".join(sorted(names.values())) for names in split[:2])
@@ -415,7 +391,7 @@ def _broken_declared_tie(model: nn.Module) -> tuple[str, str] | None:
             return None
         if getattr(first, "weight", None) is getattr(last, "weight", None):
             return None
-        names = {id(m): _clean(n) for n, m in module.named_modules()}
+        names = {id(m): clean_name(n) for n, m in module.named_modules()}
         return names.get(id(first), "the input embedding"), names.get(id(last), "the output head")
     return None
 
@@ -424,38 +400,38 @@ def _broken_declared_tie(model: nn.Module) -> tuple[str, str] | None:
 
 def _meta_and_bad_values(model: nn.Module, params: list[tuple[str, torch.Tensor]]) -> list[Finding]:
     findings = []
-    on_meta = [n for n, t in [*params, *_named_unique(model.named_buffers())] if _local(t).is_meta]
+    on_meta = [n for n, t in [*params, *named_unique(model.named_buffers())] if local_tensor(t).is_meta]
     if on_meta:
         findings.append(Finding(
             "meta-tensors",
-            f"{len(on_meta)} parameters/buffers are still on the meta device ({_some(on_meta)})",
+            f"{len(on_meta)} parameters/buffers are still on the meta device ({some_names(on_meta)})",
             "they have no memory and no values: the first forward fails",
             "after sharding, model.to_empty(device=...) then re-initialise every parameter and "
             "buffer (the model's own init, e.g. model.apply(model._init_weights))"))
     bad_params, bad_buffers = [], []
     for name, p in params:
-        local = _local(p)
+        local = local_tensor(p)
         if local.is_meta or not local.is_floating_point() or local.numel() == 0:
             continue
         low, high = (float(v) for v in torch.aminmax(local.detach()))  # NaN if any is NaN
         if not (math.isfinite(low) and math.isfinite(high)) or max(-low, high) > HUGE_VALUE:
             bad_params.append(name)
-    for name, b in _named_unique(model.named_buffers()):
-        local = _local(b)
+    for name, b in named_unique(model.named_buffers()):
+        local = local_tensor(b)
         if not local.is_meta and local.is_floating_point() and bool(torch.isnan(local).any()):
             bad_buffers.append(name)
     if bad_params:
         findings.append(Finding(
             "bad-parameter-values",
             f"{len(bad_params)} parameters hold NaN, inf or values above {HUGE_VALUE:.0e} "
-            f"({_some(bad_params)})",
+            f"({some_names(bad_params)})",
             "uninitialised memory (to_empty without an init) or a diverged run: every loss from "
             "here is NaN or garbage",
             "initialise after to_empty (the model's init on every module), or restart from a good "
             "checkpoint with a lower learning rate"))
     if bad_buffers:
         findings.append(Finding(
-            "bad-buffer-values", f"{len(bad_buffers)} buffers hold NaN ({_some(bad_buffers)})",
+            "bad-buffer-values", f"{len(bad_buffers)} buffers hold NaN ({some_names(bad_buffers)})",
             "buffers are not trained: a NaN there poisons every forward",
             "recompute them after to_empty (the module's own init), or load them from a checkpoint"))
     return findings
@@ -464,10 +440,10 @@ def _meta_and_bad_values(model: nn.Module, params: list[tuple[str, torch.Tensor]
 def _rotary_buffers(model: nn.Module) -> list[Finding]:
     low, high = INV_FREQ_RANGE
     bad = []
-    for name, buffer in _named_unique(model.named_buffers()):
+    for name, buffer in named_unique(model.named_buffers()):
         if not name.endswith("inv_freq"):
             continue
-        local = _local(buffer)
+        local = local_tensor(buffer)
         if local.is_meta or local.numel() == 0:
             continue  # meta-tensors says so
         values = local.detach().float()
@@ -481,7 +457,7 @@ def _rotary_buffers(model: nn.Module) -> list[Finding]:
     return [Finding(
         "uninitialised-rotary",
         f"{len(bad)} rotary inv_freq buffers hold values no rotary embedding has, outside "
-        f"[{low:.0e}, {high:g}] ({_some(bad)})",
+        f"[{low:.0e}, {high:g}] ({some_names(bad)})",
         "a model built on meta and moved with to_empty() keeps uninitialised buffers; positions "
         "are encoded with garbage and the loss is far from the eager model's",
         "after to_empty, recompute them: the rotary module's init (transformers: "
@@ -489,283 +465,18 @@ def _rotary_buffers(model: nn.Module) -> list[Finding]:
         "device)[0]))")]
 
 
-# -- FSDP1: frozen and trainable in one unit -------------------------------------------------------
-
-def _fsdp1_mixed_units(model: nn.Module, units: list[nn.Module]) -> list[Finding]:
-    findings = []
-    names = _unit_names(model, units)
-    for unit in units:
-        params = fsdp1_orig_params(unit)
-        if not params:
-            continue
-        frozen = [p for p in params if not p.requires_grad]
-        if not frozen or len(frozen) == len(params):
-            continue
-        share = _count(frozen) / max(1, _count(params))
-        if not fsdp1_uses_orig_params(unit):
-            findings.append(Finding(
-                "fsdp1-mixed-unit",
-                f"unit {names[id(unit)]} mixes {_count(frozen)} frozen and "
-                f"{_count(params) - _count(frozen)} trainable parameters without use_orig_params",
-                "one flat parameter has one requires_grad: FSDP1 refuses the unit, or trains the "
-                "frozen part",
-                "FullyShardedDataParallel(..., use_orig_params=True), or FSDP2's fully_shard "
-                "(per-parameter; lesson 09)"))
-        elif share >= FROZEN_SHARE_LIMIT:
-            findings.append(Finding(
-                "fsdp1-frozen-gradients",
-                f"unit {names[id(unit)]} is {share:.0%} frozen parameters mixed with trainable "
-                "ones",
-                "FSDP1 keeps one gradient for the unit's whole flat parameter, so the frozen part "
-                "costs gradient memory as if it trained",
-                "wrap frozen and trainable modules in separate units, or use FSDP2's fully_shard "
-                "(frozen parameters get no gradient; lesson 09)"))
-    return findings
-
-
-# -- FSDP2: methods other than forward -------------------------------------------------------------
-
-def _unregistered_methods(model: nn.Module, units: list[nn.Module],
-                          methods: tuple[str, ...]) -> list[Finding]:
-    """A method other than forward, not registered, that runs modules whose parameters the root
-    unit holds: FSDP2 gathers them only in the hooks around forward, so the call meets them
-    sharded. A method that only calls forward, or a root that holds no parameter itself (every
-    module's parameters gathered by its own unit's hooks), works unregistered: nothing said."""
-    findings = []
-    unit_ids = {id(u) for u in units}
-    names = _unit_names(model, units)
-    for root in _top_units(units):
-        held = _held_directly(root, unit_ids)
-        if not held:
-            continue
-        for method in methods:
-            if not callable(getattr(root, method, None)):
-                continue
-            if fsdp2_forward_method_registered(root, method) is not False:
-                continue  # registered, or this torch's FSDP2 cannot be read
-            reached = _run_outside_forward(root, method, held)
-            if not reached:
-                continue
-            owner = names[id(root)].replace("(root)", "model")
-            findings.append(Finding(
-                "unregistered-method",
-                f"{owner}.{method} is not registered with register_fsdp_forward_method and "
-                f"runs {reached} outside forward",
-                "FSDP2 all-gathers a unit's parameters only around forward(): the call meets them "
-                "sharded and fails ('mixed torch.Tensor and DTensor', or wrong shapes); a method "
-                "that only calls forward would work",
-                f"register_fsdp_forward_method({owner}, {method!r}) after fully_shard "
-                "(from torch.distributed.fsdp)"))
-    return findings
-
-
-def _held_directly(unit: nn.Module, unit_ids: set[int]) -> dict[int, str]:
-    """The modules under ``unit``, not inside an inner unit, that hold parameters of their own:
-    {id: name under the unit}."""
-    held, stack = {}, [("", unit)]
-    while stack:
-        name, module = stack.pop()
-        if any(p is not None for p in module._parameters.values()):
-            held[id(module)] = _clean(name) or "the root"
-        for child_name, child in module.named_children():
-            if id(child) not in unit_ids:
-                stack.append((f"{name}.{child_name}".lstrip("."), child))
-    return held
-
-
-def _run_outside_forward(root: nn.Module, method: str, held: dict[int, str]) -> str:
-    """Which of the ``held`` modules ``root.method`` runs itself (not through forward), named;
-    '' where it runs none, or where its code cannot be read (nothing claimed)."""
-    config = getattr(root, "config", None)
-    if method == "generate" and getattr(config, "is_encoder_decoder", False) and hasattr(root, "get_encoder"):
-        encoder = root.get_encoder()  # transformers' generate runs the encoder once, directly
-        inside = [held[id(m)] for m in encoder.modules() if id(m) in held]
-        if inside:
-            return f"its encoder, which uses {_some(inside)}"
-    children = dict(root.named_children())
-    used, seen, todo = [], set(), [method]
-    while todo and len(seen) < 8:  # the method, and the methods of the model it calls
-        name = todo.pop()
-        seen.add(name)
-        function = inspect.unwrap(getattr(type(root), name, None) or (lambda: None))
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id == "self"):
-                continue
-            attr = node.attr
-            if attr in children:
-                inside = [held[id(m)] for m in children[attr].modules() if id(m) in held]
-                used += [n for n in inside if n not in used]
-            elif (attr not in seen and attr not in ("forward", "__call__")
-                  and inspect.isfunction(getattr(type(root), attr, None))
-                  and getattr(type(root), attr).__module__ == type(root).__module__):
-                todo.append(attr)
-    return _some(used) if used else ""
-
-
-# -- what the units hold ---------------------------------------------------------------------------
-
-def _unmanaged_parameters(params: list[tuple[str, torch.Tensor]], units: list[nn.Module],
-                          api: str) -> list[Finding]:
-    if api == "fsdp2":
-        loose = [n for n, p in params if not _is_dtensor(p)]
-        fix = "fully_shard the module that holds them, or the root (fully_shard(model)) last"
-    else:
-        managed = set()
-        for unit in units:
-            flat = fsdp1_flat_param(unit)
-            if flat is not None:
-                managed.add(id(flat))
-                managed.update(id(p) for p in (fsdp1_orig_params(unit) or ()))
-        loose = [n for n, p in params if id(p) not in managed]
-        fix = "wrap the root module with FullyShardedDataParallel (or drop it from ignored_modules)"
-    if not loose:
-        return []
-    return [Finding(
-        "unmanaged-parameters",
-        f"{len(loose)} parameters belong to no FSDP unit ({_some(loose)})",
-        "every rank keeps a full copy and their gradients are not averaged across ranks, so "
-        "the ranks' copies drift apart", fix)]
-
-
-def _unit_sizes(model: nn.Module, units: list[nn.Module], api: str) -> list[Finding]:
-    counts = dict(zip(map(id, units), unit_parameter_counts(model)))
-    total = sum(counts.values())
-    if total == 0:
-        return []
-    findings = []
-    root = model if id(model) in counts else None  # the model itself, when it is a unit
-    in_root = counts[id(model)] if root is not None else 0
-    inner = [u for u in units if u is not root and counts[id(u)] > 0]
-    if in_root / total > ROOT_SHARE_LIMIT:
-        blocks = _unwrapped_blocks(model, units)
-        if blocks:
-            hint = f"; its {blocks} are not units of their own"
-            fix = (f"fully_shard each of the {blocks} before the root (FSDP2), or auto_wrap_policy="
-                   "transformer_auto_wrap_policy with the block class (FSDP1)")
-        else:
-            hint, fix = _root_own_parameters(model, units, api, in_root)
-        findings.append(Finding(
-            "root-holds-most",
-            f"the root unit holds {in_root / total:.0%} of the parameters ({in_root:,} of "
-            f"{total:,}; {len(inner)} inner units){hint}",
-            "FSDP all-gathers a unit's parameters at once, so every rank holds that much unsharded "
-            "in forward and backward: sharding saves little at the peak (lesson 01)", fix))
-    if len(inner) >= 3:
-        median = statistics.median(counts[id(u)] for u in inner)
-        large = [u for u in inner if counts[id(u)] > LARGE_UNIT_FACTOR * median]
-        if large:
-            names = _unit_names(model, units)
-            biggest = max(large, key=lambda u: counts[id(u)])
-            findings.append(Finding(
-                "uneven-units",
-                f"{len(large)} unit(s) hold over {LARGE_UNIT_FACTOR}x the median unit's "
-                f"{int(median):,} parameters; the largest, {names[id(biggest)]}, "
-                f"{counts[id(biggest)]:,}",
-                "the peak is set by the largest unit gathered (and the one prefetched with it), "
-                "so one big unit costs what many small ones would",
-                "split it: fully_shard its blocks or large children separately (FSDP2), or wrap "
-                "by block class instead of by size (FSDP1)"))
-    return findings
-
-
-def _root_own_parameters(model: nn.Module, units: list[nn.Module], api: str,
-                         in_root: int) -> tuple[str, str]:
-    """What the root unit holds itself, named with sizes (the largest first, as many as make up
-    most of it), and the change that gives them units of their own: ('; ...', fix)."""
-    modules = {_clean(n): m for n, m in model.named_modules()}
-    users: dict[str, list[str]] = {}  # a parameter's name -> the modules that hold it
-    shapes: dict[str, torch.Size] = {}
-    if api == "fsdp1":
-        for name, shape in fsdp1_flat_param_contents(model) or ():
-            name = _clean(name)
-            users[name], shapes[name] = [name.rpartition(".")[0]], torch.Size(shape)
-    else:
-        first: dict[int, str] = {}
-        for name, module, unit in _modules_with_units(model, units):
-            if unit is not model:
-                continue
-            for pname, p in module._parameters.items():
-                if p is None:
-                    continue
-                key = first.setdefault(id(p), _clean(f"{name}.{pname}".lstrip(".")))
-                shapes[key] = torch.Size(p.shape)
-                if _clean(name) not in users.setdefault(key, []):
-                    users[key].append(_clean(name))
-    if not shapes:
-        return "", "fully_shard the root's largest children before the root"
-    ranked = sorted(shapes, key=lambda n: -shapes[n].numel())
-    shown, covered = [], 0
-    for name in ranked[:3]:
-        shown.append(name)
-        covered += shapes[name].numel()
-        if covered > in_root / 2:
-            break
-    sizes = ", ".join(f"{n} ({' x '.join(f'{d:,}' for d in shapes[n])}: {shapes[n].numel() / in_root:.0%})"
-                      for n in shown)
-    hint = f"; its own parameters, not in any inner unit: {sizes}"
-    targets = []
-    for name in shown:
-        owners = [_python_path(o) for o in users.get(name, [])]
-        target = owners[0] if len(owners) == 1 else f"[{', '.join(owners)}]"
-        if target not in targets and target != "model":
-            targets.append(target)
-    if not targets:
-        return hint, "fully_shard the root's largest children before the root"
-    if api == "fsdp2":
-        calls = "; ".join(f"fully_shard({t})" for t in targets)
-        tied = any(t.startswith("[") for t in targets)
-        fix = (f"give them units of their own after the blocks and before the root: {calls}; then "
-               "fully_shard(model)" + (" (a tied weight's modules in one call, torch 2.7+)" if tied else ""))
-    else:
-        chosen = {id(modules[o]) for n in shown for o in users.get(n, []) if o in modules}
-        classes = {type(modules[o]) for n in shown for o in users.get(n, []) if o in modules}
-        only_these = all(id(m) in chosen for m in model.modules() if type(m) in classes)
-        fix = (f"wrap {', '.join(targets)} as units of their own: auto_wrap_policy="
-               + ("ModuleWrapPolicy({the block class, " + ", ".join(sorted(c.__name__ for c in classes))
-                  + "})" if only_these else
-                  "_or_policy over the block policy and a lambda_auto_wrap_policy whose lambda_fn "
-                  "picks these modules (their classes are used elsewhere too)")
-               + "; tied modules must stay in one unit")
-    return hint, fix
-
-
-def _python_path(name: str) -> str:
-    """A module's name as the code that reaches it from ``model``: 'layers.0.mlp' -> model.layers[0].mlp."""
-    parts = [part for part in name.split(".") if part]
-    return "model" + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in parts)
-
-
-def _unwrapped_blocks(model: nn.Module, units: list[nn.Module]) -> str:
-    """'N ClassName blocks' for the longest list of same-class modules none of which is a unit
-    (the blocks a per-block wrapping would have made units); '' when there is none."""
-    unit_ids = {id(u) for u in units}
-    best = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2:
-            inner = [_unwrapped(m) for m in module]
-            if len({type(m) for m in inner}) == 1 and not any(id(m) in unit_ids for m in module):
-                if best is None or len(module) > len(best):
-                    best = inner
-    return f"{len(best)} {type(best[0]).__name__} blocks" if best else ""
-
-
 # -- the batch -------------------------------------------------------------------------------------
 
 def _batch(model: nn.Module, params: list[tuple[str, torch.Tensor]], batch: Any) -> list[Finding]:
     findings = []
-    device = next((_local(p).device for _, p in params), None)
+    device = next((local_tensor(p).device for _, p in params), None)
     if device is not None and device.type == "meta":
         device = None  # inspected without values: the run puts the model on its device
     tensors = dict(_batch_tensors(batch))
     elsewhere = [n for n, t in tensors.items() if device is not None and t.device != device]
     if elsewhere:
         findings.append(Finding(
-            "batch-device", f"the batch's {_some(elsewhere)} on {tensors[elsewhere[0]].device}, "
+            "batch-device", f"the batch's {some_names(elsewhere)} on {tensors[elsewhere[0]].device}, "
             f"the parameters on {device}",
             "the forward fails with a device mismatch (or copies every step)",
             f"move the batch: batch = {{k: v.to({str(device)!r}) for k, v in batch.items()}}"))
@@ -799,87 +510,3 @@ def _vocab_size(model: nn.Module) -> int | None:
         if isinstance(vocab, int):
             return vocab
     return None
-
-
-# -- helpers ---------------------------------------------------------------------------------------
-
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor itself."""
-    return t.to_local() if _is_dtensor(t) else t
-
-
-def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def _named_unique(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    seen, out = set(), []
-    for name, t in named:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append((_clean(name), t))
-    return out
-
-
-def _count(tensors: Iterable[torch.Tensor]) -> int:
-    """Parameters (elements) in ``tensors``, at their global (unsharded) shape."""
-    return sum(int(torch.Size(t.shape).numel()) for t in tensors)
-
-
-def _clean(name: str) -> str:
-    """A module or parameter name as the user wrote the model (no FSDP1 / checkpoint wrappers)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def _some(names: list[str], shown: int = 2) -> str:
-    more = f", +{len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
-
-
-def _unwrapped(module: nn.Module) -> nn.Module:
-    """The module inside FSDP1's and activation checkpointing's wrappers."""
-    while True:
-        inner = (getattr(module, "_fsdp_wrapped_module", None)
-                 or getattr(module, "_checkpoint_wrapped_module", None))
-        if inner is None:
-            return module
-        module = inner
-
-
-def _top_units(units: list[nn.Module]) -> list[nn.Module]:
-    """The units no other unit contains (the root, normally the model itself)."""
-    inside = {id(m) for u in units for m in u.modules() if m is not u}
-    return [u for u in units if id(u) not in inside]
-
-
-def _unit_names(model: nn.Module, units: list[nn.Module]) -> dict[int, str]:
-    unit_ids = {id(u) for u in units}
-    return {id(m): (_clean(n) or "(root)") for n, m in model.named_modules() if id(m) in unit_ids}
-
-
-def _modules_with_units(model: nn.Module,
-                        units: list[nn.Module]) -> Iterator[tuple[str, nn.Module, nn.Module]]:
-    """Every module (a shared one once per place it is used), its name, and the unit whose
-    parameters it uses: the nearest unit at or above it."""
-    unit_ids = {id(u) for u in units}
-    stack = [("", model, model)]
-    while stack:
-        name, module, unit = stack.pop()
-        if id(module) in unit_ids:
-            unit = module
-        yield name, module, unit
-        for child_name, child in module.named_children():
-            stack.append((f"{name}.{child_name}" if name else child_name, child, unit))

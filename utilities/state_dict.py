@@ -23,7 +23,6 @@ the keys and shapes ourselves: a wrong file is one line naming it, never a parti
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,19 +33,23 @@ from torch import nn
 
 from utilities.distributed import fail_together, one_line_error
 from utilities.errors import UsageError
-from utilities.safe_files import (
+from utilities.owned_paths import (
     OWNED_MARKER,
-    atomic_torch_save,
     discard_owned,
+    folder_state,
+    mark_owned,
+    owned_entry,
+    owned_names,
+)
+from utilities.safe_files import (
+    atomic_torch_save,
     exchange_in,
     fsync_files,
-    mark_owned,
-    owned_names,
     regular_file_size,
-    safe_torch_load,
     staging_path,
     swap_in,
 )
+from utilities.torch_zip import safe_torch_load
 
 FORMAT = "fsdp-course-full-state-dict-v1"
 HOWS = ("dcp", "fsdp1-classic")
@@ -271,7 +274,7 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory:
     the config, and ``save_pretrained`` stores each tied tensor once (safetensors refuses aliases).
 
     ``directory`` is a new folder, an empty one, or an earlier export: its marker
-    (``safe_files.OWNED_MARKER``) lists the files the course wrote there, and only those are
+    (``owned_paths.OWNED_MARKER``) lists the files the course wrote there, and only those are
     replaced or deleted; a user's files beside them (a tokenizer, a README) are kept. Anything else
     (a file, a downloaded model folder) is refused in one line, nothing replaced or deleted.
     """
@@ -313,7 +316,7 @@ def export_hf(model_state_dict: dict[str, torch.Tensor], config: Any, directory:
                              "there (not in its marker); not replaced: move it or export elsewhere")
         fsync_files(tmp)
         for name in user_files:
-            _keep_beside(directory / name, tmp / name, what)
+            _keep_beside(owned_entry(directory, name, what), owned_entry(tmp, name, what), what)
         mark_owned(tmp, written)
         if not exchange_in(tmp, directory, discard):
             swap_in(tmp, directory, discard)
@@ -330,12 +333,11 @@ def _files_beside_export(directory: Path, what: str) -> list[str]:
     """The names in the folder ``directory`` that an earlier export did not write there (the user's,
     to keep); refuses, in one line, anything but a missing folder, an empty one or an earlier
     export (its ``OWNED_MARKER`` lists what the course wrote), and a user's folder inside it."""
-    try:
-        mode = os.lstat(directory).st_mode
-    except FileNotFoundError:
+    state = folder_state(directory, OWNED_MARKER)
+    if state == "missing":
         return []
-    if not stat.S_ISDIR(mode):
-        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a file"
+    if state in ("link", "file"):
+        kind = "a symbolic link" if state == "link" else "a file"
         raise UsageError(f"{what}: it is {kind}, not a folder; refused, nothing was replaced or "
                          "deleted; allowed: a new folder or an earlier export")
     ours = owned_names(directory, what)

@@ -61,7 +61,7 @@ from utilities.distributed import fail_together, reduce_scalar, world_mesh
 from utilities.errors import UsageError, bounded, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.results import variant
-from utilities.safe_files import safe_torch_load
+from utilities.torch_zip import safe_torch_load
 from utilities.training import train
 
 ENCODER = ("encoder.block.", "encoder.final_layer_norm.")  # the lower half of a t5

@@ -83,6 +83,20 @@ def _parser() -> argparse.ArgumentParser:
                          "(--plan: what is done and next; --pack / --unpack: one archive back)",
         description=evidence.__doc__.split("\n\n")[0]))
 
+    _add_doctor(sub)
+
+    rec = sub.add_parser(
+        "record", help="record a real run of a lesson as an asciinema .cast (the course's demos)",
+        usage="fsdp-course record NN|all [--out DIR] [--full] [-- lesson flags]")
+    rec.add_argument("lesson", help="lesson number or 'all' (every ready lesson)")
+    rec.add_argument("--out", default="videos", help="directory for the .cast files (default videos/)")
+    rec.add_argument("--full", action="store_true",
+                     help="record the full run instead of --quick (long on CPU)")
+    return p
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    """The ``doctor`` command's parser."""
     doc = sub.add_parser(
         "doctor", help="build a course model, shard it the course's way and list what is wrong "
                        "with it (utilities.doctor: run it on your own model after sharding)",
@@ -109,15 +123,6 @@ def _parser() -> argparse.ArgumentParser:
                      help="the units: block (one per transformer block, the course's way), whole "
                           "(one for the whole model: lesson 01's mistake) or size (FSDP1's "
                           "size-based policy); default block")
-
-    rec = sub.add_parser(
-        "record", help="record a real run of a lesson as an asciinema .cast (the course's demos)",
-        usage="fsdp-course record NN|all [--out DIR] [--full] [-- lesson flags]")
-    rec.add_argument("lesson", help="lesson number or 'all' (every ready lesson)")
-    rec.add_argument("--out", default="videos", help="directory for the .cast files (default videos/)")
-    rec.add_argument("--full", action="store_true",
-                     help="record the full run instead of --quick (long on CPU)")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +167,7 @@ def _main(argv: list[str] | None = None) -> int:
         if args.command == "doctor":
             return _doctor(args)
         if args.command == "evidence":
-            from utilities.course.evidence import main as evidence_main
+            from utilities.course.evidence_command import main as evidence_main
 
             return evidence_main(args)
     except UsageError as e:
