@@ -479,6 +479,8 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
     assert exits == [130]
 
     seen = []
+    # Python's own handler, as in a terminal (a shell's background job starts with SIGINT ignored)
+    before_run = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def launcher(cmd, env=None):  # gets the Ctrl-C too (one process group): stops, exits 130
         handler = signal.getsignal(signal.SIGINT)
@@ -487,9 +489,12 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
         return 130
 
     monkeypatch.setattr(cli_module.subprocess, "call", launcher)
-    assert cli_module.main(["run", "01", "--device", "cpu", "--nproc", "2", "--out",
-                            str(tmp_path)]) == 130
-    assert seen == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    try:
+        assert cli_module.main(["run", "01", "--device", "cpu", "--nproc", "2", "--out",
+                                str(tmp_path)]) == 130
+        assert seen == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before_run)
     launched = []
 
     def interrupted_launch(info, *args):  # `run all`: Ctrl-C in the first lesson stops the rest
