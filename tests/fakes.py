@@ -49,7 +49,7 @@ def lesson_shell(device: torch.device):
     import argparse
 
     from utilities.course.lesson import Lesson
-    from utilities.course.results import Results
+    from utilities.results import Results
 
     lesson = object.__new__(Lesson)
     lesson.args = argparse.Namespace(log_all_ranks=False)

@@ -195,7 +195,7 @@ def test_unwritable_out_is_refused_before_launch(monkeypatch, capsys, tmp_path):
 
 
 def _results(tmp_path):
-    from utilities.course.results import Results
+    from utilities.results import Results
     from utilities.training import TrainStats
 
     r = Results("01", "transformer auto-wrap", torch.device("cpu"), 2, "t5-tiny", 1_887_232, {})
@@ -210,7 +210,7 @@ def test_results_go_to_a_fallback_when_out_fails_at_the_end(tmp_path, monkeypatc
     import json
     import tempfile
 
-    from utilities.course.results import table
+    from utilities.results import table
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
@@ -283,7 +283,7 @@ def test_tables_fit_the_terminal_and_never_split_a_value(monkeypatch, columns):
     dropped and named, never wrapped)."""
     import json
 
-    from utilities.course.results import table
+    from utilities.results import table
 
     monkeypatch.setenv("COLUMNS", str(columns))
     committed = sorted((REPO / "lessons").glob("*/results_cpu*.json"))
@@ -304,7 +304,7 @@ def test_tables_keep_activations_and_say_why_a_category_is_not_a_column(monkeypa
     printed table and the README's alike."""
     import json
 
-    from utilities.course.results import idle_categories, markdown_table, table
+    from utilities.results import idle_categories, markdown_table, table
 
     monkeypatch.setenv("COLUMNS", str(columns))
     idle_seen = 0
@@ -511,7 +511,7 @@ def test_every_lesson_has_its_measured_takeaway():
     from utilities.course.catalog import LESSONS
     from utilities.course.launch import load_script
     from utilities.course.lesson import Lesson
-    from utilities.course.results import peak_range
+    from utilities.results import peak_range
 
     for number, info in LESSONS.items():
         if number == "10":  # train.py writes its own (TrainingLog.takeaway): tests/test_lesson_10.py

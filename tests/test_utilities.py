@@ -21,7 +21,7 @@ from utilities import (
     shard_model,
     verify_bfloat_support,
 )
-from utilities.course.results import write_json
+from utilities.results import write_json
 from utilities.wrapping import fsdp1_block_policy, fsdp_units, unit_parameter_counts
 
 
@@ -347,7 +347,7 @@ def test_memory_maximizer_says_no_gpu_once_per_process(monkeypatch, capsys):
 
 # -- results.json: what a lesson records, through Results' methods ---------------------------------
 def _results():
-    from utilities.course.results import Results
+    from utilities.results import Results
     from utilities.training import TrainStats
 
     r = Results("99", "t", torch.device("cpu"), 2, "t5-tiny", 10, {"every": 2})

@@ -42,8 +42,8 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
-from utilities.course.results import variant
 from utilities.precision import DtypeProbe, attach_scaler, default_policy, observe_dtypes
+from utilities.results import variant
 from utilities.training import StepOptions, default_step
 from utilities.wrapping import fsdp1_meta_init
 

@@ -50,11 +50,11 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 from utilities.course.lesson import Lesson, lesson_parser
-from utilities.course.results import variant
 from utilities.distributed import world_mesh
 from utilities.doctor import same_build_findings
 from utilities.errors import bounded, positive_float, positive_int
 from utilities.parallelize import apply_fsdp
+from utilities.results import variant
 from utilities.torch_internals import fsdp_forward_method_registrar
 
 

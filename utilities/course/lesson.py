@@ -31,6 +31,7 @@ from utilities import distributed as D
 from utilities.course.catalog import LESSONS
 from utilities.course.gc_at_exit import end_rank_now, freeze_what_lives_until_exit
 from utilities.course.launch import checking_flags
+from utilities.course.release import VariantScope, live_parameters
 from utilities.data import ReverseTask, batches, make_loader
 from utilities.errors import (
     OneLineParser,
@@ -41,10 +42,9 @@ from utilities.errors import (
     seed_value,
 )
 from utilities.measure.memory import check_batch_fits, is_oom
-from utilities.course.release import VariantScope, live_parameters
-from utilities.course.results import Results, peak_range, table
 from utilities.measure.step_time import check_prediction_arguments
 from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
+from utilities.results import Results, peak_range, table
 from utilities.text import HelpFormatter, wrap_lines
 from utilities.training import TrainStats, train
 
