@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:  # run from a checkout without install
 
 import torch  # noqa: E402 (after the sys.path fallback above)
 
-from utilities.measure.results import write_json  # noqa: E402
+from utilities.results import write_json  # noqa: E402
 from utilities.text import HelpFormatter  # noqa: E402
 
 RESULTS_DIR = REPO / "benchmarks" / "results"

@@ -79,7 +79,7 @@ def row(cp: int) -> dict:
 
 
 def main() -> dict:
-    from utilities.measure.results import write_json
+    from utilities.results import write_json
 
     t0 = time.perf_counter()
     rows = [row(cp) for cp in PUBLISHED]

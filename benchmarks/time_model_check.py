@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from utilities.measure import step_time as st  # noqa: E402
-from utilities.models import ModelSpec, _llama  # noqa: E402
+from utilities.models import ModelSpec, llama_shapes  # noqa: E402
 from utilities.text import HelpFormatter  # noqa: E402
 
 NAME = "time_model_check"
@@ -56,9 +56,11 @@ def _meta_count(spec) -> int:
 # 32,000-token vocabulary.
 OFF_CATALOGUE = {
     "llama2-7b": _OffCatalogueSpec("llama2-7b", "llama", block_class_name="LlamaDecoderLayer",
-                                   default_seq_len=4096, **_llama(4096, 11008, 32, 32, 32, vocab=32000)),
+                                   default_seq_len=4096,
+                                   **llama_shapes(4096, 11008, 32, 32, 32, vocab=32000)),
     "llama2-13b": _OffCatalogueSpec("llama2-13b", "llama", block_class_name="LlamaDecoderLayer",
-                                    default_seq_len=4096, **_llama(5120, 13824, 40, 40, 40, vocab=32000)),
+                                    default_seq_len=4096,
+                                    **llama_shapes(5120, 13824, 40, 40, 40, vocab=32000)),
 }
 LLAMA2_7B = OFF_CATALOGUE["llama2-7b"]
 

@@ -98,7 +98,7 @@ def row(tp: int) -> dict:
 
 
 def main() -> dict:
-    from utilities.measure.results import write_json
+    from utilities.results import write_json
 
     t0 = time.perf_counter()
     rows = [row(tp) for tp in PUBLISHED_GB]

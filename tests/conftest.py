@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from utilities.measure.results import variant  # noqa: F401  (the tests' way to read a variant)
+from utilities.results import variant  # noqa: F401  (the tests' way to read a variant)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,7 @@ import importlib.util
 import torch
 from conftest import REPO
 
-from utilities.measure import release
+from utilities.course import release
 
 MiB = 2**20
 WORKSPACE = 32 * MiB  # what cuBLAS allocates per (handle, stream) on sm90
@@ -49,7 +49,7 @@ def lesson_shell(device: torch.device):
     import argparse
 
     from utilities.course.lesson import Lesson
-    from utilities.measure.results import Results
+    from utilities.results import Results
 
     lesson = object.__new__(Lesson)
     lesson.args = argparse.Namespace(log_all_ranks=False)

@@ -56,19 +56,19 @@ def test_run_all_runs_every_lesson_and_summarizes(monkeypatch, tmp_path, capsys)
 def test_list_models_shows_parameter_counts_without_building_a_model(monkeypatch):
     """``fsdp-course list --models`` took 15 s building every model on meta to count it: the named
     models' counts come from their shapes, and are the counts of the models built."""
-    from utilities.models import MODELS, ModelSpec, _count_parameters
+    from utilities.models import MODELS, ModelSpec, count_parameters
 
     def no_build(*args, **kwargs):
         raise AssertionError("list --models built a model")
 
     with monkeypatch.context() as m:
         m.setattr(ModelSpec, "build", no_build)
-        _count_parameters.cache_clear()  # counts an earlier test made would hide a build
+        count_parameters.cache_clear()  # counts an earlier test made would hide a build
         proc = cli_here("list", "--models")
     assert proc.returncode == 0
     assert "t5-tiny" in proc.stdout and "llama-8b" in proc.stdout and "8,030.3M" in proc.stdout
     for name, spec in MODELS.items():
-        assert spec.known_parameters == _count_parameters(spec), name
+        assert spec.known_parameters == count_parameters(spec), name
 
 
 def test_check_reports_versions_and_bf16():
@@ -195,7 +195,7 @@ def test_unwritable_out_is_refused_before_launch(monkeypatch, capsys, tmp_path):
 
 
 def _results(tmp_path):
-    from utilities.measure.results import Results
+    from utilities.results import Results
     from utilities.training import TrainStats
 
     r = Results("01", "transformer auto-wrap", torch.device("cpu"), 2, "t5-tiny", 1_887_232, {})
@@ -210,7 +210,7 @@ def test_results_go_to_a_fallback_when_out_fails_at_the_end(tmp_path, monkeypatc
     import json
     import tempfile
 
-    from utilities.measure.results import table
+    from utilities.results import table
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
@@ -283,7 +283,7 @@ def test_tables_fit_the_terminal_and_never_split_a_value(monkeypatch, columns):
     dropped and named, never wrapped)."""
     import json
 
-    from utilities.measure.results import table
+    from utilities.results import table
 
     monkeypatch.setenv("COLUMNS", str(columns))
     committed = sorted((REPO / "lessons").glob("*/results_cpu*.json"))
@@ -304,7 +304,7 @@ def test_tables_keep_activations_and_say_why_a_category_is_not_a_column(monkeypa
     printed table and the README's alike."""
     import json
 
-    from utilities.measure.results import idle_categories, markdown_table, table
+    from utilities.results import idle_categories, markdown_table, table
 
     monkeypatch.setenv("COLUMNS", str(columns))
     idle_seen = 0
@@ -516,7 +516,7 @@ def test_every_lesson_has_its_measured_takeaway():
     from utilities.course.catalog import LESSONS
     from utilities.course.launch import load_script
     from utilities.course.lesson import Lesson
-    from utilities.measure.results import peak_range
+    from utilities.results import peak_range
 
     for number, info in LESSONS.items():
         if number == "10":  # train.py writes its own (TrainingLog.takeaway): tests/test_lesson_10.py

@@ -1,5 +1,5 @@
 """Property-based fuzzing (hypothesis) of every reader and renderer of files the course did not
-write: bounded JSON (``utilities.json_input``), results.json (``utilities.measure.results``) and
+write: bounded JSON (``utilities.json_input``), results.json (``utilities.results``) and
 the lesson README tables rendered from it (``utilities.course.readme_tables``), the benchmark
 result files and calibration.json that ``benchmarks/report.py`` renders into benchmarks/README.md,
 a ``--model`` config.json (``utilities.models``), and ``plan --trainable``.
@@ -286,7 +286,7 @@ def test_any_value_in_a_results_file_is_read_and_rendered_or_one_line(render, ke
     removed: ``load`` returns it or refuses in one line, and what it returns renders or is refused
     in one line."""
     from utilities.course.readme_tables import render as render_table
-    from utilities.measure.results import load
+    from utilities.results import load
 
     lesson, folder, name = render
     results = json.loads((REPO / "lessons" / folder / "results_cpu.json").read_text())

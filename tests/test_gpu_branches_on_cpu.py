@@ -395,7 +395,7 @@ def test_a_gpu_variant_ended_by_an_oom_gives_its_memory_back(monkeypatch, error,
 
     def trial():
         model = torch.nn.Linear(64, 64)
-        lesson._track(model)
+        lesson.track(model)
         cuda.tensors += 300 * MiB  # the model, its optimizer state, the activations
         weakref.finalize(model, free, 300 * MiB)
         cuda.matmul()

@@ -11,7 +11,7 @@ import torch
 from fakes import FakeCuda, MiB, lesson_shell
 from gpu_cases import every_variant_released
 
-from utilities.measure import release
+from utilities.course import release
 
 
 def _variant(cuda: FakeCuda) -> dict:
@@ -64,7 +64,7 @@ def test_an_oom_trial_is_reported_as_an_oom_not_a_leak():
     def try_batch(batch):  # as lesson 05's: the model lives in this frame, not the with's
         model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
         optimizer = torch.optim.AdamW(model.parameters())
-        lesson._track(model, optimizer)
+        lesson.track(model, optimizer)
         step(model, optimizer, batch)
         return Trial(batch)
 
@@ -86,7 +86,7 @@ def test_other_errors_keep_their_frames():
     with pytest.raises(ValueError) as info:
         with lesson.variant("broken"):
             model = torch.nn.Linear(4, 4)
-            lesson._track(model)
+            lesson.track(model)
             raise ValueError("a bug")
     assert "model" in info.tb.tb_frame.f_locals
     assert lesson.results.data["releases"]["broken"]["leaked_objects"] == 1

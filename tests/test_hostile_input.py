@@ -115,7 +115,7 @@ def test_an_evidence_manifest_too_deep_is_one_line(tmp_path):
 
 def test_a_deep_results_file_is_one_line(tmp_path, monkeypatch, capsys):
     from utilities.course import readme_tables
-    from utilities.measure.results import load
+    from utilities.results import load
 
     folder = tmp_path / "lessons" / "01_auto_wrap"
     folder.mkdir(parents=True)

@@ -97,3 +97,32 @@ def test_the_circle_check_finds_a_circle_through_a_lazy_import(tmp_path):
     (package / "d.py").write_text("from utilities.a import x\n")
     circles = import_circles(module_imports(tmp_path))
     assert circles == [frozenset({"utilities.a", "utilities.b", "utilities.c"})]
+
+
+def course_imports(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The library modules (all of ``utilities`` but ``utilities.course`` and the ``python -m
+    utilities`` entry point) that import a module of ``utilities.course``, and which."""
+    def course(name: str) -> bool:
+        return name == "utilities.course" or name.startswith("utilities.course.")
+
+    return {name: {t for t in targets if course(t)} for name, targets in edges.items()
+            if not course(name) and name != "utilities.__main__" and any(course(t) for t in targets)}
+
+
+def test_the_library_never_imports_the_course():
+    """The course (lessons' harness, results, the CLI) sits on the library, never under it."""
+    found = course_imports(module_imports(ROOT))
+    assert not found, "library modules importing utilities.course: " + "; ".join(
+        f"{name} -> {', '.join(sorted(t))}" for name, t in sorted(found.items()))
+
+
+def test_the_layer_check_sees_a_library_module_importing_the_course(tmp_path):
+    """Not vacuous: a lazy import of the course in a library module is found; the entry point's
+    import of the course is allowed."""
+    package = tmp_path / "utilities"
+    (package / "course").mkdir(parents=True)
+    for path in ("__init__.py", "course/__init__.py", "course/lesson.py"):
+        (package / path).write_text("")
+    (package / "training.py").write_text("def f():\n    from utilities.course.lesson import x\n")
+    (package / "__main__.py").write_text("from utilities.course import lesson\n")
+    assert course_imports(module_imports(tmp_path)) == {"utilities.training": {"utilities.course.lesson"}}

@@ -177,3 +177,46 @@ def test_prediction_holds_the_global_batch_and_tp_blocks_the_compute(results):
 
 def test_readme_prediction_is_the_runs(results):
     assert_prediction_is_the_readmes("12", results, "predicted_1x8xh100.json")
+
+
+def _styles(plan: dict) -> dict:
+    """A TP plan as comparable data: each submodule's style class and its layouts."""
+    return {name: (type(style).__name__, vars(style)) for name, style in plan.items()}
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_the_lessons_plans_are_the_planners(sequence_parallel):
+    """The lesson writes its TP plans out; the planner keeps its own: the same styles, layouts and
+    local outputs, submodule by submodule, or a prediction would split another model."""
+    from conftest import lesson_module
+
+    from utilities.measure import tensor_parallel as planner
+
+    lesson = lesson_module("12")
+    assert _styles(lesson.mlp_tp_plan()) == _styles(planner.mlp_plan())
+    assert (_styles(lesson.llama_tp_plan(sequence_parallel))
+            == _styles(planner.llama_block_plan(sequence_parallel)))
+    assert _styles(lesson.llama_model_sp_plan()) == _styles(planner.llama_root_plan(loss_parallel=False))
+    assert _styles(lesson.llama_model_sp_plan()) != _styles(planner.llama_root_plan(loss_parallel=True))
+
+
+def test_the_lessons_apply_llama_tp_places_every_weight_as_the_library_does(world1):
+    """On a one-rank mesh: every llama-tiny parameter the lesson's ``apply_llama_tp`` splits is a
+    DTensor with the same placements as after the library's ``apply_tp`` (what the planner traces)."""
+    from conftest import lesson_module
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from utilities.models import get_model_spec
+    from utilities.parallelize import apply_tp
+
+    lesson = lesson_module("12")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    for sequence_parallel in (True, False):
+        ours = lesson.apply_llama_tp(get_model_spec("llama-tiny").build("cpu"), mesh["tp"],
+                                     sequence_parallel)
+        theirs = apply_tp(get_model_spec("llama-tiny").build("cpu"), tp_mesh=mesh["tp"],
+                          sequence_parallel=sequence_parallel)
+        placements = [{n: getattr(p, "placements", None) for n, p in m.named_parameters()}
+                      for m in (ours, theirs)]
+        assert placements[0] == placements[1]
+        assert sum(v is not None for v in placements[0].values()) >= 7 * len(ours.model.layers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utilities.measure.release import VariantScope
+from utilities.course.release import VariantScope
 from utilities.models import get_model_spec
 from utilities.training import train
 from utilities.wrapping import shard_model

@@ -446,7 +446,7 @@ def test_mfu_of_a_mixture_of_experts_counts_its_active_experts(tmp_path):
     the idle experts' parameters out."""
     import json
 
-    from utilities.models import _attention_shape, get_model_spec
+    from utilities.models import attention_shape, get_model_spec
 
     path = tmp_path / "moe.json"
     path.write_text(json.dumps(TINY_MOE))
@@ -463,7 +463,7 @@ def test_mfu_of_a_mixture_of_experts_counts_its_active_experts(tmp_path):
     count, said = st.model_flops_per_token(spec, prof, seq)
     idle = (c["num_local_experts"] - c["num_experts_per_tok"]) * 3 * c["hidden_size"] * c[
         "intermediate_size"] * c["num_hidden_layers"]
-    layers, heads, head_dim = _attention_shape(spec.config())
+    layers, heads, head_dim = attention_shape(spec.config())
     assert count == pytest.approx(6 * (spec.num_parameters - idle) + 12 * layers * heads * head_dim * seq)
     assert "2 of 8 experts" in said
     assert 0 < st.estimate_step_time(spec, 2, batch=2, seq=seq).mfu <= 1

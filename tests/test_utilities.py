@@ -21,7 +21,7 @@ from utilities import (
     shard_model,
     verify_bfloat_support,
 )
-from utilities.measure.results import write_json
+from utilities.results import write_json
 from utilities.wrapping import fsdp1_block_policy, fsdp_units, unit_parameter_counts
 
 
@@ -347,7 +347,7 @@ def test_memory_maximizer_says_no_gpu_once_per_process(monkeypatch, capsys):
 
 # -- results.json: what a lesson records, through Results' methods ---------------------------------
 def _results():
-    from utilities.measure.results import Results
+    from utilities.results import Results
     from utilities.training import TrainStats
 
     r = Results("99", "t", torch.device("cpu"), 2, "t5-tiny", 10, {"every": 2})
@@ -379,3 +379,21 @@ def test_results_extend_variants_adds_fields_by_name():
     assert list(r.data["variants"][1])[-1] == "speedup_vs_base"  # after what add() recorded
     with pytest.raises(ValueError, match="no recorded variant named 'slow'"):
         r.extend_variants({"slow": {"x": 1}})
+
+
+def test_one_collective_counter_names_every_variant_of_a_collective():
+    """``CollectiveCounter`` (lesson 15, ``count_reduce_scatters``) and the fake step's recorder
+    tell a collective from any other op the same way, and group a collective's variants by kind."""
+    from utilities.measure.transfers import collective_kind, collective_name
+
+    assert collective_name(torch.ops.c10d.allreduce_.default) == "allreduce_"
+    assert collective_name(torch.ops._c10d_functional.all_gather_into_tensor.default) == \
+        "all_gather_into_tensor"
+    assert collective_name(torch.ops.aten.mm.default) is None
+    kinds = {n: collective_kind(n) for n in ("_allgather_base_", "all_gather_into_tensor",
+                                             "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
+                                             "allreduce_", "broadcast_")}
+    assert kinds == {"_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
+                     "_reduce_scatter_base_": "reduce_scatter",
+                     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+                     "allreduce_": "allreduce", "broadcast_": "broadcast"}

@@ -72,7 +72,7 @@ class ModelSpec:
 
     @property
     def num_parameters(self) -> int:
-        return self.known_parameters if self.known_parameters is not None else _count_parameters(self)
+        return self.known_parameters if self.known_parameters is not None else count_parameters(self)
 
     def build(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
         """Build with random weights on ``device`` (``"meta"`` for a model too large for one host),
@@ -89,11 +89,11 @@ class ModelSpec:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N + 12 * layers * heads * head_dim * seq (nanoGPT / torchtitan)."""
-        layers, heads, head_dim = _attention_shape(self.config())
+        layers, heads, head_dim = attention_shape(self.config())
         return 6.0 * self.num_parameters + 12.0 * layers * heads * head_dim * seq_len
 
 
-def _attention_shape(cfg) -> tuple[int, int, int]:
+def attention_shape(cfg) -> tuple[int, int, int]:
     """(layers, heads, head_dim) of a transformers config, under the names families use."""
     def first(*names, default=0):
         for n in names:
@@ -113,7 +113,7 @@ def _attention_shape(cfg) -> tuple[int, int, int]:
     return layers, heads, head_dim
 
 
-def _t5(d_model: int, d_ff: int, layers: int, heads: int, d_kv: int, vocab: int = VOCAB) -> dict:
+def t5_shapes(d_model: int, d_ff: int, layers: int, heads: int, d_kv: int, vocab: int = VOCAB) -> dict:
     """A T5 (v1.0: ReLU feed-forward, embeddings tied to the LM head, 32 relative-position buckets)
     of these shapes: its config factory and its parameter count, from the shapes."""
     inner, buckets = heads * d_kv, 32
@@ -138,7 +138,7 @@ def _t5(d_model: int, d_ff: int, layers: int, heads: int, d_kv: int, vocab: int 
     return dict(make_config=make, known_parameters=parameters)
 
 
-def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int = VOCAB,
+def llama_shapes(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int = VOCAB,
            tie: bool = False, max_pos: int = 8192) -> dict:
     """A Llama (no biases, SwiGLU, RMSNorm) of these shapes: its config factory and its parameter
     count, from the shapes."""
@@ -169,21 +169,22 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, voca
 MODELS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
-        ModelSpec("t5-tiny", "t5", block_class_name="T5Block", default_seq_len=64, **_t5(128, 512, 4, 4, 32)),
+        ModelSpec("t5-tiny", "t5", block_class_name="T5Block", default_seq_len=64,
+                  **t5_shapes(128, 512, 4, 4, 32)),
         ModelSpec("t5-small", "t5", block_class_name="T5Block", default_seq_len=512,
-                  **_t5(512, 2048, 6, 8, 64, vocab=32128)),
+                  **t5_shapes(512, 2048, 6, 8, 64, vocab=32128)),
         ModelSpec("t5-base", "t5", block_class_name="T5Block", default_seq_len=512,
-                  **_t5(768, 3072, 12, 12, 64, vocab=32128)),
+                  **t5_shapes(768, 3072, 12, 12, 64, vocab=32128)),
         ModelSpec("t5-large", "t5", block_class_name="T5Block", default_seq_len=512,
-                  **_t5(1024, 4096, 24, 16, 64, vocab=32128)),
+                  **t5_shapes(1024, 4096, 24, 16, 64, vocab=32128)),
         ModelSpec("t5-3b", "t5", block_class_name="T5Block", default_seq_len=512,
-                  **_t5(1024, 16384, 24, 32, 128, vocab=32128)),
+                  **t5_shapes(1024, 16384, 24, 32, 128, vocab=32128)),
         ModelSpec("llama-tiny", "llama", block_class_name="LlamaDecoderLayer", default_seq_len=64,
-                  **_llama(128, 352, 4, 4, 2)),
+                  **llama_shapes(128, 352, 4, 4, 2)),
         ModelSpec("llama-1b", "llama", block_class_name="LlamaDecoderLayer", default_seq_len=2048,
-                  **_llama(2048, 8192, 16, 32, 8, vocab=128256, tie=True)),
+                  **llama_shapes(2048, 8192, 16, 32, 8, vocab=128256, tie=True)),
         ModelSpec("llama-8b", "llama", block_class_name="LlamaDecoderLayer", default_seq_len=2048,
-                  **_llama(4096, 14336, 32, 32, 8, vocab=128256)),
+                  **llama_shapes(4096, 14336, 32, 32, 8, vocab=128256)),
     )
 }
 
@@ -484,7 +485,7 @@ def _model_class(family: str):
 
 
 @functools.cache
-def _count_parameters(spec: ModelSpec) -> int:
+def count_parameters(spec: ModelSpec) -> int:
     model = spec.build(device="meta")
     seen: set[int] = set()
     total = 0

@@ -213,7 +213,7 @@ def observe_dtypes(model: nn.Module, probe: DtypeProbe | None = None) -> Iterato
     (into ``probe`` when given, so several observed steps add up; else a new one).
 
     The counts cost three host syncs per reduce-scatter: never time a step while this is active
-    (``utilities.training.train``'s ``untimed`` runs it around the steps it does not time).
+    (``utilities.training.StepOptions.untimed`` runs it around the steps it does not time).
 
     What is recorded is what FSDP handed to the collective
     (``utilities.distributed.watch_reduce_scatters``), not what the config says. Padding FSDP adds

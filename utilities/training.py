@@ -75,25 +75,38 @@ def default_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
     return loss
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How ``train`` runs each step beyond its step function, and what it watches on the side.
+
+    ``warmup``: the first steps, not timed. ``grad_clip``: clip the global gradient norm to this
+    (FSDP1's own ``clip_grad_norm_`` where the model has one). ``memory_tracker``: the measured
+    step's ``MemoryProbe(use_tracker=...)``. ``untimed``: a context entered around each untimed step
+    only (warm-up and memory): an observer whose cost must not reach the step times (lesson 07's
+    dtype probe)."""
+
+    warmup: int = 1
+    grad_clip: float | None = None
+    memory_tracker: bool | None = None
+    untimed: Callable[[], contextlib.AbstractContextManager] | None = None
+
+
 def train(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     data: Iterator[dict[str, torch.Tensor]],
     steps: int,
     device: torch.device,
-    warmup: int = 1,
     measure_memory: bool = True,
     flops_per_token: float | None = None,
     step_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] = default_step,
-    grad_clip: float | None = None,
     progress: str | None = None,
-    memory_tracker: bool | None = None,
-    untimed: Callable[[], contextlib.AbstractContextManager] | None = None,
+    options: StepOptions = StepOptions(),
 ) -> TrainStats:
-    """Train ``steps`` steps; the first ``warmup`` are not timed, and one extra step is measured
-    for memory (trackers slow a step down, so it is never timed either). ``untimed()``, if given,
-    is a context entered around each of those untimed steps only: an observer whose cost must not
-    reach the step times (lesson 07's dtype probe)."""
+    """Train ``steps`` steps; the first ``options.warmup`` are not timed, and one extra step is
+    measured for memory (trackers slow a step down, so it is never timed either)."""
+    warmup, grad_clip, memory_tracker, untimed = (options.warmup, options.grad_clip,
+                                                  options.memory_tracker, options.untimed)
     stats = TrainStats()
     world = dist.get_world_size() if dist.is_initialized() else 1
     bar = _progress(steps, progress)

@@ -40,8 +40,8 @@ from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.errors import positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
-from utilities.measure.results import variant
 from utilities.models import ModelSpec, get_model_spec
+from utilities.results import variant
 from utilities.training import TrainStats
 from utilities.wrapping import fsdp1_meta_init, fsdp_units, unit_parameter_counts
 

@@ -51,7 +51,7 @@ from utilities.distributed import world_mesh
 from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.batch_search import all_ranks_agree, find_max_batch, training_trial
-from utilities.measure.results import variant
+from utilities.results import variant
 from utilities.training import TrainStats
 from utilities.wrapping import shard_model
 

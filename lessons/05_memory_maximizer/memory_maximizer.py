@@ -36,7 +36,7 @@ from utilities.distributed import world_mesh
 from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes
 from utilities.measure.batch_search import SearchResult, Trial, all_ranks_agree, find_max_batch
-from utilities.measure.results import variant
+from utilities.results import variant
 from utilities.training import TrainStats, train
 
 

@@ -42,9 +42,9 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
-from utilities.measure.results import variant
 from utilities.precision import DtypeProbe, attach_scaler, default_policy, observe_dtypes
-from utilities.training import default_step
+from utilities.results import variant
+from utilities.training import StepOptions, default_step
 from utilities.wrapping import fsdp1_meta_init
 
 # -- the code this lesson teaches -----------------------------------------------------------------
@@ -152,7 +152,7 @@ def train_policy(lesson: Lesson, api: str, policy: str) -> None:
     # steps (warm-up and memory) only, so the step times are those of plain training.
     seen = DtypeProbe()
     stats = lesson.train(model, f"{api}-{policy}", optimizer=optimizer, step_fn=step_fn,
-                         untimed=lambda: observe_dtypes(model, seen))
+                         options=StepOptions(untimed=lambda: observe_dtypes(model, seen)))
     mp = FSDP2_POLICIES[policy] if api == "fsdp2" else FSDP1_POLICIES[policy]  # None: not cast
     fields = dict(api=api, policy=policy, param_dtype=dtype_name(getattr(mp, "param_dtype", None)),
                   reduce_dtype=dtype_name(getattr(mp, "reduce_dtype", None)), **seen.as_dict())

@@ -66,7 +66,7 @@ from utilities.dcp import (
 from utilities.distributed import fail_together, reduce_scalar
 from utilities.errors import UsageError
 from utilities.measure import fmt_bytes
-from utilities.measure.results import variant, write_json
+from utilities.results import variant, write_json
 from utilities.safe_files import atomic_torch_save
 from utilities.training import train
 from utilities.wrapping import shard_model

@@ -60,7 +60,7 @@ from utilities.data import LETTERS, LetterTask, batches, make_loader
 from utilities.distributed import fail_together, reduce_scalar, world_mesh
 from utilities.errors import UsageError, bounded, positive_int
 from utilities.measure import fmt_bytes
-from utilities.measure.results import variant
+from utilities.results import variant
 from utilities.torch_zip import safe_torch_load
 from utilities.training import train
 

@@ -26,9 +26,9 @@ from train_config import Config, ac_label
 from utilities import distributed as D
 from utilities.measure import MemoryProbe, fmt_bytes
 from utilities.measure.memory import live_gradient_bytes, shard_numels
-from utilities.measure.results import Results, table
 from utilities.measure.transfers import count_reduce_scatters
 from utilities.models import ModelSpec
+from utilities.results import Results, table
 from utilities.training import TrainStats, peak_flops
 
 TITLE = "end-to-end training codebase"

@@ -40,6 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from tp_helpers import ratios_vs_tp1, run_llama, run_mlp
 
 from utilities import distributed as D
@@ -53,29 +62,73 @@ from utilities.measure.step_time import (
     parse_cluster,
     predict_from_arguments,
 )
-from utilities.measure.tensor_parallel import (
-    FeedForward,
-    apply_mlp_tensor_parallel,
-    check_tensor_parallel,
-    llama_block_plan,
-    llama_root_plan,
-    mlp_plan,
-)
+from utilities.measure.tensor_parallel import FeedForward, check_mlp_tensor_parallel, check_tensor_parallel
 from utilities.models import get_model_spec
-from utilities.parallelize import apply_tp
+
 
 # -- the code this lesson teaches ---------------------------------------------------------------
-# The plans have one home, utilities.measure.tensor_parallel (the planner splits the same way):
-# mlp_plan()                      w1 and w3 column-wise, w2 row-wise: one all-reduce per forward
-# llama_block_plan(sp)            q/k/v and gate/up column-wise, o and down row-wise, per block;
-#                                 with sp the norms and the residual stream split on the sequence
-# llama_root_plan()               with sp: embedding and LM head split over the vocabulary
-mlp_tp_plan, llama_tp_plan, llama_model_sp_plan = mlp_plan, llama_block_plan, llama_root_plan
+# The planner (utilities.measure.tensor_parallel) splits models the same way, with plans of its
+# own; tests/test_lesson_12.py holds the two to the same styles and layouts.
+def mlp_tp_plan() -> dict[str, ParallelStyle]:
+    """A SwiGLU MLP ``w2(silu(w1(x)) * w3(x))``: w1 and w3 column-wise, w2 row-wise, so one
+    all-reduce per forward, at w2's output."""
+    return {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+
+
+def llama_tp_plan(sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """One Llama block: q/k/v and gate/up column-wise (heads, MLP columns), o and down row-wise.
+    The attention and the MLP take their input as one replicated DTensor, which their column-wise
+    layers share. With ``sequence_parallel`` the norms and the residual stream stay split along
+    the sequence (``Shard(1)``): an all-gather into the attention and the MLP, a reduce-scatter out
+    of o and down; without it the stream is whole on every rank and o and down all-reduce."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    back_to_stream = RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel)
+    plan = {
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": stream},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                        use_local_output=False),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": back_to_stream,
+        "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
+                                  use_local_output=False),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": back_to_stream,
+    }
+    if sequence_parallel:
+        plan["input_layernorm"] = SequenceParallel()
+        plan["post_attention_layernorm"] = SequenceParallel()
+    return plan
+
+
+def llama_model_sp_plan() -> dict[str, ParallelStyle]:
+    """Sequence parallelism outside the blocks: the embedding split over the vocabulary hands out
+    sequence shards (kept a DTensor, so the model's own code sees the whole sequence length), the
+    final norm works on them, the LM head gathers the sequence, splits the vocabulary and hands
+    out whole logits."""
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
 
 
 def apply_mlp_tp(mlp: FeedForward, tp_mesh: DeviceMesh) -> FeedForward:
     """Split a ``FeedForward`` in place over ``tp_mesh`` (a 1-D mesh); returns it."""
-    return apply_mlp_tensor_parallel(mlp, tp_mesh)
+    return parallelize_module(mlp, tp_mesh, mlp_tp_plan())
+
+
+def apply_llama_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
+    """Split a Hugging Face Llama in place over ``tp_mesh``: every block, and with
+    ``sequence_parallel`` the embedding, the final norm and the head too; returns it."""
+    if sequence_parallel:
+        parallelize_module(model, tp_mesh, llama_model_sp_plan())
+    for block in model.model.layers:
+        parallelize_module(block, tp_mesh, llama_tp_plan(sequence_parallel))
+    return model
 
 
 def mesh_2d(device_type: str, dp: int, tp: int) -> DeviceMesh:
@@ -86,7 +139,7 @@ def mesh_2d(device_type: str, dp: int, tp: int) -> DeviceMesh:
 def apply_2d(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """TP first on mesh["tp"], then FSDP2 on mesh["dp"]: fully_shard shards the TP shards (2-D
     DTensors). The other way round, TP would try to split FSDP's shards."""
-    apply_tp(model, tp_mesh=mesh["tp"], sequence_parallel=False)  # the library's (utilities.parallelize)
+    apply_llama_tp(model, mesh["tp"], sequence_parallel=False)
     for block in model.model.layers:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -213,7 +266,7 @@ def parallelize(kind: str, tp: int, mesh: DeviceMesh | None):
         return lambda model: apply_mlp_tp(model, mesh["tp"])
     if kind == "2d":
         return lambda model: apply_2d(model, mesh)
-    return lambda model: apply_tp(model, tp_mesh=mesh["tp"], sequence_parallel=kind == "llama-sp")
+    return lambda model: apply_llama_tp(model, mesh["tp"], sequence_parallel=kind == "llama-sp")
 
 
 def takeaway(results: dict) -> str:
@@ -241,8 +294,10 @@ def main(args) -> None:
         for name in (n for n in args.variants if n not in skipped):
             kind, dp, tp = VARIANTS[name]
             dp = dp or world // tp
-            if kind != "mlp" and tp > 1:
-                check_tensor_parallel(lesson.spec.config(), tp, sequence_parallel=False)
+            if kind == "mlp":
+                check_mlp_tensor_parallel(hidden, tp)
+            elif tp > 1:
+                check_tensor_parallel(lesson.spec.config(), tp, sequence_parallel=kind == "llama-sp")
             if (tp > 1 or kind == "2d") and tp not in meshes:
                 meshes[tp] = mesh_2d(lesson.device.type, world // tp, tp)
             mesh = meshes.get(tp)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from utilities.models import ModelSpec, _llama
+from utilities.models import ModelSpec, llama_shapes
 
 
 def width_spec(hidden: int, layers: int, seq_len: int) -> ModelSpec:
@@ -25,7 +25,7 @@ def width_spec(hidden: int, layers: int, seq_len: int) -> ModelSpec:
     kv = max(1, heads // 4)
     inter = 16 * round(3.5 * hidden / 16)  # a multiple of 16, as FP8 GEMMs need
     return ModelSpec(f"llama-h{hidden}", "llama", block_class_name="LlamaDecoderLayer",
-                     default_seq_len=seq_len, **_llama(hidden, inter, layers, heads, kv))
+                     default_seq_len=seq_len, **llama_shapes(hidden, inter, layers, heads, kv))
 
 
 def flops_per_token(spec: ModelSpec, params: int, seq_len: int) -> float:

@@ -518,7 +518,7 @@ def ctrl_c_left_to_the_launcher():
 
 
 def _run_all(args, device: str, nproc: int | None, flags: list[str]) -> int:
-    from utilities.measure.results import load
+    from utilities.results import load
 
     summary = []
     failed = []

@@ -608,7 +608,7 @@ def render_readmes(folder: Path, lessons_dir: Path = REPO_ROOT / "lessons") -> l
     lesson's CPU table is (``readme_tables.render``: the same columns, a caption naming the run);
     the lessons whose README changed. A lesson without a run in the folder keeps its table."""
     from utilities.course.readme_tables import render
-    from utilities.measure.results import load
+    from utilities.results import load
     from utilities.safe_files import atomic_write_text
 
     def replace(m: re.Match, readme: Path) -> str:

@@ -19,7 +19,7 @@ def skip_final_collections() -> None:
 def freeze_what_lives_until_exit() -> None:
     """In a rank that torchrun started, move every object alive now (torch, transformers, the
     process group: ~350K objects) out of the garbage collector's sight. Each variant's release
-    collects and scans what the collector sees (``utilities.measure.release.VariantScope``): ~0.45
+    collects and scans what the collector sees (``utilities.course.release.VariantScope``): ~0.45
     s per variant and rank over all of them, a few ms over what the variant made; and the rank's
     exit skips them too (see ``skip_final_collections``). Collected first, so no garbage is kept.
     A notebook kernel or a test process (no ``TORCHELASTIC_RUN_ID``) is left as it is."""

@@ -31,6 +31,7 @@ from utilities import distributed as D
 from utilities.course.catalog import LESSONS
 from utilities.course.gc_at_exit import end_rank_now, freeze_what_lives_until_exit
 from utilities.course.launch import checking_flags
+from utilities.course.release import VariantScope, live_parameters
 from utilities.data import ReverseTask, batches, make_loader
 from utilities.errors import (
     OneLineParser,
@@ -41,10 +42,9 @@ from utilities.errors import (
     seed_value,
 )
 from utilities.measure.memory import check_batch_fits, is_oom
-from utilities.measure.release import VariantScope, live_parameters
-from utilities.measure.results import Results, peak_range, table
 from utilities.measure.step_time import check_prediction_arguments
 from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
+from utilities.results import Results, peak_range, table
 from utilities.text import HelpFormatter, wrap_lines
 from utilities.training import TrainStats, train
 
@@ -277,7 +277,9 @@ class Lesson:
                 self.results.add(name, stats, **(describe(name, model, stats) if describe else {}))
                 del model, stats
 
-    def _track(self, *objs: Any) -> None:
+    def track(self, *objs: Any) -> None:
+        """Free ``objs`` (models, optimizers) when the variant running now ends, as the ones
+        ``build_model`` and ``optimizer`` made are."""
         if self._scope is not None:
             self._scope.track(*objs)
 
@@ -290,7 +292,7 @@ class Lesson:
         spec = spec or self.spec
         self.seed()
         model = spec.build(device="meta" if spec.num_parameters > META_INIT_THRESHOLD else self.device)
-        self._track(model)
+        self.track(model)
         return model
 
     def materialize(self, model: nn.Module) -> nn.Module:
@@ -299,7 +301,7 @@ class Lesson:
             model.to_empty(device=self.device)
             self.seed()
             init_weights(model)
-        self._track(model)
+        self.track(model)
         return model
 
     def data(self, seed_offset: int = 0, mode: str | None = None, batch_size: int | None = None):
@@ -314,7 +316,7 @@ class Lesson:
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr,
                                       foreach=self.device.type == "cuda")
-        self._track(optimizer)
+        self.track(optimizer)
         return optimizer
 
     def train(self, model: nn.Module, name: str, optimizer: torch.optim.Optimizer | None = None,
@@ -324,7 +326,7 @@ class Lesson:
         kwargs.setdefault("flops_per_token", self.spec.flops_per_token(self.seq_len))
         stats = train(model, optimizer, self.data(), self.steps, self.device, progress=name,
                       **kwargs)
-        self._track(model, optimizer)  # now with its sharded parameters, gradients and state
+        self.track(model, optimizer)  # now with its sharded parameters, gradients and state
         self.print(f"  {name}: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f}, "
                    f"median step {stats.step_time_s or 0:.4f}s")
         return stats

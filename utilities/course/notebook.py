@@ -45,7 +45,7 @@ class LessonNotebook:
         this notebook imported: a bad one fails at once, in one line. Raises if the run fails."""
         from utilities.course.cli import decide_launch, prepare_launch
         from utilities.devices import resolve_device
-        from utilities.measure.results import load
+        from utilities.results import load
 
         if "-h" in flags or "--help" in flags:  # as the command does: the help, and no run
             from utilities.course.launch import parse_flags_here

@@ -10,7 +10,7 @@ memory), torch and the date:
     ...rendered, never edited by hand...
     <!-- /results -->
 
-The table is the one the run printed (``utilities.measure.results.columns``: the same columns, the
+The table is the one the run printed (``utilities.results.columns``: the same columns, the
 same cells, none cut for the terminal's width), then the run's takeaway. A table may join runs
 (``results_cpu.json,results_cpu_4ranks.json``): one caption each, their rows in that order after
 a first column naming the flags each run added. ``columns=a,b`` after the files shows those
@@ -36,9 +36,9 @@ from urllib.parse import quote
 
 from utilities.course.catalog import LESSONS
 from utilities.errors import UsageError
-from utilities.measure.results import idle_category_notes, markdown_table
-from utilities.measure.results import load as load_results
 from utilities.measure.step_time import predicted_batch_text, predicted_rows
+from utilities.results import idle_category_notes, markdown_table
+from utilities.results import load as load_results
 from utilities.safe_files import atomic_write_text
 from utilities.text import markdown, markdown_escape, markdown_inert
 
@@ -199,7 +199,7 @@ def caption(results: dict[str, Any], source: str, first: dict[str, Any] | None =
 def shape_refused(sources: str) -> Iterator[None]:
     """A results file whose sections (a lesson's own: ``capacity``, a checkpoint's ``layout``...)
     are not what its table reads: one ``UsageError`` line naming it, not a traceback. The keys
-    every results file has are checked when it is read (``utilities.measure.results.check``)."""
+    every results file has are checked when it is read (``utilities.results.check``)."""
     try:
         yield
     except UsageError:

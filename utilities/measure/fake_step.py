@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from utilities.errors import UsageError, bad_value
+from utilities.measure.transfers import collective_name
 from utilities.parallelize import AC_MODES
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
@@ -180,11 +181,11 @@ def adamw_foreach(device: torch.device) -> bool:
 
 def largest_unit_shard(model) -> int:
     """Bytes of the largest FSDP unit's parameter shard on this rank (its own parameters)."""
-    from utilities.measure.memory import _tensor_bytes
+    from utilities.measure.memory import tensor_bytes
 
     largest = 0
     for _, own in _unit_parameters(model):
-        largest = max(largest, sum(_tensor_bytes(p) for p in own))
+        largest = max(largest, sum(tensor_bytes(p) for p in own))
     return largest
 
 
@@ -206,22 +207,22 @@ def _resident(model, optimizer, device_type: str) -> list[tuple[str, int, str]]:
     """What the rank holds when a step begins, unit by unit (the root first, then the blocks in
     order): each unit's parameter shards and buffers, then each unit's AdamW state, as
     (unit, bytes, the tracker's category)."""
-    from utilities.measure.memory import _tensor_bytes
+    from utilities.measure.memory import tensor_bytes
 
     units = list(reversed(_unit_parameters(model)))
     modules = dict(model.named_modules())
     seen: set[int] = set()
     out = []
     for fqn, own in units:
-        out += [(unit_label(fqn), _tensor_bytes(p), "Sharded Param") for p in own]
+        out += [(unit_label(fqn), tensor_bytes(p), "Sharded Param") for p in own]
     for fqn, _ in reversed(units):  # innermost first: a unit's own buffers
         bufs = [b for b in modules[fqn].buffers() if id(b) not in seen]
         seen.update(id(b) for b in bufs)
-        out += [(unit_label(fqn), _tensor_bytes(b), "Buffer") for b in bufs
+        out += [(unit_label(fqn), tensor_bytes(b), "Buffer") for b in bufs
                 if b.device.type == device_type]
     for fqn, own in units:
         for p in own:
-            out += [(unit_label(fqn), _tensor_bytes(v), "OptState")
+            out += [(unit_label(fqn), tensor_bytes(v), "OptState")
                     for v in optimizer.state.get(p, {}).values()
                     if isinstance(v, torch.Tensor) and v.device.type == device_type]
     return out
@@ -229,14 +230,14 @@ def _resident(model, optimizer, device_type: str) -> list[tuple[str, int, str]]:
 
 def _unit_states(model, optimizer) -> dict[str, dict[str, int]]:
     """What each unit's own parameters hold after the step (``memory.census``, unit by unit)."""
-    from utilities.measure.memory import _tensor_bytes
+    from utilities.measure.memory import tensor_bytes
 
     out = {}
     for fqn, own in _unit_parameters(model):
-        opt = sum(_tensor_bytes(v) for p in own for v in optimizer.state.get(p, {}).values()
+        opt = sum(tensor_bytes(v) for p in own for v in optimizer.state.get(p, {}).values()
                   if isinstance(v, torch.Tensor))
-        out[unit_label(fqn)] = {"parameters": sum(_tensor_bytes(p) for p in own),
-                                "gradients": sum(_tensor_bytes(p.grad) for p in own
+        out[unit_label(fqn)] = {"parameters": sum(tensor_bytes(p) for p in own),
+                                "gradients": sum(tensor_bytes(p.grad) for p in own
                                                  if p.grad is not None),
                                 "optimizer": opt}
     return out
@@ -301,7 +302,7 @@ def _classify(func) -> int | None:
     name = func.__name__.split(".")[0]
     if ns in _SKIP_NAMESPACES or name in _SKIP_OPS or _view_like(func):
         return None
-    if ns == "c10d" or ns == "_c10d_functional":
+    if collective_name(func) is not None:
         return -1
     if ns == "fsdp" or name in ("_foreach_copy_",):
         return FSDP_COPY
@@ -462,7 +463,7 @@ class OpRecorder:
         if kind == -1:
             if self.modules.is_bw and self.backward_collectives_from is None:
                 self.backward_collectives_from = len(self.collectives)
-            name = func.__name__.split(".")[0]
+            name = collective_name(func)
             if self.cp_group_name is not None and any(
                     isinstance(a, str) and a == self.cp_group_name for a in args):
                 from utilities.measure.context_parallel import CP_PREFIX

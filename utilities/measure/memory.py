@@ -206,19 +206,20 @@ def categorize(snap: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes this rank holds of ``t``: a DTensor's local shard, any other tensor whole."""
     local = getattr(t, "_local_tensor", t)  # a DTensor holds only its local shard
     return local.numel() * local.element_size()
 
 
 def census(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Bytes held right now by this rank's parameters, gradients and optimizer state."""
-    params = sum(_tensor_bytes(p) for p in model.parameters())
-    grads = sum(_tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    params = sum(tensor_bytes(p) for p in model.parameters())
+    grads = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     opt = 0
     if optimizer is not None:
         for state in optimizer.state.values():
-            opt += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+            opt += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return {"total": params + grads + opt, "parameters": params, "gradients": grads,
             "optimizer": opt, "activations": 0, "detail": {}}
 

@@ -837,10 +837,10 @@ def model_flops_per_token(spec, profile, seq: int) -> tuple[float, str]:
     matmuls, and the backward stops below the lowest trainable one: each term is scaled by the
     traced step's backward work against a full backward's (2 x the forward's matmuls,
     ``ATTENTION_BACKWARD`` x its attention), both from the ops the fake step ran."""
-    from utilities.models import EXPERT_FIELDS, _attention_shape
+    from utilities.models import EXPERT_FIELDS, attention_shape
 
     config = spec.config()
-    layers, heads, head_dim = _attention_shape(config)
+    layers, heads, head_dim = attention_shape(config)
     attention = 12.0 * layers * heads * head_dim * seq
     dense = spec.flops_per_token(seq) - attention
     said = []

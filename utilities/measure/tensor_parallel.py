@@ -11,8 +11,8 @@ stream) are split along the sequence too: an all-gather of the sequence before q
 gate/up, a reduce-scatter after o and after down, instead of one all-reduce after each pair.
 
 Everything here is torch's own ``torch.distributed.tensor.parallel.parallelize_module`` with a plan
-per model family (the plans of lesson 12, which imports them from here). 2-D parallelism (TP inside
-a group, FSDP across the groups, the mesh dims named "dp" and "tp") is
+per model family (lesson 12 writes the same plans out itself; its tests hold the two alike). 2-D
+parallelism (TP inside a group, FSDP across the groups, the mesh dims named "dp" and "tp") is
 ``utilities.parallelize.parallelize_model`` on a ("dp", "tp") mesh.
 
 For the planner (memory) and the time model:
@@ -212,10 +212,14 @@ def apply_tensor_parallel(model: nn.Module, block_class: type[nn.Module], tp_mes
 
 def apply_mlp_tensor_parallel(mlp: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Split a SwiGLU ``FeedForward`` (w1, w2, w3) over ``tp_mesh`` (1-D) in place; returns it."""
-    hidden = mlp.w1.out_features
-    if hidden % tp_mesh.size():
-        raise bad_value("tp", tp_mesh.size(), f"a divisor of the MLP's hidden size ({hidden})")
+    check_mlp_tensor_parallel(mlp.w1.out_features, tp_mesh.size())
     return parallelize_module(mlp, tp_mesh, mlp_plan())
+
+
+def check_mlp_tensor_parallel(hidden: int, tp: int) -> None:
+    """Refuse in one line a ``tp`` that does not divide a ``FeedForward``'s hidden size."""
+    if hidden % tp:
+        raise bad_value("tp", tp, f"a divisor of the MLP's hidden size ({hidden})")
 
 
 def causal_lm_loss(batch: dict[str, torch.Tensor]) -> Callable[[nn.Module], torch.Tensor]:

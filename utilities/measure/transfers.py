@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from utilities.distributed import watch_reduce_scatters
+from utilities.measure.memory import tensor_bytes
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -51,14 +51,9 @@ def _exact(t: Any) -> tuple[int, int] | None:
     if not isinstance(t, torch.Tensor):
         return None
     try:
-        return _local(t).data_ptr(), _nbytes(t)
+        return _local(t).data_ptr(), tensor_bytes(t)
     except (RuntimeError, NotImplementedError):
         return None
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    t = _local(t)
-    return t.numel() * t.element_size()
 
 
 def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
@@ -118,14 +113,14 @@ def _recording(count: CopyCount) -> Iterator[None]:
         device = _target_device((self, *args), kwargs)
         if device is not None:
             target = "host" if device.type == "cpu" else "device"
-            count._calls.append(("to", _storage(self), _exact(out), _nbytes(self), out is not self,
+            count._calls.append(("to", _storage(self), _exact(out), tensor_bytes(self), out is not self,
                                  target))
         return out
 
     def recorded_copy_(self, src, *args, **kwargs):
         out = copy_(self, src, *args, **kwargs)
         if isinstance(src, torch.Tensor):
-            count._calls.append(("copy_", _storage(src), _exact(self), _nbytes(src), True, None))
+            count._calls.append(("copy_", _storage(src), _exact(self), tensor_bytes(src), True, None))
         return out
 
     torch.Tensor.to, torch.Tensor.copy_ = recorded_to, recorded_copy_
@@ -142,7 +137,7 @@ def parameter_storages(model: nn.Module) -> set[int]:
 
 def local_parameter_bytes(model: nn.Module) -> int:
     """The bytes of this rank's parameter shards (FSDP1's with their padding)."""
-    return sum(_nbytes(p) for p in model.parameters())
+    return sum(tensor_bytes(p) for p in model.parameters())
 
 
 def gradient_tensors(model: nn.Module) -> set[tuple[int, int]]:
@@ -180,6 +175,67 @@ def placement(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) 
             "optimizer": devices(state), "pinned": pinned}
 
 
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")  # the dispatcher's collectives
+
+
+def collective_name(func) -> str | None:
+    """The name of the collective an ATen op issues (``_allgather_base_``,
+    ``reduce_scatter_tensor``...), or None for an op that is not a collective."""
+    if getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES:
+        return func.__name__.split(".")[0]
+    return None
+
+
+def collective_kind(name: str) -> str:
+    """A collective's name as a kind: "all_gather" and "reduce_scatter" whatever the variant
+    (``_allgather_base_``, ``all_gather_into_tensor``, ``reduce_scatter_tensor_coalesced_``...),
+    any other one by its own name without underscores at the ends ("allreduce", "broadcast")."""
+    name = name.lower().strip("_")
+    return "all_gather" if "allgather" in name or "all_gather" in name else \
+        "reduce_scatter" if "reduce_scatter" in name else name
+
+
+def _tensors(args) -> list[torch.Tensor]:
+    return [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+            if isinstance(t, torch.Tensor)]
+
+
+class CollectiveCounter:
+    """The collectives this process issues while active, as torch's dispatcher sees them, by kind
+    (``collective_kind``): ``counts`` (calls), ``dtypes`` (of the tensors they moved) and
+    ``bytes`` (each call's largest tensor argument: the unsharded side, a reduce-scatter's input or
+    an all-gather's output). ``with CollectiveCounter() as counter:``."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.counts: dict[str, int] = {}
+        self.dtypes: dict[str, set[str]] = {}
+        self.bytes: dict[str, int] = {}
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = collective_name(func)
+                if name is not None:
+                    counter.record(collective_kind(name), _tensors(args))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def record(self, kind: str, moved: list[torch.Tensor]) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.dtypes.setdefault(kind, set()).update(str(t.dtype).removeprefix("torch.") for t in moved)
+        self.bytes[kind] = self.bytes.get(kind, 0) + max((tensor_bytes(t) for t in moved), default=0)
+
+    def __enter__(self) -> CollectiveCounter:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+
+
 @dataclass
 class ReduceScatterCount:
     calls: int = 0
@@ -189,12 +245,9 @@ class ReduceScatterCount:
 @contextlib.contextmanager
 def count_reduce_scatters() -> Iterator[ReduceScatterCount]:
     """Count the reduce-scatters this process issues while active, and their input bytes
-    (``utilities.distributed.watch_reduce_scatters``)."""
+    (``CollectiveCounter``'s "reduce_scatter"), filled in when the block ends."""
     count = ReduceScatterCount()
-
-    def seen(grad: torch.Tensor) -> None:
-        count.calls += 1
-        count.bytes += _nbytes(grad)
-
-    with watch_reduce_scatters(seen):
+    with CollectiveCounter() as counter:
         yield count
+    count.calls = counter.counts.get("reduce_scatter", 0)
+    count.bytes = counter.bytes.get("reduce_scatter", 0)
