@@ -11,7 +11,8 @@ import time
 import pytest
 
 from utilities.measure import planner as P
-from utilities.measure.fake_step import ATTENTION, trace
+from utilities.measure.fake_step import trace
+from utilities.measure.op_recorder import ATTENTION
 from utilities.models import get_model_spec
 
 MODEL, SEQ = "llama-tiny", 4096

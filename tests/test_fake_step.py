@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from utilities.measure import fake_step
+from utilities.measure import depth_scaling, fake_step
 from utilities.measure import step_time as st
 from utilities.measure.plan_options import PlanOptions
 from utilities.models import get_model_spec
@@ -73,11 +73,11 @@ def test_blocks_that_differ_are_traced_whole():
     """Freezing the first blocks first (``--trainable``) makes blocks differ: no scaling; nor for a
     shallow model or one with two stacks (T5)."""
     spec = get_model_spec("llama-1b")
-    assert fake_step.scaled_depths(spec, "none") == (5, 6)  # one trace; the second for a check
-    assert fake_step.scaled_depths(spec, "every-2nd-block") == (10, 12)
-    assert fake_step.scaled_depths(spec, "none", PlanOptions(trainable=0.5)) is None
-    assert fake_step.scaled_depths(get_model_spec("llama-tiny"), "none") is None
-    assert fake_step.scaled_depths(get_model_spec("t5-base"), "none") is None
+    assert depth_scaling.scaled_depths(spec, "none") == (5, 6)  # one trace; the second for a check
+    assert depth_scaling.scaled_depths(spec, "every-2nd-block") == (10, 12)
+    assert depth_scaling.scaled_depths(spec, "none", PlanOptions(trainable=0.5)) is None
+    assert depth_scaling.scaled_depths(get_model_spec("llama-tiny"), "none") is None
+    assert depth_scaling.scaled_depths(get_model_spec("t5-base"), "none") is None
 
 
 def test_the_planner_and_the_time_model_share_one_trace():

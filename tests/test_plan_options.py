@@ -71,7 +71,7 @@ def test_offload_host_optimizer_is_the_measured_one_thread_rate():
     """--offload's optimizer step is the rank's trainable shard at the host AdamW rate of one thread
     (torchrun's OMP_NUM_THREADS=1), fp32 and bf16 parameters each at their own rate, and those
     rates are the ones benchmarks/plan_options_check.py measured and committed."""
-    from utilities.measure.step_time import HOST_ADAMW_PARAMS_PER_S
+    from utilities.measure.gpu_catalogue import HOST_ADAMW_PARAMS_PER_S
 
     psi = tiny().parameters_total
     for dtype in ("fp32", "bf16"):

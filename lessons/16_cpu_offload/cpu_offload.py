@@ -43,8 +43,8 @@ from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.measure import fmt_bytes
 from utilities.measure.plan_options import PlanOptions
+from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
 from utilities.measure.results import variant
-from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
 from utilities.measure.transfers import count_copies, local_parameter_bytes, placement
 from utilities.models import init_weights
 from utilities.torch_internals import cpu_offload_policy_class

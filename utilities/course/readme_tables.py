@@ -36,9 +36,9 @@ from urllib.parse import quote
 
 from utilities.course.catalog import LESSONS
 from utilities.errors import UsageError
+from utilities.measure.predictions import predicted_batch_text, predicted_rows
 from utilities.measure.results import idle_category_notes, markdown_table
 from utilities.measure.results import load as load_results
-from utilities.measure.step_time import predicted_batch_text, predicted_rows
 from utilities.safe_files import atomic_write_text
 from utilities.text import markdown, markdown_escape, markdown_inert
 

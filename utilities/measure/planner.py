@@ -867,7 +867,7 @@ def _float_arg(flag: str, text: str) -> float:
 
 def time_options(args: argparse.Namespace) -> dict[str, Any] | None:
     """The step-time model's options from the flags (checked), or None with --no-time."""
-    from utilities.measure.step_time import get_gpu
+    from utilities.measure.gpu_catalogue import get_gpu
 
     gpu = get_gpu(args.gpu or "h100")
     if getattr(args, "no_time", False):
@@ -885,7 +885,7 @@ def time_options(args: argparse.Namespace) -> dict[str, Any] | None:
 def resolve_memory_for(args: argparse.Namespace) -> tuple[int, str]:
     """--gpu-memory, or with it left at auto, the memory of the --gpu part."""
     if args.gpu and str(args.gpu_memory).strip().lower() == "auto":
-        from utilities.measure.step_time import get_gpu
+        from utilities.measure.gpu_catalogue import get_gpu
 
         gpu = get_gpu(args.gpu)
         if gpu.name in GPU_MEMORY_MIB:
