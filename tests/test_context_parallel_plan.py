@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from utilities.measure import plan_cli
 from utilities.measure import planner as P
 from utilities.measure.fake_step import trace
 from utilities.measure.op_recorder import ATTENTION
@@ -36,7 +37,7 @@ def test_activations_fall_with_cp():
     for cp in (2, 4, 8):
         assert plans[cp].model_states == plans[1].model_states
         assert plans[cp].cp == cp
-        text = P.format_plan(plans[cp])
+        text = plan_cli.format_plan(plans[cp])
         assert f"with CP groups of {cp}" in text and "per CP group" in text.splitlines()[0]
         assert any(n.startswith("context parallelism") for n in plans[cp].notes)
 
@@ -111,7 +112,7 @@ def test_the_issue_command_reports_memory_and_time_in_seconds(capsys):
     """The issue's command: memory by category and a step time, CP's exchange among the
     assumptions, in a few seconds (a scaled trace of 5 blocks)."""
     t0 = time.perf_counter()
-    rc = P.main(["--model", "llama-8b", "--gpus", "8", "--seq", "65536", "--cp", "4", "--batch", "1",
+    rc = plan_cli.main(["--model", "llama-8b", "--gpus", "8", "--seq", "65536", "--cp", "4", "--batch", "1",
                  "--ac", "selective"])
     wall = time.perf_counter() - t0
     out = capsys.readouterr().out
@@ -129,7 +130,7 @@ def test_cp_composes_with_tp():
     tp_only = P.plan(MODEL, 8, GiB80, seq=1024, tp=2)
     both = P.plan(MODEL, 8, GiB80, seq=1024, tp=2, cp=2)
     assert both.peak_bytes["activations"] < tp_only.peak_bytes["activations"]
-    step = P.predict_time(both, {})
+    step = plan_cli.predict_time(both, {})
     assert any("context parallelism: 2 GPUs per CP group (each of them a TP group of 2)" in a
                for a in step.assumptions)
     assert step.tokens_per_s_per_gpu == pytest.approx(1024 / step.step_s / 4)
@@ -156,7 +157,7 @@ def test_cp_composes_with_tp():
 ])
 def test_plan_cp_refuses_in_one_line(flags, words, capsys):
     argv = ["--model", MODEL, "--gpus", "8", "--seq", "64"]
-    rc = P.main(argv + flags)
+    rc = plan_cli.main(argv + flags)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "Traceback" not in err, err
     assert "\n" not in err, err

@@ -12,6 +12,7 @@ import sys
 import pytest
 from conftest import REPO, cli_here
 
+from utilities.measure import plan_cli, plan_sweep
 from utilities.measure import planner as P
 from utilities.measure.allocator import CachingAllocator
 from utilities.measure.plan_options import PlanOptions
@@ -155,7 +156,7 @@ def test_reserved_is_the_allocators_replay_of_the_trackers_step():
     r = p.reserved
     assert r["allocated"] == pytest.approx(p.peak_bytes["total"], rel=0.01)
     assert r["reserved"] >= r["allocated"]
-    assert "reserved (caching allocator" in P.format_plan(p)
+    assert "reserved (caching allocator" in plan_cli.format_plan(p)
 
 
 def test_the_allocator_rounds_splits_and_caches():
@@ -184,7 +185,7 @@ def test_json_max_batch_and_sweep_carry_the_options():
     best, bp = P.largest_batch(MODEL, 2, 10**9, "full_shard", "bf16", "none", 64, "cpu",
                                limit=2, options={"lora_rank": 4})
     assert best == 2 and bp.options["lora_rank"] == 4
-    plans = P.sweep(MODEL, gpu_counts=(2, 4), precision="bf16", batch=2, seq=64,
+    plans = plan_sweep.sweep(MODEL, gpu_counts=(2, 4), precision="bf16", batch=2, seq=64,
                     device_type="cpu", options={"param_dtype": "bf16"})
     assert plans and all(p.options["param_dtype"] == "bf16" for p in plans)
 
