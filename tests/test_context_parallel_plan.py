@@ -12,7 +12,7 @@ import pytest
 
 from utilities.measure import plan_cli
 from utilities.measure import planner as P
-from utilities.measure.fake_step import trace
+from utilities.measure.fake_step import StepConfig, trace
 from utilities.measure.op_recorder import ATTENTION
 from utilities.models import get_model_spec
 
@@ -46,8 +46,8 @@ def test_activations_fall_with_cp():
 def test_attention_flops_are_the_unsplit_work_over_cp(cp):
     """The local queries over every key, causal and load-balanced: each GPU does 1/cp of the
     unsplit attention work, forward and backward (relative tolerance 1e-9: both are counts)."""
-    one = trace(MODEL, 8, ac="none", seq=256, device_type="cuda")
-    split = trace(MODEL, 8, ac="none", seq=256, device_type="cuda", cp=cp)
+    one = trace(MODEL, StepConfig(8, ac="none", seq=256, device_type="cuda"))
+    split = trace(MODEL, StepConfig(8, ac="none", seq=256, device_type="cuda", cp=cp))
     for phase in ("forward", "backward"):
         assert attention_flops(one, phase) > 0
         assert attention_flops(split, phase) == pytest.approx(attention_flops(one, phase) / cp,
@@ -95,7 +95,7 @@ def test_gathered_kv_are_in_the_peak(ac, gathers_per_layer):
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     whole_k = 1 * cfg.num_key_value_heads * 8192 * head_dim * 2
     assert whole_k == 2 * 2**20
-    step = trace(spec, 8, ac=ac, batch=1, seq=8192, device_type="cuda", cp=8)
+    step = trace(spec, StepConfig(8, ac=ac, batch=1, seq=8192, device_type="cuda", cp=8))
     sizes = [n for kind, _, n, _ in step.memory_events.step if kind == "alloc"]
     assert sizes.count(whole_k) == 2 * gathers_per_layer * cfg.num_hidden_layers
     assert live_at_peak(step.memory_events).count(whole_k) == 2  # K and V

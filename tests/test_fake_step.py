@@ -5,11 +5,14 @@ microsecond (the predicted step)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from utilities.measure import depth_scaling, fake_step
 from utilities.measure import step_time as st
+from utilities.measure.fake_step import StepConfig
 from utilities.measure.plan_options import PlanOptions
 from utilities.models import get_model_spec
 
@@ -31,8 +34,8 @@ CASES = {
 def _both(case):
     spec = get_model_spec("llama-1b")
     kw = dict(CASES[case])
-    return (fake_step.trace(spec, kw.pop("world"), scale=True, **kw),
-            fake_step.trace(spec, CASES[case]["world"], scale=False, **kw))
+    return (fake_step.trace(spec, StepConfig(scale=True, **kw)),
+            fake_step.trace(spec, StepConfig(scale=False, **kw)))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -61,7 +64,8 @@ def test_a_scaled_trace_is_the_full_trace_to_the_byte(case):
 def test_a_scaled_trace_predicts_the_step_to_the_microsecond(monkeypatch):
     kw = dict(model="llama-1b", gpus=8, ac="selective", batch=1, seq=256)
     scaled = st.estimate_step_time(**kw)
-    monkeypatch.setattr(st, "trace", lambda *a, **k: fake_step.trace(*a, **k, scale=False))
+    monkeypatch.setattr(st, "trace", lambda spec, config: fake_step.trace(
+        spec, dataclasses.replace(config, scale=False)))
     full = st.estimate_step_time(**kw)
     assert scaled.step_s == pytest.approx(full.step_s, abs=1e-6)
     assert scaled.compute_s == pytest.approx(full.compute_s, abs=1e-6)
@@ -100,8 +104,8 @@ def test_foreach_adamw_scales_from_two_depths(monkeypatch):
     fake_step._trace.cache_clear()
     spec = get_model_spec("llama-1b")
     kw = dict(strategy="full_shard", precision="bf16", ac="none", batch=1, seq=128)
-    scaled = fake_step.trace(spec, 4, scale=True, **kw)
-    full = fake_step.trace(spec, 4, scale=False, **kw)
+    scaled = fake_step.trace(spec, StepConfig(4, scale=True, **kw))
+    full = fake_step.trace(spec, StepConfig(4, scale=False, **kw))
     fake_step._trace.cache_clear()
     assert scaled.traced_layers == (5, 6) and scaled.reserved_scaled_linearly
     assert scaled.peak == full.peak and scaled.states == full.states

@@ -10,7 +10,7 @@ import torch
 from utilities.errors import UsageError
 from utilities.measure import cost_model, gpu_catalogue
 from utilities.measure import step_time as st
-from utilities.measure.fake_step import trace
+from utilities.measure.fake_step import StepConfig, trace
 
 SMALL = dict(model="llama-1b", batch=1, seq=2048)  # communication-heavy at 16+ GPUs
 
@@ -36,7 +36,7 @@ def test_shards_match_the_collectives_fsdp2_issued_in_the_trace():
     """The model's all-gather sizes (per-parameter dim-0 chunks, padded to a multiple of the
     group) are the bytes FSDP2's all-gathers carried in the traced step, unit by unit, in forward
     order; reduce-scatter outputs are one rank's shard. 3 ranks: every dim 0 here needs padding."""
-    prof = trace("llama-tiny", 3, "full_shard", "bf16", "none", 1, 64)
+    prof = trace("llama-tiny", StepConfig(3, "full_shard", "bf16", "none", 1, 64))
     gathers = [(u, b) for op, u, b in prof.collectives if op == "_allgather_base_"]
     expected = [(u.name, u.shard_numel(3) * 3 * 2) for u in prof.units]  # bf16: 2 bytes
     assert gathers[:len(expected)] == expected
@@ -195,7 +195,7 @@ def test_each_unit_gets_its_own_compute():
     """Per-unit attribution: identical blocks get identical forward and backward FLOPs, also in
     T5's decoder, whose blocks all take the encoder's output (their backward stays open until its
     gradient is complete); checkpointed blocks recompute their forward in backward."""
-    prof = trace("t5-tiny", 2, "full_shard", "fp32", "every-2nd-block", 2, 32)
+    prof = trace("t5-tiny", StepConfig(2, "full_shard", "fp32", "every-2nd-block", 2, 32))
     flops: dict[tuple[str, str], float] = {}
     for s in prof.segments:
         flops[(s.unit, s.phase)] = flops.get((s.unit, s.phase), 0.0) + float(s.flops.sum())
@@ -395,7 +395,7 @@ def test_trace_slices_carry_the_bytes_and_flops_the_time_model_charged(strategy,
     slices carry the traced segments' FLOPs, bytes and op count (all of them, once), the optimizer
     its 32 bytes per shard parameter."""
     t = st.estimate_step_time("llama-tiny", gpus, strategy, batch=2, seq=64)
-    prof = trace("llama-tiny", 8, "full_shard", "bf16", "none", 2, 64)  # the one node traced
+    prof = trace("llama-tiny", StepConfig(8, "full_shard", "bf16", "none", 2, 64))  # the one node traced
     units = {u.name: u for u in prof.units}
     priced = {"all_gather": lambda u: u.shard_numel(8) * 8 * 2,
               "reduce_scatter": lambda u: u.shard_numel(8) * 8 * 2,
@@ -433,7 +433,7 @@ def test_mfu_of_a_frozen_model_counts_the_backward_that_runs():
     convention = t.tokens_per_s_per_gpu * spec.flops_per_token(2048) / peak
     assert convention > 1 > t.mfu > 0.25 * convention
     assert any(a.startswith("MFU counts what runs") for a in t.assumptions)
-    dense = trace("llama-1b", 8, "full_shard", "bf16", "none", 1, 2048)
+    dense = trace("llama-1b", StepConfig(8, "full_shard", "bf16", "none", 1, 2048))
     count, said = st.model_flops_per_token(get_model_spec("llama-1b"), dense, 2048)
     assert count == pytest.approx(get_model_spec("llama-1b").flops_per_token(2048), rel=1e-12)
     assert said == ""
@@ -457,7 +457,7 @@ def test_mfu_of_a_mixture_of_experts_counts_its_active_experts(tmp_path):
     path.write_text(json.dumps(TINY_MOE))
     spec = get_model_spec(str(path))
     seq, c = 64, TINY_MOE
-    prof = trace(spec, 2, "full_shard", "bf16", "none", 2, seq)
+    prof = trace(spec, StepConfig(2, "full_shard", "bf16", "none", 2, seq))
     tokens = 2 * seq
     grouped = sum(float(s.flops[s.kind == st.MATMUL].sum()) for s in prof.segments
                   if s.phase == "forward" and s.unit != "root") / tokens

@@ -1,6 +1,6 @@
 """One fake training step, traced once for the memory plan and the time model.
 
-``trace(spec, world, ...)`` builds the model on ``meta``, applies the plan's options, checkpoints
+``trace(spec, StepConfig(world, ...))`` builds the model on ``meta``, applies the plan's options, checkpoints
 and ``fully_shard``-s it block by block (FSDP2) on a ``world``-rank fake process group, materializes
 it under ``FakeTensorMode`` and runs one training step (the optimizer state already in place) with
 two recorders on the same ops:
@@ -413,24 +413,37 @@ class StepConfig:
     cp: int = 1
 
 
-def trace(spec, world: int | StepConfig, strategy: str = "full_shard", precision: str = "bf16",
-          ac: str = "none", batch: int = 1, seq: int | None = None, device_type: str = "cuda",
-          shard_size: int | None = None, options=None, scale: bool = True, tp: int = 1,
-          cp: int = 1) -> StepTrace:
-    """One fake training step of ``spec`` (a ``ModelSpec`` or a course model's name) on ``world``
-    ranks (or in the ``StepConfig`` given instead), cached by its ``StepConfig``: the planner and
-    the time model of one configuration share it. ``tp``: tensor parallelism inside groups of
-    ``tp`` ranks, FSDP2 across them; ``cp``: context parallelism over groups of ``cp`` ranks
-    (FSDP2 over every rank). ``scale``: trace a deep model at two small depths and scale
-    (the module's docstring); False traces every block. Read it, do not change it (the cache
-    hands the same object to every caller)."""
+def step_config(config: int | StepConfig | None = None, *fields: Any, **settings: Any) -> StepConfig:
+    """A ``StepConfig`` from ``config`` (one, or its ``world``: the number of GPUs) and its other
+    fields, by position in their order or by name (``gpus`` is ``world``): what ``planner.plan``
+    and ``step_time.estimate_step_time`` take, so ``plan(model, 8, memory, ac="full")`` and
+    ``plan(model, StepConfig(8, ac="full"), memory)`` are the same call. Given a ``StepConfig``,
+    the names change its fields."""
+    if "gpus" in settings:
+        settings["world"] = settings.pop("gpus")
+    if isinstance(config, StepConfig):
+        if fields:
+            raise TypeError("a StepConfig and fields by position: name the fields to change")
+        return dataclasses.replace(config, **settings)
+    if config is not None:
+        fields = (config, *fields)
+    return StepConfig(*fields, **settings)
+
+
+def trace(spec, config: StepConfig) -> StepTrace:
+    """One fake training step of ``spec`` (a ``ModelSpec`` or a course model's name) in ``config``
+    (``StepConfig``: its ``world`` ranks, FSDP strategy, precision, checkpointing, tokens,
+    options, ``tp``, ``cp``, ``scale``), cached by its ``StepConfig``: the planner and the time
+    model of one configuration share it. ``tp``: tensor parallelism inside groups of ``tp`` ranks,
+    FSDP2 across them; ``cp``: context parallelism over groups of ``cp`` ranks (FSDP2 over every
+    rank). ``scale``: trace a deep model at two small depths and scale (the module's docstring);
+    False traces every block. Read it, do not change it (the cache hands the same object to every
+    caller)."""
     from utilities.measure.plan_options import PlanOptions
     from utilities.models import get_model_spec
     from utilities.torch_internals import untraceable_op
 
     spec = get_model_spec(spec) if isinstance(spec, str) else spec
-    config = world if isinstance(world, StepConfig) else StepConfig(
-        world, strategy, precision, ac, batch, seq, device_type, shard_size, options, tp, scale, cp)
     config = dataclasses.replace(config, seq=config.seq or spec.default_seq_len,
                                  device_type=fake_device(config.device_type)[0].type,
                                  options=config.options or PlanOptions())

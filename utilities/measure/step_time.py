@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from utilities.errors import bad_value
@@ -65,7 +65,7 @@ from utilities.measure.cost_model import (
     trainable_shard_numel,
     with_tp_collectives,
 )
-from utilities.measure.fake_step import STRATEGIES, StepConfig, check_step, check_tp, trace
+from utilities.measure.fake_step import STRATEGIES, StepConfig, check_step, check_tp, step_config, trace
 from utilities.measure.gpu_catalogue import (
     CALIBRATED,
     GPU,
@@ -200,17 +200,66 @@ def options_assumptions(po, g: GPU) -> list[str]:
 
 # -- the public function ---------------------------------------------------------------------------
 
-def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision: str = "bf16",
-                       ac: str = "none", batch: int = 1, seq: int | None = None,
-                       gpu: str | GPU = "h100", gpus_per_node: int = 8,
-                       network_gbps: float = 400.0, compile: bool = False, fp8: bool = False,
-                       prefetch: int = 1, backward_prefetch: str | None = None,
-                       forward_prefetch: int | None = None, limit_all_gathers: bool = False,
-                       shard_size: int | None = None, tf32: bool = False,
-                       efficiencies: Efficiencies | None = None, plan_options=None,
-                       tp: int = 1, cp: int = 1) -> StepTime:
+@dataclass(frozen=True)
+class TimeConfig:
+    """What the time model takes beside the step (``StepConfig``): the GPU part ``gpu``
+    (``GPUS``), ``gpus_per_node`` on NVLink and ``network_gbps`` per GPU between nodes, the
+    kernels (``compile``, ``fp8``, ``tf32``), FSDP's schedule (``prefetch``,
+    ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``) and the ``efficiencies``
+    (default ``CALIBRATED``); ``estimate_step_time`` says what each does."""
+
+    gpu: str | GPU = "h100"
+    gpus_per_node: int = 8
+    network_gbps: float = 400.0
+    compile: bool = False
+    fp8: bool = False
+    prefetch: int = 1
+    backward_prefetch: str | None = None
+    forward_prefetch: int | None = None
+    limit_all_gathers: bool = False
+    tf32: bool = False
+    efficiencies: Efficiencies | None = None
+
+
+TIME_FIELDS = tuple(f.name for f in fields(TimeConfig))
+
+
+def time_settings(gpus: int | StepConfig, step: tuple, timing: TimeConfig | None,
+                  settings: dict[str, Any]) -> tuple[StepConfig, TimeConfig]:
+    """The step and the time model's settings from ``estimate_step_time``'s arguments: the step's
+    fields by position (``step_config``), each keyword the field of that name in the one that has
+    it (``plan_options``: the step's ``options``)."""
+    settings = dict(settings)
+    if "plan_options" in settings:
+        settings["options"] = settings.pop("plan_options")
+    timed = {k: settings.pop(k) for k in list(settings) if k in TIME_FIELDS}
+    return step_config(gpus, *step, **settings), replace(timing or TimeConfig(), **timed)
+
+
+@dataclass
+class _Timed:
+    """One configuration on its way through the time model: the step (checked, its ``seq``,
+    ``shard_size`` and ``options`` resolved), its timing, the GPU, its efficiencies, the trace."""
+
+    spec: Any
+    config: StepConfig
+    timing: TimeConfig
+    gpu: GPU
+    eff: Efficiencies
+    profile: Any = None
+    fp8: bool = False  # FP8 is used: asked for, and the GPU and precision have it
+    group: int = 1  # the ranks that shard among themselves
+    replicas: int = 1  # hybrid_shard's replicas
+
+
+def estimate_step_time(model, gpus: int | StepConfig, *step: Any, timing: TimeConfig | None = None,
+                       **settings: Any) -> StepTime:
     """Predict one training step of ``model`` (a name from ``utilities.models`` or a ``ModelSpec``)
-    on ``gpus`` GPUs of kind ``gpu`` (``GPUS``), per-rank ``batch`` x ``seq`` tokens.
+    in the step ``gpus`` names (a ``StepConfig``: ``world`` GPUs, per-rank ``batch`` x ``seq``
+    tokens...; or the number of GPUs, the step's other fields following by position in
+    ``StepConfig``'s order or by name) on GPUs of kind ``gpu`` (``GPUS``), timed as ``timing``
+    (``TimeConfig``) says, whose fields may be given by name too (``plan_options`` is the step's
+    ``options``): ``estimate_step_time("llama-8b", gpus=8, ac="selective", gpu="h200")``.
 
     Schedule knobs: ``prefetch`` is FSDP2's depth, forward and backward (1: FSDP2's default
     implicit prefetch of the next unit; 0: none; 2+: ``set_modules_to_*_prefetch`` further
@@ -232,50 +281,97 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
     runs CP's K/V all-gathers and dK/dV passes (``context_parallel``), timed over the CP group on
     the compute lane; ``batch`` is one CP group's.
     """
-    from utilities.measure.plan_options import PlanOptions
-
-    po = plan_options or PlanOptions()
     from utilities.models import get_model_spec
 
+    config, timing = time_settings(gpus, step, timing, settings)
     spec = get_model_spec(model) if isinstance(model, str) else model
-    g = get_gpu(gpu)
-    eff = (efficiencies or CALIBRATED).for_gpu(g.name)
-    _check(gpus, strategy, precision, ac, batch, seq, gpus_per_node, network_gbps, prefetch,
-           backward_prefetch, forward_prefetch)
-    check_tp(spec, tp, gpus, strategy, po, gpus_per_node)
-    seq = seq or spec.default_seq_len
-    check_cp(spec, cp, gpus, strategy, seq, tp, po, gpus_per_node)
+    g = get_gpu(timing.gpu)
+    run = _Timed(spec, config, timing, g, (timing.efficiencies or CALIBRATED).for_gpu(g.name))
+    run.config = _checked(spec, config, timing)
+    run.profile = _traced(spec, run.config, timing)
+    c, profile = run.config, run.profile
+    notes = [f"GPU: {g.name}: {g.source}", *g.notes, efficiency_note(g.name)]
+    run.fp8 = timing.fp8 and "fp8" in g.peak_flops and c.precision != "fp32"
+    if timing.fp8 and not run.fp8:
+        notes.append(f"--fp8 ignored: {g.name} has no FP8 tensor cores" if "fp8" not in g.peak_flops
+                     else "--fp8 ignored with fp32 precision")
+    plan_segs = _compute_segments(run)
+    ag_fwd, ag_bwd, grads, coll = _unit_collectives(run)
+    optimizer_s, opt_bytes, ag_bwd = _optimizer_step(run, ag_fwd, ag_bwd, grads, coll)
+    lanes, depths = _lanes(run, plan_segs, ag_fwd, ag_bwd, grads, optimizer_s, opt_bytes)
+    compute_s = sum(e.end - e.start for e in lanes.events if e.lane == "compute")
+    comm_s = sum(e.end - e.start for e in lanes.events if e.lane == "comm")
+    step_s = max(e.end for e in lanes.events)
+    # a TP (and CP) group's tokens per step, per GPU of the group
+    tps = c.batch * c.seq * c.options.grad_accum / step_s / (c.tp * c.cp)
+    if getattr(spec, "flops_from_trace", False):  # a model of yours: the FLOPs its traced ops do
+        flops_per_token, counted = traced_flops_per_token(profile, c.batch * c.seq // c.cp), ""
+    else:
+        flops_per_token, counted = model_flops_per_token(spec, profile, c.seq)
+    per_unit: dict[str, dict[str, float]] = {}
+    for e in lanes.events:
+        d = per_unit.setdefault(e.unit, {})
+        d[e.phase] = d.get(e.phase, 0.0) + (e.end - e.start)
+    notes += _all_assumptions(run, depths, counted)
+    return StepTime(
+        model=spec.name, gpus=c.world, gpu=g.name, strategy=c.strategy, precision=c.precision,
+        ac=c.ac, batch=c.batch, seq=c.seq, compile=timing.compile, fp8=run.fp8, step_s=step_s,
+        compute_s=compute_s, comm_s=comm_s, exposed_comm_s=step_s - compute_s,
+        optimizer_s=optimizer_s, tokens_per_s_per_gpu=tps,
+        mfu=tps * flops_per_token / g.peak_flops["bf16"], assumptions=notes,
+        timeline=lanes.events, per_unit=per_unit, trace_s=profile.trace_s,
+        unit_fqns={u.name: u.fqn for u in profile.units if u.fqn})
+
+
+def _checked(spec, config: StepConfig, timing: TimeConfig) -> StepConfig:
+    """``config`` checked, with its ``seq`` (default: the model's), hybrid_shard's ``shard_size``
+    (default: one node) and ``options`` (default: none) filled in."""
+    from utilities.measure.plan_options import PlanOptions
+
+    po = config.options or PlanOptions()
+    gpus, strategy, shard_size, gpus_per_node = (config.world, config.strategy, config.shard_size,
+                                                 timing.gpus_per_node)
+    _check(config, timing)
+    check_tp(spec, config.tp, gpus, strategy, po, gpus_per_node)
+    seq = config.seq or spec.default_seq_len
+    check_cp(spec, config.cp, gpus, strategy, seq, config.tp, po, gpus_per_node)
     if strategy == "hybrid_shard":
         shard_size = shard_size or min(gpus, gpus_per_node)
         if gpus % shard_size:
             raise bad_value("shard_size", shard_size, f"a divisor of gpus ({gpus})")
     elif shard_size is not None:
         raise bad_value("shard_size", shard_size, "only with strategy hybrid_shard")
-    # Per-rank compute from one node's trace: for a plan of one node, the planner's own trace of
-    # this configuration (one fake step serves memory and time). Beyond a node only FSDP's
-    # copy-in (1/N of a unit) would change, so one trace serves every GPU count (a sweep). DDP
-    # (no_shard) computes what an FSDP rank computes: the full_shard trace (the planner's 1-rank
-    # stand-in for DDP casts each parameter on its own, which DDP does not); HSDP a shard group's.
-    node = min(gpus, gpus_per_node)
-    traced = strategy if strategy in ("full_shard", "shard_grad_op") else "full_shard"
-    world = min(node, shard_size) if strategy == "hybrid_shard" else node
-    profile = trace(spec, StepConfig(world, traced, precision, ac, batch, seq, "cuda", None, po, tp,
-                                     cp=cp))
-    notes = [f"GPU: {g.name}: {g.source}", *g.notes, efficiency_note(g.name)]
-    fp8_used = fp8 and "fp8" in g.peak_flops and precision != "fp32"
-    if fp8 and not fp8_used:
-        notes.append(f"--fp8 ignored: {g.name} has no FP8 tensor cores" if "fp8" not in g.peak_flops
-                     else "--fp8 ignored with fp32 precision")
+    return replace(config, seq=seq, shard_size=shard_size, options=po)
 
-    # compute, per segment
-    copies = strategy != "no_shard"
-    plan_segs = [(s.unit, s.phase, segment_time(s, g, eff, precision, compile, fp8_used, copies,
-                                                tf32),
+
+def _traced(spec, config: StepConfig, timing: TimeConfig):
+    """The trace the prediction reads.
+
+    Per-rank compute from one node's trace: for a plan of one node, the planner's own trace of
+    this configuration (one fake step serves memory and time). Beyond a node only FSDP's
+    copy-in (1/N of a unit) would change, so one trace serves every GPU count (a sweep). DDP
+    (no_shard) computes what an FSDP rank computes: the full_shard trace (the planner's 1-rank
+    stand-in for DDP casts each parameter on its own, which DDP does not); HSDP a shard group's."""
+    strategy = config.strategy
+    node = min(config.world, timing.gpus_per_node)
+    traced = strategy if strategy in ("full_shard", "shard_grad_op") else "full_shard"
+    world = min(node, config.shard_size) if strategy == "hybrid_shard" else node
+    return trace(spec, replace(config, world=world, strategy=traced, device_type="cuda",
+                               shard_size=None))
+
+
+def _compute_segments(run: _Timed) -> list[tuple[str, str, float, dict[str, Any]]]:
+    """Each traced segment's (unit, phase, seconds, args): its roofline time, the TP and CP
+    collectives it waits for, and FSDP's per-unit overhead once per unit and pass."""
+    c, t, g, eff, profile = run.config, run.timing, run.gpu, run.eff, run.profile
+    copies = c.strategy != "no_shard"
+    plan_segs = [(s.unit, s.phase, segment_time(s, g, eff, c.precision, t.compile, run.fp8, copies,
+                                                t.tf32),
                   {"flops": float(s.flops.sum()), "bytes": float(s.nbytes.sum()), "ops": len(s.kind)})
                  for s in profile.segments]
-    if tp > 1 or cp > 1:
-        plan_segs = with_tp_collectives(plan_segs, profile, tp, g, eff, gpus_per_node,
-                                         network_gbps, cp)
+    if c.tp > 1 or c.cp > 1:
+        plan_segs = with_tp_collectives(plan_segs, profile, c.tp, g, eff, t.gpus_per_node,
+                                        t.network_gbps, c.cp)
     if copies and eff.unit_overhead_s:
         seen: set[tuple[str, str]] = set()
         for i, (unit, phase, secs, args) in enumerate(plan_segs):
@@ -283,28 +379,36 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
             if key not in seen:
                 seen.add(key)
                 plan_segs[i] = (unit, phase, secs + eff.unit_overhead_s, args)
+    return plan_segs
 
-    # communication, per unit
-    p_item = 4 if precision == "fp32" else 2
-    r_item = 4 if precision == "fp32" else 2
+
+def _unit_collectives(run: _Timed):
+    """Per unit: its forward and backward all-gathers and its gradients' collectives (sets
+    ``run.group`` and ``run.replicas``), and the function that makes a collective."""
+    c, t, g, eff = run.config, run.timing, run.gpu, run.eff
+    gpus, strategy, tp = c.world, c.strategy, c.tp
+    p_item = 4 if c.precision == "fp32" else 2
+    r_item = 4 if c.precision == "fp32" else 2
     group = {"full_shard": gpus // tp, "shard_grad_op": gpus // tp,
-             "hybrid_shard": shard_size or gpus, "no_shard": 1}[strategy]
+             "hybrid_shard": c.shard_size or gpus, "no_shard": 1}[strategy]
     per_rank = group * tp  # a 2-D parameter: split over tp, then sharded over the group
     replicas = gpus // group if strategy == "hybrid_shard" else 1
+    run.group, run.replicas = group, replicas
 
-    def coll(kind, unit, nbytes, n, per_node=gpus_per_node):
-        return Collective(kind, unit, collective_time(kind, nbytes, n, g, eff, per_node, network_gbps),
-                     nbytes, {"bytes": nbytes, "bytes_per_gpu": ring_bytes_per_gpu(kind, nbytes, n),
-                              "gpus": n})
+    def coll(kind, unit, nbytes, n, per_node=t.gpus_per_node):
+        return Collective(kind, unit, collective_time(kind, nbytes, n, g, eff, per_node,
+                                                      t.network_gbps),
+                          nbytes, {"bytes": nbytes, "bytes_per_gpu": ring_bytes_per_gpu(kind, nbytes, n),
+                                   "gpus": n})
 
     ag_fwd, ag_bwd, grads = {}, {}, {}
-    for u in profile.units:
+    for u in run.profile.units:
         shard = u.shard_numel(per_rank)
         if strategy == "no_shard":
             grads[u.name] = [coll("all_reduce", u.name, u.numel * r_item, gpus)]
             continue
         ag_item = p_item
-        if fp8_used and not u.is_root:
+        if run.fp8 and not u.is_root:
             ag_item = 1  # FP8 all-gather of the Linear weights (norm weights stay bf16, ignored)
         full = shard * group
         if group > 1:
@@ -317,59 +421,61 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
             gc.append(coll("all_reduce", u.name, trainable_shard_numel(u, group) * r_item,
                            replicas, per_node=1))
         grads[u.name] = gc
+    return ag_fwd, ag_bwd, grads, coll
 
-    # the optimizer step: AdamW over this rank's fp32 shard, memory-bound
-    shard_total = sum(u.shard_numel(per_rank) if strategy != "no_shard" else u.numel
-                      for u in profile.units)
+
+def _optimizer_step(run: _Timed, ag_fwd, ag_bwd, grads, coll):
+    """The optimizer step's seconds and bytes (AdamW over this rank's fp32 shard, memory-bound),
+    and the backward all-gathers, as the plan's options change them (its options also add the
+    offload copies to ``ag_fwd``, ``ag_bwd`` and ``grads``)."""
+    c, g, eff, group = run.config, run.gpu, run.eff, run.group
+    po, units = c.options, run.profile.units
+    per_rank = group * c.tp
+    shard_total = sum(u.shard_numel(per_rank) if c.strategy != "no_shard" else u.numel for u in units)
     opt_bytes = 32 * shard_total  # read param, grad, 2 moments; write param, 2 moments; the clip's read
     optimizer_s = opt_bytes / (g.hbm_bytes_per_s * eff.memory)
     if not po.default:
-        trained = sum(trainable_shard_numel(u, group) if strategy != "no_shard" else
-                      trainable_shard_numel(u, 1) for u in profile.units)
+        trained = sum(trainable_shard_numel(u, group) if c.strategy != "no_shard" else
+                      trainable_shard_numel(u, 1) for u in units)
         optimizer_s = optimizer_time(trained, po, g, eff)
         opt_bytes = optimizer_bytes(trained, po)
-        ag_bwd = reshard_all_gathers(ag_bwd, ag_fwd, profile.units, group, po, ag_item_bytes(
-            precision), coll)
+        ag_bwd = reshard_all_gathers(ag_bwd, ag_fwd, units, group, po, ag_item_bytes(c.precision), coll)
         if po.offload:
-            offload_copies(ag_fwd, ag_bwd, grads, profile.units, group, po, g)
+            offload_copies(ag_fwd, ag_bwd, grads, units, group, po, g)
+    return optimizer_s, opt_bytes, ag_bwd
 
-    if backward_prefetch is not None:
-        bwd_mode = backward_prefetch
-        bwd_depth = 1 if backward_prefetch == "backward_pre" else 0
-        fwd_depth = forward_prefetch if forward_prefetch is not None else (
-            1 if limit_all_gathers else len(profile.units))
+
+def _lanes(run: _Timed, plan_segs, ag_fwd, ag_bwd, grads, optimizer_s, opt_bytes):
+    """The step's two lanes (every micro-batch's, with accumulation), and the prefetch depths
+    (backward mode, forward depth, backward depth)."""
+    t, units, po = run.timing, run.profile.units, run.config.options
+    if t.backward_prefetch is not None:
+        bwd_mode = t.backward_prefetch
+        bwd_depth = 1 if t.backward_prefetch == "backward_pre" else 0
+        fwd_depth = t.forward_prefetch if t.forward_prefetch is not None else (
+            1 if t.limit_all_gathers else len(units))
     else:
-        bwd_mode, bwd_depth = "fsdp2", prefetch
-        fwd_depth = prefetch if forward_prefetch is None else forward_prefetch
-    lanes = run_schedule(plan_segs, profile.units, ag_fwd, ag_bwd, grads, fwd_depth, bwd_mode,
-                      bwd_depth, limit_all_gathers, optimizer_s, {"bytes": opt_bytes})
+        bwd_mode, bwd_depth = "fsdp2", t.prefetch
+        fwd_depth = t.prefetch if t.forward_prefetch is None else t.forward_prefetch
+    lanes = run_schedule(plan_segs, units, ag_fwd, ag_bwd, grads, fwd_depth, bwd_mode,
+                         bwd_depth, t.limit_all_gathers, optimizer_s, {"bytes": opt_bytes})
     if po.grad_accum > 1:
-        micro = run_schedule(plan_segs, profile.units, ag_fwd, ag_bwd,
-                          grads if po.accum_sync == "every" else {}, fwd_depth, bwd_mode,
-                          bwd_depth, limit_all_gathers, 0.0)
+        micro = run_schedule(plan_segs, units, ag_fwd, ag_bwd,
+                             grads if po.accum_sync == "every" else {}, fwd_depth, bwd_mode,
+                             bwd_depth, t.limit_all_gathers, 0.0)
         lanes = accumulated_lanes(micro, lanes, po.grad_accum)
+    return lanes, (bwd_mode, fwd_depth, bwd_depth)
 
-    compute_s = sum(e.end - e.start for e in lanes.events if e.lane == "compute")
-    comm_s = sum(e.end - e.start for e in lanes.events if e.lane == "comm")
-    step_s = max(e.end for e in lanes.events)
-    # a TP (and CP) group's tokens per step, per GPU of the group
-    tps = batch * seq * po.grad_accum / step_s / (tp * cp)
-    if getattr(spec, "flops_from_trace", False):  # a model of yours: the FLOPs its traced ops do
-        flops_per_token, counted = traced_flops_per_token(profile, batch * seq // cp), ""
-    else:
-        flops_per_token, counted = model_flops_per_token(spec, profile, seq)
-    mfu = tps * flops_per_token / g.peak_flops["bf16"]
-    per_unit: dict[str, dict[str, float]] = {}
-    for e in lanes.events:
-        d = per_unit.setdefault(e.unit, {})
-        d[e.phase] = d.get(e.phase, 0.0) + (e.end - e.start)
-    notes += _assumptions(strategy, precision, compile, fp8_used, gpus, gpus_per_node, network_gbps,
-                          group, replicas, eff, g, bwd_mode, fwd_depth, bwd_depth,
-                          limit_all_gathers, profile, tf32)
-    notes += options_assumptions(po, g)
+
+def _all_assumptions(run: _Timed, depths: tuple[str, int, int], counted: str) -> list[str]:
+    """Every assumption the prediction states, after the GPU's: the model's, the options', the
+    MFU count's, TP's and CP's."""
+    po, tp, cp = run.config.options, run.config.tp, run.config.cp
+    notes = _assumptions(run, *depths)
+    notes += options_assumptions(po, run.gpu)
     if counted:
         notes.append(counted)
-    if getattr(spec, "flops_from_trace", False):
+    if getattr(run.spec, "flops_from_trace", False):
         notes = [n for n in notes if not n.startswith("MFU: ")] + [TRACED_MFU_NOTE]
     if tp > 1:
         notes.append(f"tensor parallelism: {tp} GPUs per group (Megatron-style, sequence "
@@ -382,13 +488,7 @@ def estimate_step_time(model, gpus: int, strategy: str = "full_shard", precision
                         "whole logits gathered on every rank (--no-loss-parallel)"))
     if cp > 1:
         notes.append(cp_assumption(cp, tp))
-    return StepTime(
-        model=spec.name, gpus=gpus, gpu=g.name, strategy=strategy, precision=precision, ac=ac,
-        batch=batch, seq=seq, compile=compile, fp8=fp8_used, step_s=step_s, compute_s=compute_s,
-        comm_s=comm_s, exposed_comm_s=step_s - compute_s, optimizer_s=optimizer_s,
-        tokens_per_s_per_gpu=tps, mfu=mfu, assumptions=notes, timeline=lanes.events,
-        per_unit=per_unit, trace_s=profile.trace_s,
-        unit_fqns={u.name: u.fqn for u in profile.units if u.fqn})
+    return notes
 
 
 def model_flops_per_token(spec, profile, seq: int) -> tuple[float, str]:
@@ -450,9 +550,12 @@ def traced_flops_per_token(profile, tokens: int) -> float:
                if s.phase in ("forward", "backward")) / max(tokens, 1)
 
 
-def _assumptions(strategy, precision, compile, fp8, gpus, gpus_per_node, network_gbps, group,
-                 replicas, eff, g, bwd_mode, fwd_depth, bwd_depth, limit, profile,
-                 tf32=False) -> list[str]:
+def _assumptions(run: _Timed, bwd_mode: str, fwd_depth: int, bwd_depth: int) -> list[str]:
+    c, t = run.config, run.timing
+    strategy, precision, gpus, profile = c.strategy, c.precision, c.world, run.profile
+    compile, fp8, tf32, limit = t.compile, run.fp8, t.tf32, t.limit_all_gathers
+    gpus_per_node, network_gbps = t.gpus_per_node, t.network_gbps
+    group, replicas, eff, g = run.group, run.replicas, run.eff, run.gpu
     nodes = -(-gpus // gpus_per_node)
     out = [
         f"compute traced from one fake step of the real model ({profile.model}, {len(profile.units)}"
@@ -536,9 +639,11 @@ def cp_assumption(cp: int, tp: int) -> str:
             f"is a CP group's tokens / {cp * tp}")
 
 
-def _check(gpus, strategy, precision, ac, batch, seq, gpus_per_node, network_gbps, prefetch,
-           backward_prefetch, forward_prefetch) -> None:
-    check_step(gpus, strategy, precision, ac, batch, seq)
+def _check(config: StepConfig, timing: TimeConfig) -> None:
+    c, t = config, timing
+    check_step(c.world, c.strategy, c.precision, c.ac, c.batch, c.seq)
+    gpus_per_node, network_gbps = t.gpus_per_node, t.network_gbps
+    prefetch, backward_prefetch, forward_prefetch = t.prefetch, t.backward_prefetch, t.forward_prefetch
     if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise bad_value("--gpus-per-node", gpus_per_node, "integers >= 1")
     if not network_gbps > 0:
@@ -581,5 +686,5 @@ def format_step_time(t: StepTime, units: int = 0) -> str:
 def sweep(model, gpu_counts: Sequence[int], strategies: Sequence[str] = STRATEGIES,
           **kw) -> list[StepTime]:
     """``estimate_step_time`` over GPU counts x strategies (one trace serves them all)."""
-    return [estimate_step_time(model, n, s, **kw) for n in gpu_counts for s in strategies
+    return [estimate_step_time(model, n, strategy=s, **kw) for n in gpu_counts for s in strategies
             if not (s == "hybrid_shard" and n % min(n, kw.get("gpus_per_node", 8)))]
