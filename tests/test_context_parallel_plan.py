@@ -130,7 +130,7 @@ def test_cp_composes_with_tp():
     tp_only = P.plan(MODEL, 8, GiB80, seq=1024, tp=2)
     both = P.plan(MODEL, 8, GiB80, seq=1024, tp=2, cp=2)
     assert both.peak_bytes["activations"] < tp_only.peak_bytes["activations"]
-    step = plan_cli.predict_time(both, {})
+    step = plan_cli.predict_time(both)
     assert any("context parallelism: 2 GPUs per CP group (each of them a TP group of 2)" in a
                for a in step.assumptions)
     assert step.tokens_per_s_per_gpu == pytest.approx(1024 / step.step_s / 4)

@@ -91,7 +91,7 @@ def test_the_planner_and_the_time_model_share_one_trace():
 
     fake_step._trace.cache_clear()
     p = planner.plan("llama-tiny", 4, 80 * 2**30, ac="selective", batch=1, seq=64)
-    plan_cli.predict_time(p, {})
+    plan_cli.predict_time(p)
     info = fake_step._trace.cache_info()
     assert (info.misses, info.hits) == (1, 1)
 

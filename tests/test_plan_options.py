@@ -182,8 +182,8 @@ def test_json_max_batch_and_sweep_carry_the_options():
     assert p["options"]["offload"] and p["options"]["grad_accum"] == 2
     assert p["host"]["fits"] and p["reserved"]["reserved"] >= p["reserved"]["allocated"]
     assert any("PCIe" in a for a in p["time"]["assumptions"])
-    best, bp = P.largest_batch(MODEL, 2, 10**9, "full_shard", "bf16", "none", 64, "cpu",
-                               limit=2, options={"lora_rank": 4})
+    best, bp = P.largest_batch(MODEL, 2, 10**9, strategy="full_shard", precision="bf16", ac="none",
+                               seq=64, device_type="cpu", limit=2, options={"lora_rank": 4})
     assert best == 2 and bp.options["lora_rank"] == 4
     plans = plan_sweep.sweep(MODEL, gpu_counts=(2, 4), precision="bf16", batch=2, seq=64,
                     device_type="cpu", options={"param_dtype": "bf16"})

@@ -200,7 +200,8 @@ def test_max_batch_takes_three_traced_steps_on_a_line(monkeypatch):
     base = P.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 1, 64, "cpu")
     traced = []
 
-    def linear_plan(model, gpus, memory, strategy, precision, ac, batch, *rest, **options):
+    def linear_plan(model, config, memory, **options):
+        batch = config.batch
         traced.append(batch)
         total = 2**30 + 3 * 2**30 * batch
         budget = int(memory * 0.9)
@@ -217,11 +218,12 @@ def test_max_batch_off_the_line_still_finds_the_edge(monkeypatch):
     returns a batch that fits while the next one does not, in a few traced steps."""
     traced = []
     real = P.plan
-    monkeypatch.setattr(P, "plan", lambda *a, **k: traced.append(a[6]) or real(*a, **k))
+    monkeypatch.setattr(P, "plan", lambda *a, **k: traced.append(a[1].batch) or real(*a, **k))
     one, two = (real("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", b, 64, "cpu") for b in (1, 2))
     slope = two.peak_bytes["total"] - one.peak_bytes["total"]
     memory = int((one.peak_bytes["total"] + 6.5 * slope) / 0.9)
-    best, best_plan = P.largest_batch("llama-tiny", 2, memory, "full_shard", "fp32", "none", 64, "cpu")
+    best, best_plan = P.largest_batch("llama-tiny", 2, memory, strategy="full_shard", precision="fp32",
+                                      ac="none", seq=64, device_type="cpu")
     assert best_plan.fits and best_plan.batch == best and len(traced) <= 5
     assert not real("llama-tiny", 2, memory, "full_shard", "fp32", "none", best + 1, 64, "cpu").fits
 
@@ -231,7 +233,7 @@ def test_a_sweep_re_shards_by_arithmetic_exactly(monkeypatch):
     come from arithmetic, which matches a trace of the same count to the byte."""
     traced = []
     real = P.plan
-    monkeypatch.setattr(P, "plan", lambda *a, **k: traced.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(plan_sweep, "plan", lambda *a, **k: traced.append(a[1]) or real(*a, **k))
     plans = plan_sweep.sweep("llama-tiny", gpu_counts=(2, 4, 8), gpu_memory_bytes=10**12, precision="fp32",
                     batch=2, seq=64, device_type="cpu")
     assert len(plans) == 9 and len(traced) == 5

@@ -195,7 +195,7 @@ def test_plan_tp_shards_states_over_every_gpu_and_splits_activations():
     assert any(n.startswith("loss parallel") for n in two.notes)
     whole = P.plan(MODEL, 4, 80 * 2**30, batch=BATCH, seq=SEQ, tp=2, options={"loss_parallel": False})
     assert two.peak_bytes["total"] < whole.peak_bytes["total"]  # the logits split over the vocabulary
-    step = plan_cli.predict_time(two, {})
+    step = plan_cli.predict_time(two)
     assert any(e.args.get("tp_comm_s", 0) > 0 for e in step.timeline if e.unit != "root")
     assert any("tensor parallelism: 2 GPUs per group" in a for a in step.assumptions)
 

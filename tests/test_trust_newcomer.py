@@ -144,11 +144,11 @@ def test_plan_names_temporaries_and_what_they_hold():
 def test_plan_cli_reports_the_size_it_used(monkeypatch):
     seen = {}
 
-    def fake_plan(**kw):
-        seen.update(kw)
-        return _plan(gpu_memory_bytes=kw["gpu_memory_bytes"])
+    def fake_plan(model, config, gpu_memory_bytes):
+        seen.update(gpu_memory_bytes=gpu_memory_bytes)
+        return _plan(gpu_memory_bytes=gpu_memory_bytes)
 
-    monkeypatch.setattr(P, "plan", fake_plan)
+    monkeypatch.setattr(plan_cli, "plan", fake_plan)
     parser = plan_cli.add_plan_arguments(argparse.ArgumentParser())
     p, _ = plan_cli.plan_from_args(parser.parse_args(["--gpu-memory", "a100-80gb", "--model", "t5-tiny"]))
     assert seen["gpu_memory_bytes"] == 80 * 2**30

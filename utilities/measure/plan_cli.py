@@ -9,13 +9,14 @@ same configuration; ``format_plan``, ``format_time`` and ``format_sweep`` print 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
 from utilities.errors import OneLineParser, UsageError, bad_value
 from utilities.measure import fmt_bytes
 from utilities.measure.context_parallel import check_cp
-from utilities.measure.fake_step import PRECISIONS, STRATEGIES, check_tp
+from utilities.measure.fake_step import PRECISIONS, STRATEGIES, StepConfig, check_tp
 from utilities.measure.plan_options import HOST_MEMORY_SOURCE, PlanOptions, check_options
 from utilities.measure.plan_sweep import SWEEP_GPUS, SWEEP_STRATEGIES, sweep
 from utilities.measure.planner import (
@@ -232,9 +233,11 @@ def _float_arg(flag: str, text: str) -> float:
     return value
 
 
-def time_options(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The step-time model's options from the flags (checked), or None with --no-time."""
+def timing_from_args(args: argparse.Namespace):
+    """The step-time model's settings (``step_time.TimeConfig``) from the flags (checked), or
+    None with --no-time."""
     from utilities.measure.gpu_catalogue import get_gpu
+    from utilities.measure.step_time import TimeConfig
 
     gpu = get_gpu(args.gpu or "h100")
     if getattr(args, "no_time", False):
@@ -246,7 +249,7 @@ def time_options(args: argparse.Namespace) -> dict[str, Any] | None:
         from utilities.measure.calibrate import load_efficiencies
 
         options["efficiencies"] = load_efficiencies(args.calibration)
-    return options
+    return TimeConfig(**options)
 
 
 def resolve_memory_for(args: argparse.Namespace) -> tuple[int, str]:
@@ -261,54 +264,63 @@ def resolve_memory_for(args: argparse.Namespace) -> tuple[int, str]:
     return resolve_gpu_memory(args.gpu_memory)
 
 
-def predict_time(p: Plan, options: dict[str, Any]):
-    """The step-time prediction for plan ``p``'s configuration (a ``StepTime``)."""
+def predict_time(p: Plan, timing=None):
+    """The step-time prediction for plan ``p``'s step (a ``StepTime``), timed as ``timing``
+    (``step_time.TimeConfig``, default: an H100 node's) says."""
     from utilities.measure.step_time import estimate_step_time
 
-    return estimate_step_time(planned_spec(p.model), p.gpus, p.strategy, p.precision, p.ac, p.batch,
-                              p.seq, shard_size=p.shard_size,
-                              plan_options=PlanOptions(**p.options) if p.options else None,
-                              tp=p.tp, cp=p.cp, **options)
+    return estimate_step_time(planned_spec(p.model), p.step_config(), timing=timing)
+
+
+def config_from_args(args: argparse.Namespace) -> StepConfig:
+    """The step the flags name (``StepConfig``), each number checked (one line for a bad one);
+    ``checked_config`` checks the rest once the model is known."""
+    config = StepConfig(_int_arg("--gpus", args.gpus), args.strategy, args.precision, args.ac,
+                        seq=_int_arg("--seq", args.seq),
+                        shard_size=_int_arg("--shard-size", args.shard_size),
+                        tp=_int_arg("--tp", args.tp), cp=_int_arg("--cp", getattr(args, "cp", "1")))
+    return dataclasses.replace(config, batch=_int_arg("--batch", args.batch))
+
+
+def checked_config(args: argparse.Namespace, spec, config: StepConfig, gpu_memory_bytes: int,
+                   timing) -> StepConfig:
+    """``config`` checked against the model (``spec``) and the GPU memory, with the options the
+    flags name (``PlanOptions``)."""
+    gpus, strategy, precision = config.world, config.strategy, config.precision
+    check_plan_step(gpus, gpu_memory_bytes, strategy, precision, config.ac, config.batch, config.seq)
+    hybrid_shard_size(strategy, gpus, config.shard_size)
+    options = options_from_args(args)
+    check_options(options, strategy, precision,
+                  hybrid_shard_size(strategy, gpus, config.shard_size) or gpus)
+    per_node = timing.gpus_per_node if timing is not None else None
+    check_tp(spec, config.tp, gpus, strategy, options, per_node)
+    check_cp(spec, config.cp, gpus, strategy, config.seq or spec.default_seq_len, config.tp,
+             options, per_node, parallelize=getattr(args, "parallelize", None))
+    return dataclasses.replace(config, options=options)
 
 
 def plan_from_args(args: argparse.Namespace) -> tuple[Plan, int | None]:
     gpu_memory_bytes, source = resolve_memory_for(args)
-    options = time_options(args)
-    kw = dict(model=args.model, gpus=_int_arg("--gpus", args.gpus),
-              gpu_memory_bytes=gpu_memory_bytes, strategy=args.strategy,
-              precision=args.precision, ac=args.ac, seq=_int_arg("--seq", args.seq),
-              shard_size=_int_arg("--shard-size", args.shard_size), tp=_int_arg("--tp", args.tp),
-              cp=_int_arg("--cp", getattr(args, "cp", "1")))
-    batch = _int_arg("--batch", args.batch)
-    yours = dict(parallelize=getattr(args, "parallelize", None), batch_fn=getattr(args, "batch_fn", None))
-    spec = resolve_spec(kw["model"], **yours)  # the user's files imported here, once
-    kw["model"] = spec
-    check_plan_step(kw["gpus"], kw["gpu_memory_bytes"], kw["strategy"], kw["precision"], kw["ac"], batch,
-           kw["seq"])
-    hybrid_shard_size(kw["strategy"], kw["gpus"], kw["shard_size"])
-    kw["options"] = options_from_args(args)
-    check_options(kw["options"], kw["strategy"], kw["precision"],
-                  hybrid_shard_size(kw["strategy"], kw["gpus"], kw["shard_size"]) or kw["gpus"])
-    check_tp(spec, kw["tp"], kw["gpus"], kw["strategy"], kw["options"],
-             _int_arg("--gpus-per-node", args.gpus_per_node) if options is not None else None)
-    check_cp(spec, kw["cp"], kw["gpus"], kw["strategy"], kw["seq"] or spec.default_seq_len, kw["tp"],
-             kw["options"], _int_arg("--gpus-per-node", args.gpus_per_node) if options is not None
-             else None, parallelize=yours["parallelize"])
+    timing = timing_from_args(args)
+    config = config_from_args(args)
+    spec = resolve_spec(args.model, parallelize=getattr(args, "parallelize", None),
+                        batch_fn=getattr(args, "batch_fn", None))  # the user's files imported, once
+    config = checked_config(args, spec, config, gpu_memory_bytes, timing)
     if getattr(args, "trace", None):  # a FIFO or a device there: one line before the plan runs
         from utilities.safe_files import check_output_file
 
         check_output_file(args.trace, "--trace")
     if args.max_batch:
-        best, p = largest_batch(**kw)
+        best, p = largest_batch(spec, config, gpu_memory_bytes)
     else:
-        best, p = None, plan(batch=batch, **kw)
+        best, p = None, plan(spec, config, gpu_memory_bytes)
     p.gpu_memory_source = source
     trace = getattr(args, "trace", None)
-    if trace and options is None:
+    if trace and timing is None:
         raise UsageError("--trace is not allowed with --no-time; allowed: --trace FILE.json with the "
                          "step-time prediction on")
-    if options is not None and p.detail:
-        step = predict_time(p, options)
+    if timing is not None and p.detail:
+        step = predict_time(p, timing)
         p.time = step.as_dict()
         if trace:
             write_trace(step, trace)
@@ -474,7 +486,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} {value} is not allowed with --sweep; "
                              "allowed: your own code with a single plan or --max-batch")
     gpu_memory_bytes, _ = resolve_memory_for(args)
-    options = time_options(args)
+    options = timing_from_args(args)
     batch, seq = _int_arg("--batch", args.batch), _int_arg("--seq", args.seq)
     get_model_spec(args.model)
     check_plan_step(8, gpu_memory_bytes, "full_shard", args.precision, args.ac, batch, seq)

@@ -23,6 +23,7 @@ the GPU's memory.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ from utilities.measure.fake_step import (
     check_step,
     check_tp,
     fake_device,
+    step_config,
     trace,
 )
 from utilities.measure.plan_options import (
@@ -166,13 +168,20 @@ class Plan:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def step_config(self) -> StepConfig:
+        """The step this plan is of (what the time model takes for it)."""
+        return StepConfig(self.gpus, self.strategy, self.precision, self.ac, self.batch, self.seq,
+                          self.device_type, self.shard_size,
+                          PlanOptions(**self.options) if self.options else None, self.tp, cp=self.cp)
 
-def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_shard",
-         precision: str = "bf16", ac: str = "none", batch: int = 1, seq: int | None = None,
-         device_type: str = "cuda", shard_size: int | None = None,
-         options: PlanOptions | dict[str, Any] | None = None, tp: int = 1,
-         parallelize: Any = None, batch_fn: Any = None, cp: int = 1) -> Plan:
+
+def plan(model, gpus: int | StepConfig, gpu_memory_bytes: int, *step: Any, parallelize: Any = None,
+         batch_fn: Any = None, **settings: Any) -> Plan:
     """Predict the per-rank peak of one training step by running it on fake tensors.
+
+    The step (``fake_step.StepConfig``): ``gpus`` GPUs, then its other fields by position in
+    their order (``strategy``, ``precision``, ``ac``, ``batch``, ``seq``, ``device_type``,
+    ``shard_size``, ``options``, ``tp``) or by name (``cp`` too); or ``gpus`` a ``StepConfig``.
 
     ``hybrid_shard`` (HSDP) runs FSDP2 on a 2-D ``(gpus / shard_size, shard_size)`` mesh: shards
     within a group of ``shard_size`` ranks (default: one node of 8, or all GPUs if fewer),
@@ -188,20 +197,11 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     ``cp``: context parallelism (``utilities.measure.context_parallel``): groups of ``cp`` GPUs
     run the same ``batch`` sequences, each GPU 1/cp of every sequence's tokens; FSDP2 shards over
     every GPU."""
+    config = step_config(gpus, *step, **settings)
     spec = resolve_spec(model, parallelize, batch_fn)
-    check_plan_step(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq)
-    shard_size = hybrid_shard_size(strategy, gpus, shard_size)
-    o = as_options(options)
-    check_options(o, strategy, precision, shard_size or gpus)
-    check_user_code(spec, strategy, ac, o)
-    check_tp(spec, tp, gpus, strategy, o)
-    seq = seq or spec.default_seq_len
-    check_cp(spec, cp, gpus, strategy, seq, tp, o, parallelize=parallelize)
-    check_tokens(spec, batch, seq // cp, precision, gpu_memory_bytes)
-    warnings = [*spec.warnings, *context_warnings(spec, seq)]
-    if o.param_dtype == "bf16":
-        warnings.append(BF16_ACCURACY_NOTE)
-    device, notes = fake_device(device_type)
+    config, warnings = _checked_plan(spec, config, gpu_memory_bytes, parallelize)
+    gpus, strategy, o = config.world, config.strategy, config.options
+    device, notes = fake_device(config.device_type)
     if strategy == "no_shard":
         # FSDP2 has no NO_SHARD: nothing is sharded on a 1-rank mesh, as under DDP.
         world, notes = 1, notes + [
@@ -211,51 +211,28 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     else:
         world = gpus
     budget = int(gpu_memory_bytes * (1 - HEADROOM))
-    floor = _resident_floor(spec.num_parameters, shard_size or world, o)
+    floor = _resident_floor(spec.num_parameters, config.shard_size or world, o)
+    head = dict(model=spec.name, parameters_total=spec.num_parameters, gpus=gpus,
+                gpu_memory_bytes=gpu_memory_bytes, strategy=strategy, precision=config.precision,
+                ac=config.ac, batch=config.batch, seq=config.seq, device_type=device.type,
+                shard_size=config.shard_size, budget_bytes=budget, notes=notes,
+                warnings=warnings, options=o.as_dict(), tp=config.tp, cp=config.cp)
     if floor["total"] > budget:
         # No need to run anything: what every rank holds at all times already overflows.
-        return Plan(
-            model=spec.name, parameters_total=spec.num_parameters, gpus=gpus,
-            gpu_memory_bytes=gpu_memory_bytes, strategy=strategy, precision=precision, ac=ac,
-            batch=batch, seq=seq, device_type=device.type, shard_size=shard_size,
-            peak_bytes=floor, detail={},
-            budget_bytes=budget, fits=False, overflowing=overflowing_category(floor, budget),
-            method="lower bound: parameter shards + AdamW state alone exceed the budget "
-                   "(activations not simulated)", notes=notes, warnings=warnings,
-            options=o.as_dict(), tp=tp, cp=cp)
-    step = trace(spec, StepConfig(world, strategy, precision, ac, batch, seq, device.type, shard_size,
-                                  o, tp, cp=cp))
-    snap, states = dict(step.peak), dict(step.states)
-    if step.traced_layers:
-        depths = " and ".join(map(str, step.traced_layers))
-        notes.append(f"traced at {depths} blocks and scaled to {step.layers}: the middle blocks "
-                     "are alike, " + ("the memory samples and the reserved memory's replay are "
-                                      "extended linearly" if step.reserved_scaled_linearly else
-                                      "the middle block's allocations repeated"))
-    if o.trainable is not None and o.trainable < 1:
-        notes.append(trainable_note(step.units, o.trainable))
-    if tp > 1:
-        notes.append(loss_parallel_note(o.loss_parallel, tp))
-    if cp > 1:
-        notes.append(cp_note(cp))
-    cats = categorize(snap)
-    detail = cats.pop("detail")
+        return Plan(**head, peak_bytes=floor, detail={}, fits=False,
+                    overflowing=overflowing_category(floor, budget),
+                    method="lower bound: parameter shards + AdamW state alone exceed the budget "
+                           "(activations not simulated)")
+    step = trace(spec, dataclasses.replace(config, world=world, device_type=device.type))
+    notes += _trace_notes(step, config)
+    cats = categorize(dict(step.peak))
+    detail, states = cats.pop("detail"), dict(step.states)
     if strategy == "no_shard":
-        buckets = 4 * spec.num_parameters  # DDP's fp32 gradient buckets, allocated once, kept
-        cats["gradients"] += buckets
-        cats["total"] += buckets
-        states["gradients"] += buckets
-        detail["ddp_gradient_buckets"] = buckets
-        gathered = detail.get("unsharded_parameters", 0)  # DDP computes with the parameters
-        cats["parameters"] -= gathered
-        cats["total"] -= gathered
-        detail["unsharded_parameters_removed"] = gathered
-    host = None
-    offloaded = set()
-    if o.offload:
-        host, offloaded = _offload(cats, detail, states, step.largest_unit_shard, gpus, o, notes)
+        _as_ddp(cats, detail, states, spec.num_parameters)
+    host, offloaded = (_offload(cats, detail, states, step.largest_unit_shard, gpus, o, notes)
+                       if o.offload else (None, set()))
     workspaces = 0
-    if device_type == "cuda":  # a GPU's step: cuBLAS's workspaces, which no tracker sees
+    if config.device_type == "cuda":  # a GPU's step: cuBLAS's workspaces, which no tracker sees
         workspaces, note = cublas_workspaces()
         cats["total"] += workspaces
         detail["cublas_workspaces"] = workspaces
@@ -265,21 +242,77 @@ def plan(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_sha
     reserved = _reserved(step, offloaded, cats["total"], workspaces)
     fits = cats["total"] <= budget and (host is None or host["fits"])
     if o.grad_accum > 1:
-        notes.append(f"--grad-accum {o.grad_accum} --accum-sync {o.accum_sync}: two micro-batches "
-                     "traced; the second's forward holds what every later one holds ("
-                     + ("the sharded gradients, reduce-scattered each micro-batch)" if
-                        o.accum_sync == "every" else "the unsharded gradients, kept until the "
-                        "last micro-batch: FSDP2 set_requires_gradient_sync(False), FSDP1 "
-                        "no_sync())"))
+        notes.append(grad_accum_note(o))
     return Plan(
-        model=spec.name, parameters_total=spec.num_parameters, gpus=gpus,
-        gpu_memory_bytes=gpu_memory_bytes, strategy=strategy, precision=precision, ac=ac,
-        batch=batch, seq=seq, device_type=device.type, shard_size=shard_size,
-        peak_bytes={k: int(v) for k, v in cats.items()}, detail=detail, budget_bytes=budget,
-        fits=fits, overflowing=None if cats["total"] <= budget else overflowing_category(cats, budget),
-        method="FSDPMemTracker on FakeTensorMode + fake process group", notes=notes,
-        model_states=states, warnings=warnings, options=o.as_dict(), host=host,
-        reserved=reserved, tp=tp, cp=cp)
+        **head, peak_bytes={k: int(v) for k, v in cats.items()}, detail=detail, fits=fits,
+        overflowing=None if cats["total"] <= budget else overflowing_category(cats, budget),
+        method="FSDPMemTracker on FakeTensorMode + fake process group", model_states=states,
+        host=host, reserved=reserved)
+
+
+def _checked_plan(spec, config: StepConfig, gpu_memory_bytes: int, parallelize: Any
+                  ) -> tuple[StepConfig, list[str]]:
+    """``config`` checked (one line for a bad value), with hybrid_shard's ``shard_size``, the
+    ``seq`` (default: the model's) and the ``options`` (``PlanOptions``) filled in; and the
+    warnings the plan's reader must see first."""
+    gpus, strategy, precision, ac, tp, cp = (config.world, config.strategy, config.precision,
+                                             config.ac, config.tp, config.cp)
+    check_plan_step(gpus, gpu_memory_bytes, strategy, precision, ac, config.batch, config.seq)
+    shard_size = hybrid_shard_size(strategy, gpus, config.shard_size)
+    o = as_options(config.options)
+    check_options(o, strategy, precision, shard_size or gpus)
+    check_user_code(spec, strategy, ac, o)
+    check_tp(spec, tp, gpus, strategy, o)
+    seq = config.seq or spec.default_seq_len
+    check_cp(spec, cp, gpus, strategy, seq, tp, o, parallelize=parallelize)
+    check_tokens(spec, config.batch, seq // cp, precision, gpu_memory_bytes)
+    warnings = [*spec.warnings, *context_warnings(spec, seq)]
+    if o.param_dtype == "bf16":
+        warnings.append(BF16_ACCURACY_NOTE)
+    return dataclasses.replace(config, shard_size=shard_size, seq=seq, options=o), warnings
+
+
+def _trace_notes(step, config: StepConfig) -> list[str]:
+    """What the plan's trace assumed: the depths it traced, the fraction trained, TP's loss, CP."""
+    o, notes = config.options, []
+    if step.traced_layers:
+        depths = " and ".join(map(str, step.traced_layers))
+        notes.append(f"traced at {depths} blocks and scaled to {step.layers}: the middle blocks "
+                     "are alike, " + ("the memory samples and the reserved memory's replay are "
+                                      "extended linearly" if step.reserved_scaled_linearly else
+                                      "the middle block's allocations repeated"))
+    if o.trainable is not None and o.trainable < 1:
+        notes.append(trainable_note(step.units, o.trainable))
+    if config.tp > 1:
+        notes.append(loss_parallel_note(o.loss_parallel, config.tp))
+    if config.cp > 1:
+        notes.append(cp_note(config.cp))
+    return notes
+
+
+def _as_ddp(cats: dict[str, int], detail: dict[str, int], states: dict[str, int],
+            num_parameters: int) -> None:
+    """The 1-rank FSDP2 step as DDP holds it: plus DDP's fp32 gradient buckets, minus the
+    gathered parameter copies FSDP2 makes and DDP does not."""
+    buckets = 4 * num_parameters  # DDP's fp32 gradient buckets, allocated once, kept
+    cats["gradients"] += buckets
+    cats["total"] += buckets
+    states["gradients"] += buckets
+    detail["ddp_gradient_buckets"] = buckets
+    gathered = detail.get("unsharded_parameters", 0)  # DDP computes with the parameters
+    cats["parameters"] -= gathered
+    cats["total"] -= gathered
+    detail["unsharded_parameters_removed"] = gathered
+
+
+def grad_accum_note(o: PlanOptions) -> str:
+    """What a plan with gradient accumulation traced, and what it holds."""
+    return (f"--grad-accum {o.grad_accum} --accum-sync {o.accum_sync}: two micro-batches "
+            "traced; the second's forward holds what every later one holds ("
+            + ("the sharded gradients, reduce-scattered each micro-batch)" if
+               o.accum_sync == "every" else "the unsharded gradients, kept until the "
+               "last micro-batch: FSDP2 set_requires_gradient_sync(False), FSDP1 "
+               "no_sync())"))
 
 
 def cp_note(cp: int) -> str:
@@ -506,14 +539,12 @@ def check_plan_step(gpus, gpu_memory_bytes, strategy, precision, ac, batch, seq)
     check_step(gpus, strategy, precision, ac, batch, seq)
 
 
-def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = "full_shard",
-                  precision: str = "bf16", ac: str = "none", seq: int | None = None,
-                  device_type: str = "cuda", limit: int = 4096,
-                  shard_size: int | None = None,
-                  options: PlanOptions | dict[str, Any] | None = None,
-                  tp: int = 1, parallelize: Any = None, batch_fn: Any = None, cp: int = 1
+def largest_batch(model, gpus: int | StepConfig, gpu_memory_bytes: int, *, limit: int = 4096,
+                  parallelize: Any = None, batch_fn: Any = None, **settings: Any
                   ) -> tuple[int, Plan | None]:
-    """The largest per-rank batch that fits (0 when even batch 1 does not), and its plan.
+    """The largest per-rank batch that fits (0 when even batch 1 does not), and its plan: the
+    step as ``plan`` takes it (``gpus`` a ``StepConfig``, or the number of GPUs and the step's
+    other fields by name), at most ``limit``.
 
     Memory grows about linearly with the batch (parameters and optimizer state are fixed,
     activations and logits come per sample): plans at batch 1 and 2 draw a line, the next plan is
@@ -522,11 +553,12 @@ def largest_batch(model: str, gpus: int, gpu_memory_bytes: int, strategy: str = 
     plan redraws the line through the last two and the search narrows between the largest batch
     known to fit and the smallest known not to (secant steps inside a bracket).
     """
+    config = step_config(gpus, **settings)
+
     def run(b: int) -> Plan:
         try:
-            extra = {} if options is None else {"options": options}
-            return plan(model, gpus, gpu_memory_bytes, strategy, precision, ac, b, seq, device_type,
-                        shard_size, tp=tp, parallelize=parallelize, batch_fn=batch_fn, cp=cp, **extra)
+            return plan(model, dataclasses.replace(config, batch=b), gpu_memory_bytes,
+                        parallelize=parallelize, batch_fn=batch_fn)
         except TooManyTokens as e:  # batch 1 is refused; a larger batch does not fit
             if b == 1:
                 raise
