@@ -78,6 +78,14 @@ PLAN_DESCRIPTION = (
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of ``fsdp-course plan``."""
+    _add_step_arguments(parser)
+    _add_time_arguments(parser)
+    _add_option_arguments(parser)
+    return parser
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step's flags: the model, the GPUs and their memory, the parallelism, the tokens."""
     parser.add_argument("--model", default="llama-8b",
                         help="a course model (see `fsdp-course list --models`), or your own: a "
                         "Hugging Face config.json or a folder holding one (built with random "
@@ -118,6 +126,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "the same tokens; with --cp: per CP group, whose ranks split the same "
                         "sequences); default 1")
     parser.add_argument("--seq", default=None, help="sequence length (default: the model's)")
+
+
+def _add_time_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step-time prediction's flags: the GPU part, the cluster, the kernels, a calibration."""
     parser.add_argument("--gpu", default=None,
                         help="the GPU the step time is predicted for (h100, h100-96gb, h200, "
                         "a100-80gb, a100-40gb, l4); also its memory when --gpu-memory is auto; "
@@ -140,6 +152,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "(default: the committed ones, fitted on published figures)")
     parser.add_argument("--no-time", action="store_true",
                         help="memory only: skip the step-time prediction (one trace fewer)")
+
+
+def _add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to plan (a largest batch, a sweep), the plan's options, your code, the output."""
     parser.add_argument("--max-batch", action="store_true",
                         help="find the largest per-rank batch that fits instead")
     parser.add_argument("--sweep", action="store_true",
@@ -185,7 +201,6 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="also write the predicted step's timeline (compute and communication "
                              "lanes, a slice per unit's forward, backward and collective) as a Chrome "
                              "trace that Perfetto or chrome://tracing opens")
-    return parser
 
 
 def options_from_args(args: argparse.Namespace) -> PlanOptions:

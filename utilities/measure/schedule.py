@@ -70,11 +70,13 @@ class Lanes:
         return start, end
 
 
-def run_schedule(plan_segs, units, ag_fwd, ag_bwd, grad_colls, fwd_depth, bwd_mode, bwd_depth,
-              limit_all_gathers, optimizer_s, optimizer_args=None):
+def run_schedule(plan_segs, units, ag_fwd, ag_bwd, grad_colls, depths: tuple[str, int, int],
+                 limit_all_gathers: bool, optimizer_s: float, optimizer_args=None):
     """Run the two lanes. ``plan_segs``: (unit, phase, seconds, args) in execution order; ``ag_fwd`` /
     ``ag_bwd``: unit -> all-gather (absent: none needed); ``grad_colls``: unit -> collectives
-    after its backward. Returns the lanes."""
+    after its backward; ``depths``: the backward's mode ("fsdp2" or FSDP1's backward_prefetch),
+    the forward's prefetch depth and the backward's. Returns the lanes."""
+    bwd_mode, fwd_depth, bwd_depth = depths
     lanes = Lanes()
     fwd_order = [u.name for u in units]
     bwd_first: list[str] = []  # units in the order their backward-time compute starts

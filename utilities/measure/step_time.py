@@ -457,14 +457,15 @@ def _lanes(run: _Timed, plan_segs, ag_fwd, ag_bwd, grads, optimizer_s, opt_bytes
     else:
         bwd_mode, bwd_depth = "fsdp2", t.prefetch
         fwd_depth = t.prefetch if t.forward_prefetch is None else t.forward_prefetch
-    lanes = run_schedule(plan_segs, units, ag_fwd, ag_bwd, grads, fwd_depth, bwd_mode,
-                         bwd_depth, t.limit_all_gathers, optimizer_s, {"bytes": opt_bytes})
+    depths = (bwd_mode, fwd_depth, bwd_depth)
+    lanes = run_schedule(plan_segs, units, ag_fwd, ag_bwd, grads, depths, t.limit_all_gathers,
+                         optimizer_s, {"bytes": opt_bytes})
     if po.grad_accum > 1:
         micro = run_schedule(plan_segs, units, ag_fwd, ag_bwd,
-                             grads if po.accum_sync == "every" else {}, fwd_depth, bwd_mode,
-                             bwd_depth, t.limit_all_gathers, 0.0)
+                             grads if po.accum_sync == "every" else {}, depths,
+                             t.limit_all_gathers, 0.0)
         lanes = accumulated_lanes(micro, lanes, po.grad_accum)
-    return lanes, (bwd_mode, fwd_depth, bwd_depth)
+    return lanes, depths
 
 
 def _all_assumptions(run: _Timed, depths: tuple[str, int, int], counted: str) -> list[str]:
