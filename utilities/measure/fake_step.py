@@ -269,80 +269,34 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
     own FakeTensorMode, which the tracker books as optimizer state. Under tensor parallelism the
     forward and backward run DTensor ops too: one untracked forward and backward come first."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from utilities.distributed import T5_POSITION_BIAS_VIEW
-    from utilities.measure.allocator import EventRecorder
-    from utilities.measure.memory import TrackerHooks, census
-    from utilities.measure.plan_options import (
-        PlanOptions,
-        accumulate,
-        step_loss,
-        traced_micro_batches,
-        trainable_parameters,
-    )
-    from utilities.measure.tensor_parallel import HEAD_VIEW_WARNING, loss_parallel_context
-    from utilities.torch_internals import fsdp_mem_tracker, global_peak_only, mod_tracker_of
+    from utilities.measure.memory import TrackerHooks
+    from utilities.measure.plan_options import PlanOptions, accumulate, traced_micro_batches
+    from utilities.measure.tensor_parallel import loss_parallel_context
+    from utilities.torch_internals import fsdp_mem_tracker
 
     world, strategy, precision, ac = config.world, config.strategy, config.precision, config.ac
-    batch, seq, shard_size, tp, cp = config.batch, config.seq, config.shard_size, config.tp, config.cp
+    batch, seq, tp, cp = config.batch, config.seq, config.tp, config.cp
     device = torch.device(config.device_type)
     options = config.options or PlanOptions()
     t0 = time.perf_counter()
     with fake_world(world), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The module hierarchy tracking")
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        warnings.filterwarnings("ignore", message="Module is None")
-        warnings.filterwarnings("ignore", message=T5_POSITION_BIAS_VIEW)
-        warnings.filterwarnings("ignore", message=HEAD_VIEW_WARNING)
-        if tp > 1:  # 2-D: FSDP2 across the "dp" dim, TP inside a group of tp ranks
-            mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        elif shard_size:  # HSDP: replicate across the first dim, shard along the second
-            mesh = init_device_mesh(device.type, (world // shard_size, shard_size),
-                                    mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = init_device_mesh(device.type, (world,))
-        cp_group = None
-        if cp > 1:  # context parallelism: the CP group of rank 0; FSDP2 still over every rank
-            from utilities.measure.context_parallel import cp_ranks
-
-            cp_group = torch.distributed.new_group(cp_ranks(world, cp, tp))
+        _quiet_warnings()
+        mesh, cp_group = _meshes(config, device)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = prepare(spec, strategy, precision, ac, mesh, fake_mode, device, options, tp)
-        root_name = type(model).__name__
-        units: dict[str, UnitInfo] = {}
-        tracker_names: dict[str, str] = {}
-        for fqn, own in _unit_parameters(model):
-            label = unit_label(fqn)
-            units[label] = UnitInfo(label, [tuple(p.shape) for p in own], is_root=not fqn,
-                                    trainable=[p.requires_grad for p in own], fqn=fqn)
-            tracker_names[root_name + ("." + fqn if fqn else "")] = label
+        units, tracker_names, root_name = _unit_infos(model)
         with fake_mode, _cp_attention(cp_group) as cp_calls:
             data = fake_batch(spec, batch, seq // cp, device, mask=cp == 1)
-            if tp > 1:
-                with loss_parallel_context(model):
-                    step_loss(model, data).backward()
-                model.zero_grad(set_to_none=True)
-            params = trainable_parameters(model)
-            optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=adamw_foreach(device))
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer = _optimizer_in_place(model, data, device, tp)
             tracker = fsdp_mem_tracker()(model, optimizer)
 
             def between():
                 tracker.reset_mod_stats()  # FSDPMemTracker follows one forward per module
                 ops.restart()
 
-            ops = OpRecorder(mod_tracker_of(tracker), tracker_names, root_name,
-                             causal=not spec.is_seq2seq)
-            ops.fake_mode = fake_mode
-            ops.cp_group_name = cp_group.group_name if cp_group is not None else None
-            samples = MemorySamples(ops, device.type)
-            global_peak_only(tracker, observe=samples)
-            recorder = EventRecorder(tracker, device.type, where=lambda: (ops.unit(), ops.phase()))
-            samples.recorder = recorder
+            ops, samples, recorder = _recorders(tracker, tracker_names, root_name, spec, fake_mode,
+                                                cp_group, device.type)
 
             with ops.mode, TrackerHooks(), tracker:  # the hooks go, so the model can be collected
                 start = len(recorder.events)
@@ -357,21 +311,10 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
                 from utilities.measure.context_parallel import check_cp_ran
 
                 check_cp_ran(cp_calls, spec.name)
-            held = census(model, optimizer)
-            peak = {}
-            for dev, snap in tracker.get_tracker_snapshot("peak").items():
-                if torch.device(dev).type == device.type:
-                    peak = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
-            states = {k: int(held[k]) for k in ("parameters", "gradients", "optimizer")}
-            shard = largest_unit_shard(model)
-            resident = _resident(model, optimizer, device.type)
-            unit_states = _unit_states(model, optimizer)
+            peak, states, shard, resident, unit_states = _held(model, optimizer, tracker,
+                                                               device.type)
     segments = op_segments(ops.rows)
-    order: list[str] = []
-    for s in segments:
-        if s.phase == "forward" and s.unit not in order:
-            order.append(s.unit)
-    order += [u for u in units if u not in order]
+    order = _forward_order(segments, units)
     recorder.release()
     memory = MemoryEvents(resident=resident, device_type=device.type,
                           step=[(*e, c) for e, c in zip(recorder.events[start:],
@@ -388,6 +331,114 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
                      memory_events=memory, unit_states=unit_states)
     samples.event_places = places
     return step, samples
+
+
+def _quiet_warnings() -> None:
+    """Silence what torch and the course's own code warn of on every fake step (inside a
+    ``warnings.catch_warnings()``)."""
+    from utilities.distributed import T5_POSITION_BIAS_VIEW
+    from utilities.measure.tensor_parallel import HEAD_VIEW_WARNING
+
+    warnings.filterwarnings("ignore", message="The module hierarchy tracking")
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    warnings.filterwarnings("ignore", message="Module is None")
+    warnings.filterwarnings("ignore", message=T5_POSITION_BIAS_VIEW)
+    warnings.filterwarnings("ignore", message=HEAD_VIEW_WARNING)
+
+
+def _meshes(config: StepConfig, device: torch.device):
+    """The step's device mesh (1-D; HSDP's or TP's 2-D) on the fake world, and the CP group of
+    rank 0 (None without context parallelism)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, shard_size, tp, cp = config.world, config.shard_size, config.tp, config.cp
+    if tp > 1:  # 2-D: FSDP2 across the "dp" dim, TP inside a group of tp ranks
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    elif shard_size:  # HSDP: replicate across the first dim, shard along the second
+        mesh = init_device_mesh(device.type, (world // shard_size, shard_size),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    cp_group = None
+    if cp > 1:  # context parallelism: the CP group of rank 0; FSDP2 still over every rank
+        from utilities.measure.context_parallel import cp_ranks
+
+        cp_group = torch.distributed.new_group(cp_ranks(world, cp, tp))
+    return mesh, cp_group
+
+
+def _unit_infos(model) -> tuple[dict[str, UnitInfo], dict[str, str], str]:
+    """Each FSDP unit's ``UnitInfo`` by its label, the tracker's name of each unit's module ->
+    the label, and the root module's class name."""
+    root_name = type(model).__name__
+    units: dict[str, UnitInfo] = {}
+    tracker_names: dict[str, str] = {}
+    for fqn, own in _unit_parameters(model):
+        label = unit_label(fqn)
+        units[label] = UnitInfo(label, [tuple(p.shape) for p in own], is_root=not fqn,
+                                trainable=[p.requires_grad for p in own], fqn=fqn)
+        tracker_names[root_name + ("." + fqn if fqn else "")] = label
+    return units, tracker_names, root_name
+
+
+def _optimizer_in_place(model, data, device: torch.device, tp: int):
+    """AdamW with its state already in place: one untracked step on zero gradients (under TP, one
+    untracked forward and backward first; ``_run`` says why)."""
+    from utilities.measure.plan_options import step_loss, trainable_parameters
+    from utilities.measure.tensor_parallel import loss_parallel_context
+
+    if tp > 1:
+        with loss_parallel_context(model):
+            step_loss(model, data).backward()
+        model.zero_grad(set_to_none=True)
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=adamw_foreach(device))
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def _recorders(tracker, tracker_names: dict[str, str], root_name: str, spec, fake_mode, cp_group,
+               device_type: str):
+    """The recorders beside the tracker: the ops (``OpRecorder``), the tracker's samples and the
+    allocations (``EventRecorder``), each told where in the step it is."""
+    from utilities.measure.allocator import EventRecorder
+    from utilities.torch_internals import global_peak_only, mod_tracker_of
+
+    ops = OpRecorder(mod_tracker_of(tracker), tracker_names, root_name, causal=not spec.is_seq2seq)
+    ops.fake_mode = fake_mode
+    ops.cp_group_name = cp_group.group_name if cp_group is not None else None
+    samples = MemorySamples(ops, device_type)
+    global_peak_only(tracker, observe=samples)
+    recorder = EventRecorder(tracker, device_type, where=lambda: (ops.unit(), ops.phase()))
+    samples.recorder = recorder
+    return ops, samples, recorder
+
+
+def _held(model, optimizer, tracker, device_type: str):
+    """After the step: the tracker's peak by category, the states held, the largest unit's shard,
+    what a step begins with (``_resident``) and each unit's states."""
+    from utilities.measure.memory import census
+
+    held = census(model, optimizer)
+    peak = {}
+    for dev, snap in tracker.get_tracker_snapshot("peak").items():
+        if torch.device(dev).type == device_type:
+            peak = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+    states = {k: int(held[k]) for k in ("parameters", "gradients", "optimizer")}
+    return (peak, states, largest_unit_shard(model), _resident(model, optimizer, device_type),
+            _unit_states(model, optimizer))
+
+
+def _forward_order(segments, units) -> list[str]:
+    """The units in the order their forward runs (those without forward work last)."""
+    order: list[str] = []
+    for s in segments:
+        if s.phase == "forward" and s.unit not in order:
+            order.append(s.unit)
+    return order + [u for u in units if u not in order]
 
 
 @dataclass(frozen=True)
