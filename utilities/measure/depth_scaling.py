@@ -265,21 +265,7 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, copies: in
     units = [u for u, _ in places]
     roles = [r[1] if isinstance(r, tuple) else r for r in _roles(units, index, depth)]
     roles = ["root" if r == "start" else r for r in roles]
-    owner: dict[Any, tuple[Any, int]] = {}  # key -> (block, rank) of its current allocation
-    count: dict[Any, int] = {}
-    sizes: dict[Any, list[int]] = {}
-    tagged = []  # (kind, identity, bytes, category, the identity an alloc replaces)
-    for (kind, key, n, category), role in zip(events.step, roles):
-        if kind == "alloc":
-            previous = owner.get(key)
-            rank = count[role] = count.get(role, -1) + 1
-            sizes.setdefault(role, []).append(n)
-            owner[key] = (role, rank)
-            tagged.append(("alloc", (role, rank), n, category, previous))
-        elif kind == "free":
-            tagged.append(("free", owner.pop(key, None), 0, category, None))
-        else:  # "ref" (of a live allocation) or "sample"
-            tagged.append((kind, owner.get(key) if kind == "ref" else None, 0, category, None))
+    tagged, sizes = _tagged(events.step, roles)
     if not (sizes.get(1) == sizes.get("middle") == sizes.get(-2)):
         return None
 
@@ -328,15 +314,43 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, copies: in
             for k in range(i, j):
                 emit(step, k, copy, None)
         i = j
+    return MemoryEvents(resident=_extended_resident(events.resident, index, depth, copies),
+                        step=step, device_type=events.device_type)
+
+
+def _tagged(step_events, roles) -> tuple[list, dict[Any, list[int]]]:
+    """Each event as (kind, identity, bytes, category, the identity an alloc replaces), an
+    allocation's identity its block's role and its rank among that block's allocations; and each
+    block's allocation sizes in order."""
+    owner: dict[Any, tuple[Any, int]] = {}  # key -> (block, rank) of its current allocation
+    count: dict[Any, int] = {}
+    sizes: dict[Any, list[int]] = {}
+    tagged = []  # (kind, identity, bytes, category, the identity an alloc replaces)
+    for (kind, key, n, category), role in zip(step_events, roles):
+        if kind == "alloc":
+            previous = owner.get(key)
+            rank = count[role] = count.get(role, -1) + 1
+            sizes.setdefault(role, []).append(n)
+            owner[key] = (role, rank)
+            tagged.append(("alloc", (role, rank), n, category, previous))
+        elif kind == "free":
+            tagged.append(("free", owner.pop(key, None), 0, category, None))
+        else:  # "ref" (of a live allocation) or "sample"
+            tagged.append((kind, owner.get(key) if kind == "ref" else None, 0, category, None))
+    return tagged, sizes
+
+
+def _extended_resident(resident_events, index, depth: int, copies: int) -> list:
+    """What a step begins with, the middle period's entries repeated ``copies`` times as a group."""
     resident, i = [], 0
-    while i < len(events.resident):  # the middle period's entries: repeated as a group
+    while i < len(resident_events):
         j = i + 1
-        if _role(events.resident[i][0], index, depth) == "middle":
-            while j < len(events.resident) and _role(events.resident[j][0], index,
+        if _role(resident_events[i][0], index, depth) == "middle":
+            while j < len(resident_events) and _role(resident_events[j][0], index,
                                                      depth) == "middle":
                 j += 1
-            resident += events.resident[i:j] * copies
+            resident += resident_events[i:j] * copies
         else:
-            resident.append(events.resident[i])
+            resident.append(resident_events[i])
         i = j
-    return MemoryEvents(resident=resident, step=step, device_type=events.device_type)
+    return resident
