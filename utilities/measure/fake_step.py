@@ -1,26 +1,26 @@
 """One fake training step, traced once for the memory plan and the time model.
 
-``trace(spec, StepConfig(world, ...))`` builds the model on ``meta``, applies the plan's options, checkpoints
-and ``fully_shard``-s it block by block (FSDP2) on a ``world``-rank fake process group, materializes
-it under ``FakeTensorMode`` and runs one training step (the optimizer state already in place) with
-two recorders on the same ops:
+``trace(spec, StepConfig(world, ...))`` builds the model on ``meta``, applies the plan's options,
+checkpoints and ``fully_shard``-s it block by block (FSDP2) on a ``world``-rank fake process group,
+materializes it under ``FakeTensorMode`` and runs one training step (the optimizer state already
+in place) with two recorders on the same ops:
 
 * ``FSDPMemTracker`` (torch's), through ``EventRecorder``: every allocation and free by category,
   and the peak (what ``planner.plan`` reads, and the allocator model's replay for reserved memory);
-* ``OpRecorder``: every ATen op's kind, FLOPs and bytes, the FSDP unit running it and the phase
-  (what ``step_time`` turns into seconds).
+* ``OpRecorder`` (``op_recorder``): every ATen op's kind, FLOPs and bytes, the FSDP unit running
+  it and the phase (what ``step_time`` turns into seconds).
 
 A transformer's middle blocks are identical, so a model of L blocks is traced at a small depth
-(``scaled_depths``: the first two blocks, one middle block, the last two) and extended:
+(``depth_scaling``; ``scaled_depths``: the first two blocks, one middle block, the last two) and extended:
 
 * memory: each allocation, free, category change and tracker sample belongs to the block whose
   work made it; the middle block's events are repeated L - 4 times, each copy's references to
   its neighbours' tensors pointed at the neighbouring copies (``_extended_events``), and the
-  extended stream is replayed: the tracker's peak by category (``MemoryEvents.peak``, which on the
-  traced depth itself must give the tracker's own peak) and the caching allocator's reserved
-  memory. Under block-pair checkpointing, or AdamW's foreach (its temporaries span every block),
-  two depths are traced and every sample is extended linearly from them (the allocator's replay
-  too, approximately).
+  extended stream is replayed (``step_trace``): the tracker's peak by category
+  (``MemoryEvents.peak``, which on the traced depth itself must give the tracker's own peak) and
+  the caching allocator's reserved memory. Under block-pair checkpointing, or AdamW's foreach (its
+  temporaries span every block), two depths are traced and every sample is extended linearly from
+  them (the allocator's replay too, approximately).
 * time: the middle block's op segments, collectives and unit are repeated to fill L blocks.
 
 Where the blocks turn out not to be alike, the whole model is traced. ``tests/test_fake_step.py``

@@ -38,12 +38,17 @@ tensor-core fraction where a published run of it exists (``Efficiencies.per_gpu`
 The API (what ``fsdp-course plan`` builds on):
 
 * ``estimate_step_time(model, gpus, strategy, precision, ac, batch, seq, gpu="h100",
-  gpus_per_node=8, network_gbps=400, compile=False, fp8=False, prefetch=1, ...) -> StepTime``;
+  gpus_per_node=8, network_gbps=400, compile=False, fp8=False, prefetch=1, ...) -> StepTime``:
+  the step a ``fake_step.StepConfig`` (or the GPU count and its fields), the rest a
+  ``TimeConfig`` (``timing=``) or its fields by name;
 * ``StepTime.as_dict()``: ``{step_s, compute_s, comm_s, exposed_comm_s, tokens_per_s_per_gpu,
   mfu, assumptions}`` (``as_dict(timeline=True)`` adds the events);
 * ``format_step_time(t, units=0)``: the table for a terminal, at most 80 columns;
-* ``GPUS`` / ``get_gpu(name)``: the catalogue (``GPU.memory_bytes`` for a memory plan);
 * ``sweep(model, gpu_counts, strategies, **kw)``: many configurations from one trace.
+
+Its parts, each a module of its own: the GPU catalogue and the fitted efficiencies
+(``gpu_catalogue``), the roofline, NCCL and optimizer costs (``cost_model``), the two lanes
+(``schedule``), the lessons' predictions on a cluster (``predictions``).
 """
 
 from __future__ import annotations
