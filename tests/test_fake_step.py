@@ -110,3 +110,27 @@ def test_foreach_adamw_scales_from_two_depths(monkeypatch):
     assert scaled.traced_layers == (5, 6) and scaled.reserved_scaled_linearly
     assert scaled.peak == full.peak and scaled.states == full.states
     assert scaled.reserved()["reserved"] == pytest.approx(full.reserved()["reserved"], rel=0.03)
+
+
+def test_one_step_configuration_from_the_cli_to_the_time_model():
+    """The planner and the time model take one ``StepConfig`` (or the GPU count and its fields, by
+    position or by name): the same step either way, the time model's own settings in a
+    ``TimeConfig``; a name that is no field of either is a TypeError, as any unknown keyword."""
+    from utilities.measure import planner
+
+    config = StepConfig(2, "full_shard", "fp32", "none", 2, 32, "cpu")
+    by_config = planner.plan("llama-tiny", config, 10**12)
+    assert by_config.as_dict() == planner.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none",
+                                               2, 32, "cpu").as_dict()
+    assert by_config.as_dict() == planner.plan("llama-tiny", gpus=2, gpu_memory_bytes=10**12,
+                                               precision="fp32", batch=2, seq=32,
+                                               device_type="cpu").as_dict()
+    assert by_config.step_config() == dataclasses.replace(config, options=PlanOptions())
+    timed = st.estimate_step_time("llama-tiny", config, timing=st.TimeConfig(gpu="h200", prefetch=0))
+    named = st.estimate_step_time("llama-tiny", 2, precision="fp32", batch=2, seq=32, gpu="h200",
+                                  prefetch=0)
+    assert (timed.gpu, timed.step_s) == ("h200", named.step_s)
+    with pytest.raises(TypeError):
+        planner.plan("llama-tiny", 2, 10**12, batches=2)
+    with pytest.raises(TypeError):
+        st.estimate_step_time("llama-tiny", 2, gpu_count=8)
