@@ -92,7 +92,7 @@ from utilities.measure.schedule import (
 )
 from utilities.text import rate_text
 
-__all__ = ["StepTime", "chrome_trace", "estimate_step_time", "format_step_time", "sweep"]
+__all__ = ["StepTime", "TimeConfig", "chrome_trace", "estimate_step_time", "format_step_time", "sweep"]
 
 
 # -- the result ------------------------------------------------------------------------------------
