@@ -57,8 +57,9 @@ SETUP = {
 
 def row(cp: int) -> dict:
     """One row: published, predicted (memory and time), their ratios."""
+    from utilities.measure.gpu_catalogue import get_gpu
     from utilities.measure.planner import plan
-    from utilities.measure.step_time import estimate_step_time, get_gpu
+    from utilities.measure.step_time import estimate_step_time
 
     seq, tps, gib = PUBLISHED[cp]
     p = plan("llama-8b", 8, get_gpu(GPU).memory_bytes, ac="full", batch=1, seq=seq, cp=cp)

@@ -249,7 +249,7 @@ def calibration_table() -> str:
     """The time model's efficiencies as the newest GPU evidence measured them (``fsdp-course plan
     --calibrate``, the evidence step ``calibrate``), beside the model's fitted ones."""
     from utilities.course.evidence import evidence_folders
-    from utilities.measure.step_time import CALIBRATED
+    from utilities.measure.gpu_catalogue import CALIBRATED
 
     found = [f / "calibrate" / "calibration.json" for f in evidence_folders(REPO)]
     found = [p for p in found if p.is_file()]

@@ -7,7 +7,7 @@ fixed starting values (coordinate descent on a grid, least squares of log(predic
 over the fit rows, plus 4 x log(predicted effect / published effect) over the pairs whose two
 rows are both fit rows) and reads the rows whose role is "fit" and nothing else: the held-out
 rows are predicted afterwards, with whatever the fit gave, and reported as they come out.
-``step_time.CALIBRATED`` holds what ``--fit`` prints (a test checks they agree). Without
+``gpu_catalogue.CALIBRATED`` holds what ``--fit`` prints (a test checks they agree). Without
 ``--fit`` the check predicts every row with ``CALIBRATED``. No GPU is needed: the model traces
 each configuration on fake tensors (one trace per model/batch/sequence/AC, about 5 s each).
 """
@@ -29,6 +29,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from utilities.measure import gpu_catalogue  # noqa: E402
 from utilities.measure import step_time as st  # noqa: E402
 from utilities.models import ModelSpec, llama_shapes  # noqa: E402
 from utilities.text import HelpFormatter  # noqa: E402
@@ -73,13 +74,14 @@ def _model(name: str):
     return OFF_CATALOGUE.get(name, name)
 
 
-def predict(row: dict, eff: st.Efficiencies) -> st.StepTime:
+def predict(row: dict, eff: gpu_catalogue.Efficiencies) -> st.StepTime:
     cfg = dict(row["config"])
     model = _model(cfg.pop("model"))
     return st.estimate_step_time(model, efficiencies=eff, **cfg)
 
 
-def efficiencies(params: dict[str, float], base: st.Efficiencies = st.CALIBRATED) -> st.Efficiencies:
+def efficiencies(params: dict[str, float],
+                 base: gpu_catalogue.Efficiencies = gpu_catalogue.CALIBRATED) -> gpu_catalogue.Efficiencies:
     """``base`` with the fitted values in ``params`` in place: plain names are fields, "GPU.key"
     entries go to ``per_gpu`` (the fields that are not fitted, and the per-GPU entries that are
     not, stay as ``base`` states them with their sources)."""
@@ -91,10 +93,10 @@ def efficiencies(params: dict[str, float], base: st.Efficiencies = st.CALIBRATED
             per_gpu.setdefault(gpu, {})[key] = value
         else:
             fields[name] = value
-    return st.with_efficiencies(base, per_gpu=per_gpu, **fields)
+    return gpu_catalogue.with_efficiencies(base, per_gpu=per_gpu, **fields)
 
 
-def _rates(rows: list[dict], eff: st.Efficiencies, predictor) -> dict[str, float]:
+def _rates(rows: list[dict], eff: gpu_catalogue.Efficiencies, predictor) -> dict[str, float]:
     return {r["id"]: predictor(r, eff).tokens_per_s_per_gpu for r in rows}
 
 
@@ -134,7 +136,7 @@ def fit_from_data(data: dict, rounds: int = 5, predictor=None) -> dict[str, floa
     return fit(fit_rows, data["pairs"], data["fit_start"], data["fit_ranges"], rounds, predictor)
 
 
-def check(rows: list[dict], eff: st.Efficiencies) -> list[dict]:
+def check(rows: list[dict], eff: gpu_catalogue.Efficiencies) -> list[dict]:
     out = []
     for r in rows:
         t = predict(r, eff)
@@ -235,7 +237,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def fitted_params(eff: st.Efficiencies, names) -> dict[str, float]:
+def fitted_params(eff: gpu_catalogue.Efficiencies, names) -> dict[str, float]:
     """The values of the fitted parameters in ``eff`` (``GPU.key`` names from ``per_gpu``)."""
     out = {}
     for name in names:
@@ -251,7 +253,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     data = load_data(Path(args.data))
-    eff = st.CALIBRATED
+    eff = gpu_catalogue.CALIBRATED
     params = None
     if args.fit:
         params = fit_from_data(data)
@@ -267,7 +269,7 @@ def main(argv=None) -> int:
         "per_gpu": eff.per_gpu,
         "fitted": fitted_params(eff, data["fit_ranges"]),
         "fit_start": data["fit_start"],
-        "efficiency_sources": st.CALIBRATED.sources,
+        "efficiency_sources": gpu_catalogue.CALIBRATED.sources,
         "fitted_here": params is not None,
         "fit_rows": [r["id"] for r in data["rows"] if r["role"] == "fit"],
         "held_out_rows": [r["id"] for r in data["rows"] if r["role"] == "held_out"],

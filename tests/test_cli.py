@@ -359,7 +359,7 @@ def _parsers_of_every_lesson_and_the_cli():
     from utilities.course.catalog import LESSONS
     from utilities.course.cli import _parser
     from utilities.errors import OneLineParser
-    from utilities.measure.planner import add_plan_arguments
+    from utilities.measure.plan_cli import add_plan_arguments
 
     class Caught(Exception):
         pass

@@ -10,8 +10,10 @@ import time
 
 import pytest
 
+from utilities.measure import plan_cli
 from utilities.measure import planner as P
-from utilities.measure.fake_step import ATTENTION, trace
+from utilities.measure.fake_step import StepConfig, trace
+from utilities.measure.op_recorder import ATTENTION
 from utilities.models import get_model_spec
 
 MODEL, SEQ = "llama-tiny", 4096
@@ -35,7 +37,7 @@ def test_activations_fall_with_cp():
     for cp in (2, 4, 8):
         assert plans[cp].model_states == plans[1].model_states
         assert plans[cp].cp == cp
-        text = P.format_plan(plans[cp])
+        text = plan_cli.format_plan(plans[cp])
         assert f"with CP groups of {cp}" in text and "per CP group" in text.splitlines()[0]
         assert any(n.startswith("context parallelism") for n in plans[cp].notes)
 
@@ -44,8 +46,8 @@ def test_activations_fall_with_cp():
 def test_attention_flops_are_the_unsplit_work_over_cp(cp):
     """The local queries over every key, causal and load-balanced: each GPU does 1/cp of the
     unsplit attention work, forward and backward (relative tolerance 1e-9: both are counts)."""
-    one = trace(MODEL, 8, ac="none", seq=256, device_type="cuda")
-    split = trace(MODEL, 8, ac="none", seq=256, device_type="cuda", cp=cp)
+    one = trace(MODEL, StepConfig(8, ac="none", seq=256, device_type="cuda"))
+    split = trace(MODEL, StepConfig(8, ac="none", seq=256, device_type="cuda", cp=cp))
     for phase in ("forward", "backward"):
         assert attention_flops(one, phase) > 0
         assert attention_flops(split, phase) == pytest.approx(attention_flops(one, phase) / cp,
@@ -93,7 +95,7 @@ def test_gathered_kv_are_in_the_peak(ac, gathers_per_layer):
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     whole_k = 1 * cfg.num_key_value_heads * 8192 * head_dim * 2
     assert whole_k == 2 * 2**20
-    step = trace(spec, 8, ac=ac, batch=1, seq=8192, device_type="cuda", cp=8)
+    step = trace(spec, StepConfig(8, ac=ac, batch=1, seq=8192, device_type="cuda", cp=8))
     sizes = [n for kind, _, n, _ in step.memory_events.step if kind == "alloc"]
     assert sizes.count(whole_k) == 2 * gathers_per_layer * cfg.num_hidden_layers
     assert live_at_peak(step.memory_events).count(whole_k) == 2  # K and V
@@ -110,7 +112,7 @@ def test_a_long_context_command_reports_memory_and_time_in_seconds(capsys):
     """Llama-8B at 64k tokens over CP 4, as a user types it: memory by category and a step time,
     CP's exchange among the assumptions, in a few seconds (a scaled trace of 5 blocks)."""
     t0 = time.perf_counter()
-    rc = P.main(["--model", "llama-8b", "--gpus", "8", "--seq", "65536", "--cp", "4", "--batch", "1",
+    rc = plan_cli.main(["--model", "llama-8b", "--gpus", "8", "--seq", "65536", "--cp", "4", "--batch", "1",
                  "--ac", "selective"])
     wall = time.perf_counter() - t0
     out = capsys.readouterr().out
@@ -128,7 +130,7 @@ def test_cp_composes_with_tp():
     tp_only = P.plan(MODEL, 8, GiB80, seq=1024, tp=2)
     both = P.plan(MODEL, 8, GiB80, seq=1024, tp=2, cp=2)
     assert both.peak_bytes["activations"] < tp_only.peak_bytes["activations"]
-    step = P.predict_time(both, {})
+    step = plan_cli.predict_time(both)
     assert any("context parallelism: 2 GPUs per CP group (each of them a TP group of 2)" in a
                for a in step.assumptions)
     assert step.tokens_per_s_per_gpu == pytest.approx(1024 / step.step_s / 4)
@@ -155,7 +157,7 @@ def test_cp_composes_with_tp():
 ])
 def test_plan_cp_refuses_in_one_line(flags, words, capsys):
     argv = ["--model", MODEL, "--gpus", "8", "--seq", "64"]
-    rc = P.main(argv + flags)
+    rc = plan_cli.main(argv + flags)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "Traceback" not in err, err
     assert "\n" not in err, err

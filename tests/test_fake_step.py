@@ -5,11 +5,14 @@ microsecond (the predicted step)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from utilities.measure import fake_step
+from utilities.measure import depth_scaling, fake_step
 from utilities.measure import step_time as st
+from utilities.measure.fake_step import StepConfig
 from utilities.measure.plan_options import PlanOptions
 from utilities.models import get_model_spec
 
@@ -31,8 +34,8 @@ CASES = {
 def _both(case):
     spec = get_model_spec("llama-1b")
     kw = dict(CASES[case])
-    return (fake_step.trace(spec, kw.pop("world"), scale=True, **kw),
-            fake_step.trace(spec, CASES[case]["world"], scale=False, **kw))
+    return (fake_step.trace(spec, StepConfig(scale=True, **kw)),
+            fake_step.trace(spec, StepConfig(scale=False, **kw)))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -61,7 +64,8 @@ def test_a_scaled_trace_is_the_full_trace_to_the_byte(case):
 def test_a_scaled_trace_predicts_the_step_to_the_microsecond(monkeypatch):
     kw = dict(model="llama-1b", gpus=8, ac="selective", batch=1, seq=256)
     scaled = st.estimate_step_time(**kw)
-    monkeypatch.setattr(st, "trace", lambda *a, **k: fake_step.trace(*a, **k, scale=False))
+    monkeypatch.setattr(st, "trace", lambda spec, config: fake_step.trace(
+        spec, dataclasses.replace(config, scale=False)))
     full = st.estimate_step_time(**kw)
     assert scaled.step_s == pytest.approx(full.step_s, abs=1e-6)
     assert scaled.compute_s == pytest.approx(full.compute_s, abs=1e-6)
@@ -73,21 +77,21 @@ def test_blocks_that_differ_are_traced_whole():
     """Freezing the first blocks first (``--trainable``) makes blocks differ: no scaling; nor for a
     shallow model or one with two stacks (T5)."""
     spec = get_model_spec("llama-1b")
-    assert fake_step.scaled_depths(spec, "none") == (5, 6)  # one trace; the second for a check
-    assert fake_step.scaled_depths(spec, "every-2nd-block") == (10, 12)
-    assert fake_step.scaled_depths(spec, "none", PlanOptions(trainable=0.5)) is None
-    assert fake_step.scaled_depths(get_model_spec("llama-tiny"), "none") is None
-    assert fake_step.scaled_depths(get_model_spec("t5-base"), "none") is None
+    assert depth_scaling.scaled_depths(spec, "none") == (5, 6)  # one trace; the second for a check
+    assert depth_scaling.scaled_depths(spec, "every-2nd-block") == (10, 12)
+    assert depth_scaling.scaled_depths(spec, "none", PlanOptions(trainable=0.5)) is None
+    assert depth_scaling.scaled_depths(get_model_spec("llama-tiny"), "none") is None
+    assert depth_scaling.scaled_depths(get_model_spec("t5-base"), "none") is None
 
 
 def test_the_planner_and_the_time_model_share_one_trace():
     """``plan`` with its time prediction traces once: the time model finds the planner's trace in
     the cache."""
-    from utilities.measure import planner
+    from utilities.measure import plan_cli, planner
 
     fake_step._trace.cache_clear()
     p = planner.plan("llama-tiny", 4, 80 * 2**30, ac="selective", batch=1, seq=64)
-    planner.predict_time(p, {})
+    plan_cli.predict_time(p)
     info = fake_step._trace.cache_info()
     assert (info.misses, info.hits) == (1, 1)
 
@@ -100,9 +104,33 @@ def test_foreach_adamw_scales_from_two_depths(monkeypatch):
     fake_step._trace.cache_clear()
     spec = get_model_spec("llama-1b")
     kw = dict(strategy="full_shard", precision="bf16", ac="none", batch=1, seq=128)
-    scaled = fake_step.trace(spec, 4, scale=True, **kw)
-    full = fake_step.trace(spec, 4, scale=False, **kw)
+    scaled = fake_step.trace(spec, StepConfig(4, scale=True, **kw))
+    full = fake_step.trace(spec, StepConfig(4, scale=False, **kw))
     fake_step._trace.cache_clear()
     assert scaled.traced_layers == (5, 6) and scaled.reserved_scaled_linearly
     assert scaled.peak == full.peak and scaled.states == full.states
     assert scaled.reserved()["reserved"] == pytest.approx(full.reserved()["reserved"], rel=0.03)
+
+
+def test_one_step_configuration_from_the_cli_to_the_time_model():
+    """The planner and the time model take one ``StepConfig`` (or the GPU count and its fields, by
+    position or by name): the same step either way, the time model's own settings in a
+    ``TimeConfig``; a name that is no field of either is a TypeError, as any unknown keyword."""
+    from utilities.measure import planner
+
+    config = StepConfig(2, "full_shard", "fp32", "none", 2, 32, "cpu")
+    by_config = planner.plan("llama-tiny", config, 10**12)
+    assert by_config.as_dict() == planner.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none",
+                                               2, 32, "cpu").as_dict()
+    assert by_config.as_dict() == planner.plan("llama-tiny", gpus=2, gpu_memory_bytes=10**12,
+                                               precision="fp32", batch=2, seq=32,
+                                               device_type="cpu").as_dict()
+    assert by_config.step_config() == dataclasses.replace(config, options=PlanOptions())
+    timed = st.estimate_step_time("llama-tiny", config, timing=st.TimeConfig(gpu="h200", prefetch=0))
+    named = st.estimate_step_time("llama-tiny", 2, precision="fp32", batch=2, seq=32, gpu="h200",
+                                  prefetch=0)
+    assert (timed.gpu, timed.step_s) == ("h200", named.step_s)
+    with pytest.raises(TypeError):
+        planner.plan("llama-tiny", 2, 10**12, batches=2)
+    with pytest.raises(TypeError):
+        st.estimate_step_time("llama-tiny", 2, gpu_count=8)

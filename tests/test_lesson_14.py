@@ -65,7 +65,8 @@ def test_largest_batch_fits_and_the_next_does_not():
     two = plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 2, 64, "cpu")
     per_sample = two.peak_bytes["total"] - one.peak_bytes["total"]
     memory = int((one.peak_bytes["total"] + 2.5 * per_sample) / 0.9)  # room for about batch 3
-    best, best_plan = largest_batch("llama-tiny", 2, memory, "full_shard", "fp32", "none", 64, "cpu")
+    best, best_plan = largest_batch("llama-tiny", 2, memory, strategy="full_shard", precision="fp32",
+                                    ac="none", seq=64, device_type="cpu")
     assert best >= 2 and best_plan.fits and best_plan.batch == best
     assert not plan("llama-tiny", 2, memory, "full_shard", "fp32", "none", best + 1, 64, "cpu").fits
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from utilities.errors import UsageError
+from utilities.measure import plan_cli
 from utilities.measure import planner as P
 
 
@@ -48,7 +49,7 @@ def _plan(**kw) -> P.Plan:
 
 
 def test_plan_names_temporaries_and_what_they_hold():
-    text = P.format_plan(_plan(gpu_memory_source="h100: 81,559 MiB, as nvidia-smi reports it"))
+    text = plan_cli.format_plan(_plan(gpu_memory_source="h100: 81,559 MiB, as nvidia-smi reports it"))
     rows = [line.split()[0] for line in text.splitlines()[2:8]]
     assert rows == ["parameters", "gradients", "optimizer", "activations", "temporaries", "total"]
     assert "other" not in rows
@@ -60,13 +61,13 @@ def test_plan_names_temporaries_and_what_they_hold():
 def test_plan_cli_reports_the_size_it_used(monkeypatch):
     seen = {}
 
-    def fake_plan(**kw):
-        seen.update(kw)
-        return _plan(gpu_memory_bytes=kw["gpu_memory_bytes"])
+    def fake_plan(model, config, gpu_memory_bytes):
+        seen.update(gpu_memory_bytes=gpu_memory_bytes)
+        return _plan(gpu_memory_bytes=gpu_memory_bytes)
 
-    monkeypatch.setattr(P, "plan", fake_plan)
-    parser = P.add_plan_arguments(argparse.ArgumentParser())
-    p, _ = P.plan_from_args(parser.parse_args(["--gpu-memory", "a100-80gb", "--model", "t5-tiny"]))
+    monkeypatch.setattr(plan_cli, "plan", fake_plan)
+    parser = plan_cli.add_plan_arguments(argparse.ArgumentParser())
+    p, _ = plan_cli.plan_from_args(parser.parse_args(["--gpu-memory", "a100-80gb", "--model", "t5-tiny"]))
     assert seen["gpu_memory_bytes"] == 80 * 2**30
-    assert "GPU memory: 80.00 GiB per GPU (a100-80gb" in P.format_plan(p)
+    assert "GPU memory: 80.00 GiB per GPU (a100-80gb" in plan_cli.format_plan(p)
     assert parser.parse_args([]).gpu_memory == "auto"

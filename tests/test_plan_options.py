@@ -12,6 +12,7 @@ import sys
 import pytest
 from conftest import REPO, cli_here
 
+from utilities.measure import plan_cli, plan_sweep
 from utilities.measure import planner as P
 from utilities.measure.allocator import CachingAllocator
 from utilities.measure.plan_options import PlanOptions
@@ -71,7 +72,7 @@ def test_offload_host_optimizer_is_the_measured_one_thread_rate():
     """--offload's optimizer step is the rank's trainable shard at the host AdamW rate of one thread
     (torchrun's OMP_NUM_THREADS=1), fp32 and bf16 parameters each at their own rate, and those
     rates are the ones benchmarks/plan_options_check.py measured and committed."""
-    from utilities.measure.step_time import HOST_ADAMW_PARAMS_PER_S
+    from utilities.measure.gpu_catalogue import HOST_ADAMW_PARAMS_PER_S
 
     psi = tiny().parameters_total
     for dtype in ("fp32", "bf16"):
@@ -155,7 +156,7 @@ def test_reserved_is_the_allocators_replay_of_the_trackers_step():
     r = p.reserved
     assert r["allocated"] == pytest.approx(p.peak_bytes["total"], rel=0.01)
     assert r["reserved"] >= r["allocated"]
-    assert "reserved (caching allocator" in P.format_plan(p)
+    assert "reserved (caching allocator" in plan_cli.format_plan(p)
 
 
 def test_the_allocator_rounds_splits_and_caches():
@@ -181,10 +182,10 @@ def test_json_max_batch_and_sweep_carry_the_options():
     assert p["options"]["offload"] and p["options"]["grad_accum"] == 2
     assert p["host"]["fits"] and p["reserved"]["reserved"] >= p["reserved"]["allocated"]
     assert any("PCIe" in a for a in p["time"]["assumptions"])
-    best, bp = P.largest_batch(MODEL, 2, 10**9, "full_shard", "bf16", "none", 64, "cpu",
-                               limit=2, options={"lora_rank": 4})
+    best, bp = P.largest_batch(MODEL, 2, 10**9, strategy="full_shard", precision="bf16", ac="none",
+                               seq=64, device_type="cpu", limit=2, options={"lora_rank": 4})
     assert best == 2 and bp.options["lora_rank"] == 4
-    plans = P.sweep(MODEL, gpu_counts=(2, 4), precision="bf16", batch=2, seq=64,
+    plans = plan_sweep.sweep(MODEL, gpu_counts=(2, 4), precision="bf16", batch=2, seq=64,
                     device_type="cpu", options={"param_dtype": "bf16"})
     assert plans and all(p.options["param_dtype"] == "bf16" for p in plans)
 

@@ -87,8 +87,8 @@ def test_the_cli_plans_your_code_with_time_and_max_batch(tmp_path):
     assert "FLOPs per token of the traced forward and backward" in out and "6N" not in out.split(
         "MFU:")[-1].split("bf16")[0]
     assert json.loads(trace.read_text())["traceEvents"]
-    best, p = largest_batch(f"{GPT}:build", 2, 2 * 10**7, "full_shard", "fp32", "none", SEQ, "cpu",
-                            parallelize=f"{GPT}:shard")
+    best, p = largest_batch(f"{GPT}:build", 2, 2 * 10**7, strategy="full_shard", precision="fp32",
+                            ac="none", seq=SEQ, device_type="cpu", parallelize=f"{GPT}:shard")
     assert best >= 1 and p.fits and p.batch == best
     assert not plan(f"{GPT}:build", 2, 2 * 10**7, "full_shard", "fp32", "none", best + 1, SEQ, "cpu",
                     parallelize=f"{GPT}:shard").fits

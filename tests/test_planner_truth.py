@@ -13,7 +13,7 @@ from conftest import cli_here
 from torch import nn
 
 from utilities.errors import UsageError
-from utilities.measure import fake_step
+from utilities.measure import fake_step, plan_cli, plan_sweep
 from utilities.measure import planner as P
 from utilities.models import custom_model_spec, get_model_spec
 from utilities.torch_internals import clear_dtensor_sharding_cache
@@ -189,7 +189,7 @@ def test_a_bare_gpu_memory_number_is_refused():
 
 
 def test_the_table_prints_the_formulas_beside_the_trace():
-    text = P.format_plan(P.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 1, 32, "cpu"))
+    text = plan_cli.format_plan(P.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 1, 32, "cpu"))
     assert "FSDP2 formula" in text and "ZeRO paper" in text and "traced between steps" in text
     assert "GPU memory used" not in text
 
@@ -200,7 +200,8 @@ def test_max_batch_takes_three_traced_steps_on_a_line(monkeypatch):
     base = P.plan("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", 1, 64, "cpu")
     traced = []
 
-    def linear_plan(model, gpus, memory, strategy, precision, ac, batch, *rest, **options):
+    def linear_plan(model, config, memory, **options):
+        batch = config.batch
         traced.append(batch)
         total = 2**30 + 3 * 2**30 * batch
         budget = int(memory * 0.9)
@@ -217,11 +218,12 @@ def test_max_batch_off_the_line_still_finds_the_edge(monkeypatch):
     returns a batch that fits while the next one does not, in a few traced steps."""
     traced = []
     real = P.plan
-    monkeypatch.setattr(P, "plan", lambda *a, **k: traced.append(a[6]) or real(*a, **k))
+    monkeypatch.setattr(P, "plan", lambda *a, **k: traced.append(a[1].batch) or real(*a, **k))
     one, two = (real("llama-tiny", 2, 10**12, "full_shard", "fp32", "none", b, 64, "cpu") for b in (1, 2))
     slope = two.peak_bytes["total"] - one.peak_bytes["total"]
     memory = int((one.peak_bytes["total"] + 6.5 * slope) / 0.9)
-    best, best_plan = P.largest_batch("llama-tiny", 2, memory, "full_shard", "fp32", "none", 64, "cpu")
+    best, best_plan = P.largest_batch("llama-tiny", 2, memory, strategy="full_shard", precision="fp32",
+                                      ac="none", seq=64, device_type="cpu")
     assert best_plan.fits and best_plan.batch == best and len(traced) <= 5
     assert not real("llama-tiny", 2, memory, "full_shard", "fp32", "none", best + 1, 64, "cpu").fits
 
@@ -231,15 +233,15 @@ def test_a_sweep_re_shards_by_arithmetic_exactly(monkeypatch):
     come from arithmetic, which matches a trace of the same count to the byte."""
     traced = []
     real = P.plan
-    monkeypatch.setattr(P, "plan", lambda *a, **k: traced.append(a[1]) or real(*a, **k))
-    plans = P.sweep("llama-tiny", gpu_counts=(2, 4, 8), gpu_memory_bytes=10**12, precision="fp32",
+    monkeypatch.setattr(plan_sweep, "plan", lambda *a, **k: traced.append(a[1]) or real(*a, **k))
+    plans = plan_sweep.sweep("llama-tiny", gpu_counts=(2, 4, 8), gpu_memory_bytes=10**12, precision="fp32",
                     batch=2, seq=64, device_type="cpu")
     assert len(plans) == 9 and len(traced) == 5
     middle = next(p for p in plans if p.strategy == "full_shard" and p.gpus == 4)
     assert middle.method.startswith("re-sharded by arithmetic")
     assert middle.peak_bytes == real("llama-tiny", 4, 10**12, "full_shard", "fp32", "none", 2, 64,
                                      "cpu").peak_bytes
-    text = P.format_sweep(plans)
+    text = plan_cli.format_sweep(plans)
     assert "full_shard" in text and max(len(line) for line in text.splitlines()[1:5]) <= 80
 
 
@@ -297,7 +299,7 @@ def test_a_config_missing_some_sizes_says_which_were_defaulted(tmp_path):
     defaulted = [w for w in p.warnings if "intermediate_size" in w]
     assert len(defaulted) == 1 and "does not give intermediate_size" in defaulted[0]
     assert f"intermediate_size={transformers.Qwen2Config().intermediate_size}" in defaulted[0]
-    assert "warning: " + defaulted[0] in P.format_plan(p)
+    assert "warning: " + defaulted[0] in plan_cli.format_plan(p)
     complete = P.plan(write_config(tmp_path / "all", FAMILIES["qwen2"]), 2, 10**12, "full_shard",
                       "fp32", "none", 1, 16, "cpu")
     assert complete.warnings == []
@@ -352,4 +354,4 @@ def test_a_throughput_is_never_printed_as_0_beside_an_mfu():
     assert rate_text(0.004) == "0.004" and rate_text(12.345) == "12.3" and rate_text(123456) == "123,456"
     time = {"step_s": 250.0, "compute_s": 250.0, "comm_s": 0.0, "exposed_comm_s": 0.0,
             "tokens_per_s_per_gpu": 0.4, "mfu": 0.59, "assumptions": []}
-    assert "tokens/s per GPU 0.4, MFU 59.0%" in P.format_time(time)
+    assert "tokens/s per GPU 0.4, MFU 59.0%" in plan_cli.format_time(time)

@@ -8,34 +8,35 @@ import pytest
 import torch
 
 from utilities.errors import UsageError
+from utilities.measure import cost_model, gpu_catalogue
 from utilities.measure import step_time as st
-from utilities.measure.fake_step import trace
+from utilities.measure.fake_step import StepConfig, trace
 
 SMALL = dict(model="llama-1b", batch=1, seq=2048)  # communication-heavy at 16+ GPUs
 
 
 def test_ring_all_gather_moves_n_minus_1_over_n_of_the_bytes():
-    gpu, eff = st.get_gpu("h100"), st.CALIBRATED
+    gpu, eff = gpu_catalogue.get_gpu("h100"), gpu_catalogue.CALIBRATED
     size = 2**30
     for n in (2, 8):
-        assert st.ring_bytes_per_gpu("all_gather", size, n) == pytest.approx((n - 1) / n * size)
-        assert st.ring_bytes_per_gpu("reduce_scatter", size, n) == pytest.approx((n - 1) / n * size)
-        assert st.ring_bytes_per_gpu("all_reduce", size, n) == pytest.approx(2 * (n - 1) / n * size)
+        assert cost_model.ring_bytes_per_gpu("all_gather", size, n) == pytest.approx((n - 1) / n * size)
+        assert cost_model.ring_bytes_per_gpu("reduce_scatter", size, n) == pytest.approx((n - 1) / n * size)
+        assert cost_model.ring_bytes_per_gpu("all_reduce", size, n) == pytest.approx(2 * (n - 1) / n * size)
         # the time grows by exactly the moved bytes over the link's bandwidth (alpha-beta)
-        one = st.collective_time("all_gather", size, n, gpu, eff, 8, 400)
-        two = st.collective_time("all_gather", 2 * size, n, gpu, eff, 8, 400)
+        one = cost_model.collective_time("all_gather", size, n, gpu, eff, 8, 400)
+        two = cost_model.collective_time("all_gather", 2 * size, n, gpu, eff, 8, 400)
         assert two - one == pytest.approx((n - 1) / n * size / (gpu.link_bytes_per_s * eff.link))
     # across nodes the network sets the pace: 400 Gb/s per GPU is slower than NVLink
-    assert (st.collective_time("all_gather", size, 16, gpu, eff, 8, 400)
-            > st.collective_time("all_gather", size, 8, gpu, eff, 8, 400) * 5)
-    assert st.collective_time("all_gather", size, 1, gpu, eff, 8, 400) == 0
+    assert (cost_model.collective_time("all_gather", size, 16, gpu, eff, 8, 400)
+            > cost_model.collective_time("all_gather", size, 8, gpu, eff, 8, 400) * 5)
+    assert cost_model.collective_time("all_gather", size, 1, gpu, eff, 8, 400) == 0
 
 
 def test_shards_match_the_collectives_fsdp2_issued_in_the_trace():
     """The model's all-gather sizes (per-parameter dim-0 chunks, padded to a multiple of the
     group) are the bytes FSDP2's all-gathers carried in the traced step, unit by unit, in forward
     order; reduce-scatter outputs are one rank's shard. 3 ranks: every dim 0 here needs padding."""
-    prof = trace("llama-tiny", 3, "full_shard", "bf16", "none", 1, 64)
+    prof = trace("llama-tiny", StepConfig(3, "full_shard", "bf16", "none", 1, 64))
     gathers = [(u, b) for op, u, b in prof.collectives if op == "_allgather_base_"]
     expected = [(u.name, u.shard_numel(3) * 3 * 2) for u in prof.units]  # bf16: 2 bytes
     assert gathers[:len(expected)] == expected
@@ -109,7 +110,8 @@ def test_knobs_and_output():
     fp8 = st.estimate_step_time(gpus=8, gpu="h100", compile=True, fp8=True, **SMALL)
     assert fp8.compute_s < compiled.compute_s
 
-    latency = st.collective_time("all_gather", 0, 8, st.get_gpu("h100"), st.CALIBRATED, 8, 400)
+    latency = cost_model.collective_time("all_gather", 0, 8, gpu_catalogue.get_gpu("h100"),
+                                         gpu_catalogue.CALIBRATED, 8, 400)
 
     def block_gathers(t):  # the bandwidth part of the blocks' all-gathers
         ev = [e for e in t.timeline if e.phase == "all_gather" and e.unit != "root"]
@@ -134,7 +136,7 @@ def test_knobs_and_output():
                 dict(backward_prefetch="early"), dict(strategy="full_shard", shard_size=4)):
         with pytest.raises(UsageError):
             st.estimate_step_time(**dict(SMALL, gpus=8, **bad))
-    for g in st.GPUS.values():
+    for g in gpu_catalogue.GPUS.values():
         assert g.source and g.peak_flops["bf16"] > g.peak_flops["fp32"] > 0
 
 
@@ -156,19 +158,19 @@ def test_ring_latency_is_nccls_per_node_boundary_and_tree_at_scale():
     """NCCL's tuning model (src/graph/tuning.cc): a ring pays the network hop latency on the
     nNodes - 1 steps that cross a node boundary, the NVLink one (at least 3 us of network
     overhead) on the others; an all-reduce across many nodes goes by tree when that is faster."""
-    gpu, eff = st.get_gpu("h100"), st.CALIBRATED
+    gpu, eff = gpu_catalogue.get_gpu("h100"), gpu_catalogue.CALIBRATED
     for n in (16, 128, 1024):
         nodes = n // 8
         expected = (eff.base_latency_s + (n - nodes) * max(eff.hop_latency_link_s, eff.net_overhead_s)
                     + (nodes - 1) * eff.hop_latency_network_s)
-        assert st.collective_time("all_gather", 0, n, gpu, eff, 8, 400) == pytest.approx(expected)
+        assert cost_model.collective_time("all_gather", 0, n, gpu, eff, 8, 400) == pytest.approx(expected)
     ring_ar = (eff.base_latency_s + 2 * (1024 - 128) * eff.hop_latency_link_s
                + 2 * 127 * eff.hop_latency_network_s)
-    tree = st.collective_time("all_reduce", 0, 1024, gpu, eff, 8, 400)
+    tree = cost_model.collective_time("all_reduce", 0, 1024, gpu, eff, 8, 400)
     assert tree < ring_ar / 5  # log2(128) network levels instead of 254 steps
     # large messages: the ring's bandwidth (2 (n-1)/n) beats the tree's (2 / 0.92)
     size = 2**30
-    big = st.collective_time("all_reduce", size, 16, gpu, eff, 8, 400)
+    big = cost_model.collective_time("all_reduce", size, 16, gpu, eff, 8, 400)
     bw = 400e9 / 8 * eff.network
     assert big == pytest.approx(eff.base_latency_s + 2 * 14 * eff.hop_latency_link_s
                                 + 2 * 1 * eff.hop_latency_network_s + 2 * 15 / 16 * size / bw)
@@ -180,20 +182,20 @@ def test_ring_latency_is_nccls_per_node_boundary_and_tree_at_scale():
 
 def test_each_gpu_part_has_its_efficiencies_and_says_where_they_come_from():
     for name in ("h100-96gb", "h200", "a100-80gb"):
-        assert name in st.CALIBRATED.per_gpu
-    a100 = st.CALIBRATED.for_gpu("a100-80gb")
+        assert name in gpu_catalogue.CALIBRATED.per_gpu
+    a100 = gpu_catalogue.CALIBRATED.for_gpu("a100-80gb")
     assert a100.link == pytest.approx(240 / 300) and a100.attention == pytest.approx(0.62)
-    assert st.CALIBRATED.for_gpu("a100-40gb") == a100  # extrapolated, and says so
+    assert gpu_catalogue.CALIBRATED.for_gpu("a100-40gb") == a100  # extrapolated, and says so
     notes = st.estimate_step_time(gpus=8, gpu="a100-40gb", **SMALL).assumptions
     assert any("extrapolated" in n and "a100-80gb" in n for n in notes)
-    assert st.CALIBRATED.for_gpu("h100") == st.CALIBRATED
+    assert gpu_catalogue.CALIBRATED.for_gpu("h100") == gpu_catalogue.CALIBRATED
 
 
 def test_each_unit_gets_its_own_compute():
     """Per-unit attribution: identical blocks get identical forward and backward FLOPs, also in
     T5's decoder, whose blocks all take the encoder's output (their backward stays open until its
     gradient is complete); checkpointed blocks recompute their forward in backward."""
-    prof = trace("t5-tiny", 2, "full_shard", "fp32", "every-2nd-block", 2, 32)
+    prof = trace("t5-tiny", StepConfig(2, "full_shard", "fp32", "every-2nd-block", 2, 32))
     flops: dict[tuple[str, str], float] = {}
     for s in prof.segments:
         flops[(s.unit, s.phase)] = flops.get((s.unit, s.phase), 0.0) + float(s.flops.sum())
@@ -232,8 +234,8 @@ def test_committed_check_is_current_and_calibrated_is_the_fit():
                        / "time_model_check.json").read_text())
     assert data["fitted_here"]
     for k, v in data["efficiencies"].items():
-        assert getattr(st.CALIBRATED, k) == pytest.approx(v, rel=MODEL_ARITHMETIC_RTOL), k
-    assert tmc.fitted_params(st.CALIBRATED, data["fitted"]) == data["fitted"]
+        assert getattr(gpu_catalogue.CALIBRATED, k) == pytest.approx(v, rel=MODEL_ARITHMETIC_RTOL), k
+    assert tmc.fitted_params(gpu_catalogue.CALIBRATED, data["fitted"]) == data["fitted"]
     rows = tmc.load_data()["rows"]
     assert [r["id"] for r in data["rows"]] == [r["id"] for r in rows]
     assert data["fit_rows"] == [r["id"] for r in rows if r["role"] == "fit"]
@@ -316,21 +318,22 @@ def test_calibration_twin_measures_saves_and_is_used(tmp_path):
 
     from utilities.measure import calibrate as C
 
-    result = C.measure(st.get_gpu("h100"), torch.device("cpu"),
+    result = C.measure(gpu_catalogue.get_gpu("h100"), torch.device("cpu"),
                        sizes={"matmul": 128, "attention": (1, 2, 64, 16), "memory": 2**16})
     assert set(result["efficiencies"]) == {"matmul", "attention", "memory"}
     assert all(v > 0 for v in result["efficiencies"].values())
-    slow = dict(result, efficiencies={"matmul": st.CALIBRATED.matmul / 2, "attention": 0.35,
-                                      "memory": st.CALIBRATED.memory})
+    slow = dict(result, efficiencies={"matmul": gpu_catalogue.CALIBRATED.matmul / 2, "attention": 0.35,
+                                      "memory": gpu_catalogue.CALIBRATED.memory})
     (tmp_path / "slow.json").write_text(json.dumps(slow))
-    assert C.load_efficiencies(tmp_path / "slow.json").matmul == pytest.approx(st.CALIBRATED.matmul / 2)
+    assert C.load_efficiencies(tmp_path / "slow.json").matmul == pytest.approx(
+        gpu_catalogue.CALIBRATED.matmul / 2)
     # measured on an H200: the H200 takes it as measured, the other parts by their fraction over it
     (tmp_path / "h200.json").write_text(json.dumps(dict(slow, gpu="h200")))
     on_h200 = C.load_efficiencies(tmp_path / "h200.json")
-    h200_tensor = st.CALIBRATED.part("h200")["tensor"]
-    assert on_h200.for_gpu("h200").matmul == pytest.approx(st.CALIBRATED.matmul / 2)
-    assert on_h200.for_gpu("h100").matmul == pytest.approx(st.CALIBRATED.matmul / 2 / h200_tensor)
-    assert on_h200.for_gpu("a100-40gb").attention == st.CALIBRATED.for_gpu("a100-40gb").attention
+    h200_tensor = gpu_catalogue.CALIBRATED.part("h200")["tensor"]
+    assert on_h200.for_gpu("h200").matmul == pytest.approx(gpu_catalogue.CALIBRATED.matmul / 2)
+    assert on_h200.for_gpu("h100").matmul == pytest.approx(gpu_catalogue.CALIBRATED.matmul / 2 / h200_tensor)
+    assert on_h200.for_gpu("a100-40gb").attention == gpu_catalogue.CALIBRATED.for_gpu("a100-40gb").attention
     # --calibrate without --gpu names the part from GPU 0 (the CPU twin: the names torch reports)
     parts = {("NVIDIA H200", 141): "h200", ("NVIDIA H100 80GB HBM3", 79.6): "h100",
              ("NVIDIA H100", 94.5): "h100-96gb", ("NVIDIA A100-SXM4-80GB", 79.2): "a100-80gb",
@@ -392,7 +395,7 @@ def test_trace_slices_carry_the_bytes_and_flops_the_time_model_charged(strategy,
     slices carry the traced segments' FLOPs, bytes and op count (all of them, once), the optimizer
     its 32 bytes per shard parameter."""
     t = st.estimate_step_time("llama-tiny", gpus, strategy, batch=2, seq=64)
-    prof = trace("llama-tiny", 8, "full_shard", "bf16", "none", 2, 64)  # the one node traced
+    prof = trace("llama-tiny", StepConfig(8, "full_shard", "bf16", "none", 2, 64))  # the one node traced
     units = {u.name: u for u in prof.units}
     priced = {"all_gather": lambda u: u.shard_numel(8) * 8 * 2,
               "reduce_scatter": lambda u: u.shard_numel(8) * 8 * 2,
@@ -404,7 +407,8 @@ def test_trace_slices_carry_the_bytes_and_flops_the_time_model_charged(strategy,
     for e in comm:
         a = e["args"]
         assert a["bytes"] > 0 and a["bytes"] == priced[a["phase"]](units[a["unit"]]), e
-        assert a["bytes_per_gpu"] == pytest.approx(st.ring_bytes_per_gpu(a["phase"], a["bytes"], a["gpus"]))
+        assert a["bytes_per_gpu"] == pytest.approx(
+            cost_model.ring_bytes_per_gpu(a["phase"], a["bytes"], a["gpus"]))
     work = [e["args"] for e in slices if e["cat"] == "compute" and e["args"]["phase"] != "optimizer"]
     assert sum(a["flops"] for a in work) == pytest.approx(sum(s.flops.sum() for s in prof.segments))
     assert sum(a["bytes"] for a in work) == pytest.approx(sum(s.nbytes.sum() for s in prof.segments))
@@ -425,10 +429,11 @@ def test_mfu_of_a_frozen_model_counts_the_backward_that_runs():
 
     spec = get_model_spec("llama-8b")
     t = st.estimate_step_time(spec, 8, batch=8, seq=2048, plan_options=PlanOptions(trainable=0.01))
-    convention = t.tokens_per_s_per_gpu * spec.flops_per_token(2048) / st.get_gpu("h100").peak_flops["bf16"]
+    peak = gpu_catalogue.get_gpu("h100").peak_flops["bf16"]
+    convention = t.tokens_per_s_per_gpu * spec.flops_per_token(2048) / peak
     assert convention > 1 > t.mfu > 0.25 * convention
     assert any(a.startswith("MFU counts what runs") for a in t.assumptions)
-    dense = trace("llama-1b", 8, "full_shard", "bf16", "none", 1, 2048)
+    dense = trace("llama-1b", StepConfig(8, "full_shard", "bf16", "none", 1, 2048))
     count, said = st.model_flops_per_token(get_model_spec("llama-1b"), dense, 2048)
     assert count == pytest.approx(get_model_spec("llama-1b").flops_per_token(2048), rel=1e-12)
     assert said == ""
@@ -452,7 +457,7 @@ def test_mfu_of_a_mixture_of_experts_counts_its_active_experts(tmp_path):
     path.write_text(json.dumps(TINY_MOE))
     spec = get_model_spec(str(path))
     seq, c = 64, TINY_MOE
-    prof = trace(spec, 2, "full_shard", "bf16", "none", 2, seq)
+    prof = trace(spec, StepConfig(2, "full_shard", "bf16", "none", 2, seq))
     tokens = 2 * seq
     grouped = sum(float(s.flops[s.kind == st.MATMUL].sum()) for s in prof.segments
                   if s.phase == "forward" and s.unit != "root") / tokens

@@ -183,17 +183,19 @@ def test_plan_tp_shards_states_over_every_gpu_and_splits_activations():
     """``plan --tp``: a 2-D step keeps 16 bytes per parameter over all the GPUs (TP splits, FSDP
     shards the splits), its activations shrink with tp, and the time model charges TP's own
     collectives (traced, inside the group) on the compute lane."""
+    from utilities.measure import plan_cli
     from utilities.measure import planner as P
 
     one, two = (P.plan(MODEL, 4, 80 * 2**30, batch=BATCH, seq=SEQ, tp=tp) for tp in (1, 2))
     assert sum(two.model_states.values()) == pytest.approx(sum(one.model_states.values()), rel=0.02)
     assert two.peak_bytes["activations"] < one.peak_bytes["activations"]
-    assert two.tp == 2 and "across TP groups of 2" in P.format_plan(two)
-    assert "per TP group" in P.format_plan(two) and "per rank" not in P.format_plan(two).splitlines()[0]
+    assert two.tp == 2 and "across TP groups of 2" in plan_cli.format_plan(two)
+    text = plan_cli.format_plan(two)
+    assert "per TP group" in text and "per rank" not in text.splitlines()[0]
     assert any(n.startswith("loss parallel") for n in two.notes)
     whole = P.plan(MODEL, 4, 80 * 2**30, batch=BATCH, seq=SEQ, tp=2, options={"loss_parallel": False})
     assert two.peak_bytes["total"] < whole.peak_bytes["total"]  # the logits split over the vocabulary
-    step = P.predict_time(two, {})
+    step = plan_cli.predict_time(two)
     assert any(e.args.get("tp_comm_s", 0) > 0 for e in step.timeline if e.unit != "root")
     assert any("tensor parallelism: 2 GPUs per group" in a for a in step.assumptions)
 

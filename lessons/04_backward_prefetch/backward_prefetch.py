@@ -41,7 +41,7 @@ from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import NOT_MEASURABLE, world_mesh
 from utilities.errors import positive_int
 from utilities.measure import gathered_parameter_bytes, unsharded_parameter_bytes
-from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
+from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
 from utilities.prefetch import prefetch_plan, profile_steps
 from utilities.results import variant
 from utilities.training import TrainStats

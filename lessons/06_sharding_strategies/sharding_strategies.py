@@ -48,7 +48,7 @@ from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
-from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
+from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
 from utilities.results import variant
 from utilities.training import TrainStats
 from utilities.wrapping import fsdp1_meta_init

@@ -43,7 +43,7 @@ from utilities import Memory_Maximizer
 from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import NOT_MEASURABLE, world_mesh
-from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
+from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
 from utilities.results import peak_range
 from utilities.training import default_step
 from utilities.wrapping import fsdp1_meta_init

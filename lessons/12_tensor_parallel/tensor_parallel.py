@@ -54,14 +54,10 @@ from tp_helpers import ratios_vs_tp1, run_llama, run_mlp
 from utilities import distributed as D
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.errors import UsageError, positive_int
+from utilities.measure.gpu_catalogue import get_gpu
 from utilities.measure.plan_options import PlanOptions
 from utilities.measure.planner import plan
-from utilities.measure.step_time import (
-    add_prediction_arguments,
-    get_gpu,
-    parse_cluster,
-    predict_from_arguments,
-)
+from utilities.measure.predictions import add_prediction_arguments, parse_cluster, predict_from_arguments
 from utilities.measure.tensor_parallel import FeedForward, check_mlp_tensor_parallel, check_tensor_parallel
 from utilities.models import get_model_spec
 

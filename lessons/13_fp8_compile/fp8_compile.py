@@ -48,7 +48,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.fp8 import float8_module_filter, fp8_available, fp8_linear_names
-from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
+from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
 from utilities.models import ModelSpec
 from utilities.precision import default_policy, fsdp2_policy
 from utilities.results import variant

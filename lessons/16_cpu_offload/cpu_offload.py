@@ -43,7 +43,7 @@ from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.measure import fmt_bytes
 from utilities.measure.plan_options import PlanOptions
-from utilities.measure.step_time import add_prediction_arguments, predict_from_arguments
+from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
 from utilities.measure.transfers import count_copies, local_parameter_bytes, placement
 from utilities.models import init_weights
 from utilities.results import variant

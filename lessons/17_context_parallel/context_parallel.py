@@ -60,13 +60,9 @@ from utilities.data import ByteTokenizer
 from utilities.distributed import world_mesh
 from utilities.errors import positive_int
 from utilities.measure import fmt_bytes
+from utilities.measure.gpu_catalogue import get_gpu
 from utilities.measure.planner import plan
-from utilities.measure.step_time import (
-    add_prediction_arguments,
-    get_gpu,
-    parse_cluster,
-    predict_from_arguments,
-)
+from utilities.measure.predictions import add_prediction_arguments, parse_cluster, predict_from_arguments
 from utilities.models import get_model_spec
 from utilities.training import TrainStats, train
 

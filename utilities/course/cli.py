@@ -146,7 +146,7 @@ def _main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, lesson_flags = argv[:cut], argv[cut + 1:]
     if argv[:1] == ["plan"]:
-        from utilities.measure.planner import main as plan_main
+        from utilities.measure.plan_cli import main as plan_main
 
         return plan_main(argv[1:])
     args = _parser().parse_args(argv)

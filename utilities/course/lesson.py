@@ -42,7 +42,7 @@ from utilities.errors import (
     seed_value,
 )
 from utilities.measure.memory import check_batch_fits, is_oom
-from utilities.measure.step_time import check_prediction_arguments
+from utilities.measure.predictions import check_prediction_arguments
 from utilities.models import META_INIT_THRESHOLD, ModelSpec, get_model_spec, init_weights
 from utilities.results import Results, peak_range, table
 from utilities.text import HelpFormatter, wrap_lines
@@ -196,7 +196,7 @@ class Lesson:
                 path = self.results.write(self.out)
                 print("\n" + table(self.results.data), flush=True)
                 if "predicted" in self.results.data:
-                    from utilities.measure.step_time import format_predicted
+                    from utilities.measure.predictions import format_predicted
 
                     print("\n" + format_predicted(self.results.data["predicted"]), flush=True)
                 self.print(f"\ntakeaway: {self.results.data['takeaway']}")

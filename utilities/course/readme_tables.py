@@ -36,7 +36,7 @@ from urllib.parse import quote
 
 from utilities.course.catalog import LESSONS
 from utilities.errors import UsageError
-from utilities.measure.step_time import predicted_batch_text, predicted_rows
+from utilities.measure.predictions import predicted_batch_text, predicted_rows
 from utilities.results import idle_category_notes, markdown_table
 from utilities.results import load as load_results
 from utilities.safe_files import atomic_write_text

@@ -172,17 +172,7 @@ def find_max_batch(
         return trial
 
     def predicted(low: int, high: int) -> int | None:
-        """The batch the last two measured peaks say meets the budget, kept within [low, high]."""
-        measured = [t for t in trials if t.peak_bytes is not None]
-        guessed = sum(t.phase == "predict" for t in trials)  # a curve far from a line: go back
-        if not (predict and budget_bytes is not None and len(measured) >= 2 and guessed < 4):
-            return None
-        a, b = measured[-2:]  # two different batches: the search never tries one twice
-        per_sample = (b.peak_bytes - a.peak_bytes) / (b.batch - a.batch)
-        if per_sample <= 0:
-            return None
-        guess = b.batch + math.floor((budget_bytes - b.peak_bytes) / per_sample)
-        return min(max(guess, low), high)
+        return _predicted_batch(trials, budget_bytes if predict else None, low, high)
 
     good: int | None = None
     bad: int | None = None
@@ -205,16 +195,35 @@ def find_max_batch(
                 good = mid
             else:
                 bad = mid
+    return SearchResult(good, _reason(good, bad, start, limit, trials), trials)
 
+
+def _predicted_batch(trials: list[Trial], budget_bytes: int | None, low: int, high: int
+                     ) -> int | None:
+    """The batch the last two measured peaks say meets the budget, kept within [low, high]; None
+    without a budget (no prediction asked), before two measured peaks, or after four predicted
+    trials (a curve far from a line: back to doubling and halving)."""
+    measured = [t for t in trials if t.peak_bytes is not None]
+    guessed = sum(t.phase == "predict" for t in trials)  # a curve far from a line: go back
+    if not (budget_bytes is not None and len(measured) >= 2 and guessed < 4):
+        return None
+    a, b = measured[-2:]  # two different batches: the search never tries one twice
+    per_sample = (b.peak_bytes - a.peak_bytes) / (b.batch - a.batch)
+    if per_sample <= 0:
+        return None
+    guess = b.batch + math.floor((budget_bytes - b.peak_bytes) / per_sample)
+    return min(max(guess, low), high)
+
+
+def _reason(good: int | None, bad: int | None, start: int, limit: int, trials: list[Trial]) -> str:
+    """Why the search stopped where it did."""
     if good is None:
-        reason = f"even the smallest batch tried ({start}) was not clean: {trials[0].verdict}"
-    elif bad is None:
-        reason = f"every batch up to the limit ({limit}) was clean; raise the limit to search further"
-    else:
-        failed = next(t for t in trials if t.batch == bad)
-        reason = (f"batch {good} is the largest clean batch; batch {bad} was tried and gave "
-                  f"{failed.verdict}")
-    return SearchResult(good, reason, trials)
+        return f"even the smallest batch tried ({start}) was not clean: {trials[0].verdict}"
+    if bad is None:
+        return f"every batch up to the limit ({limit}) was clean; raise the limit to search further"
+    failed = next(t for t in trials if t.batch == bad)
+    return (f"batch {good} is the largest clean batch; batch {bad} was tried and gave "
+            f"{failed.verdict}")
 
 
 def training_trial(batch: int, build: Callable[[], torch.nn.Module],

@@ -102,7 +102,7 @@ def calibrate(gpu_name: str | None, out: str | Path, device: torch.device | None
     """Measure on this machine's GPU 0 and save to ``out``; one line without a GPU. ``gpu_name``:
     the catalogue part measured (default: GPU 0's, ``catalogue_part``; an H100's where the
     catalogue has none)."""
-    from utilities.measure.step_time import get_gpu
+    from utilities.measure.gpu_catalogue import get_gpu
 
     if device is None:
         if not torch.cuda.is_available():
@@ -123,7 +123,7 @@ def calibrate(gpu_name: str | None, out: str | Path, device: torch.device | None
 def load_efficiencies(path: str | Path):
     """The step-time model's efficiencies with a calibration file's measured ones in place."""
     from utilities.json_input import read_json
-    from utilities.measure.step_time import CALIBRATED, with_efficiencies
+    from utilities.measure.gpu_catalogue import CALIBRATED, with_efficiencies
 
     try:
         data = read_json(path)
@@ -146,7 +146,7 @@ def rebased_parts(measured_on: str | None) -> dict[str, dict[str, float]]:
     """``CALIBRATED.per_gpu`` for efficiencies measured on ``measured_on``: that part takes them as
     measured (its own tensor-core fraction is in the measurement); every other part scales them
     by its fraction over the measured part's (its other fields as before)."""
-    from utilities.measure.step_time import CALIBRATED, GPUS
+    from utilities.measure.gpu_catalogue import CALIBRATED, GPUS
 
     parts = {name: CALIBRATED.part(name) for name in GPUS}
     base = parts.get(measured_on, {}).get("tensor", 1.0)
