@@ -109,3 +109,25 @@ def test_op_mode_plans_torchtitans_policy_through_apply_ac(model, same):
     op = activations("op")
     assert (op == activations("selective")) is same
     assert activations("full") < op < activations("none")
+
+
+def test_sharded_gradients_stay_cached_on_the_reduce_scatter_stream():
+    """FSDP2 allocates the reduce-scatter's output, which the sharded gradients are views of, on
+    its reduce-scatter stream, and the reduce-scatter's input on the compute stream: freed by
+    ``zero_grad``, gradient blocks are cached where the next step's activations cannot take
+    them, reduce-scatter inputs where they can. The fake step's trace books the gradients under
+    the category the replay puts on that stream."""
+    from utilities.measure.fake_step import STREAMS, MemoryEvents, trace
+
+    mib = 1 << 20
+
+    def reserved(category):
+        step = [("alloc", "x", 64 * mib, "Temp"), ("ref", "x", 0, category), ("free", "x", 0, None),
+                ("alloc", "act", 64 * mib, "Activation"), ("free", "act", 0, None)]
+        return MemoryEvents(step=step, device_type="cuda").reserved()["reserved"]
+
+    assert reserved("Sharded Grad") == 128 * mib  # a pool of its own
+    assert reserved("Reduce Scatter") == 64 * mib  # the compute stream's blocks, reused
+    events = trace("llama-tiny", 2, "full_shard", "bf16", "none", 2, 64).memory_events
+    booked = {category for kind, _, _, category in events.step if kind in ("alloc", "ref")}
+    assert {"Sharded Grad", "All Gather"} <= booked and set(STREAMS) <= booked
