@@ -111,15 +111,18 @@ ACCELERATE_NOTE = (
     "8x H100 SXM, ~8,000 (bf16) / ~10,000 (fp8) tokens/s/GPU; no memory figure is published. "
     "The parameters stay bf16 only if the launch's mixed precision is 'no' (the README's "
     "`accelerate launch` line, no accelerate config): otherwise fsdp2_prepare_model upcasts "
-    "them to fp32 masters (the param_dtype fp32 row). The plan traces the eager model: the "
-    "activations of 32 uncompiled layers dominate; inductor's partitioner recomputes pointwise "
-    "ops (RMSNorm's fp32 upcast, SiLU x up) in backward instead of saving them, which the "
-    "planner does not model. No double count found: the traced activations are 60 bytes per "
-    "token x hidden per layer, and a hand count of an eager HF Llama layer's saved tensors "
-    "(two RMSNorms ~6 each, q/k/v/out with repeat_kv ~12, MLP gate/silu/up/product ~28) is "
-    "~52-60. If compile saved only the norms' inputs and the MLP's gate and up (a labelled "
-    "estimate, not measured), ~22 of the 60 would go (~22 GiB): the bf16 row would fit the "
-    "budget. The fp32 logits (3.91 GiB) and their log_softmax are inside temporaries. "
+    "them to fp32 masters (the param_dtype fp32 row). The batch reaches the model as the run's "
+    "does: utils.py's collate_fn passes input_ids and labels only (no attention mask, no "
+    "position ids: transformers counts 0..8191, one sequence per row), so its SDPA runs "
+    "is_causal with enable_gqa (K/V of the 8 "
+    "key/value heads), as the planner's fake step now traces it (utilities/measure/hf_masks.py). "
+    "The plan traces the eager model: the activations of 32 uncompiled layers dominate, ~53 "
+    "bytes per token x hidden per layer (~60 while the fake batch carried an all-ones mask, "
+    "which transformers cannot read on fake tensors: K/V repeated to 32 heads and a seq x seq "
+    "mask). Inductor's partitioner recomputes pointwise ops (RMSNorm's fp32 upcast, SiLU x up) "
+    "in backward instead of saving them, which the planner does not model: a compiled run "
+    "holds less than this plan. "
+    "The fp32 logits (3.91 GiB) and their log_softmax are inside temporaries. "
     "Allocated is under the 80 GB; reserved (cached blocks) over it does not mean "
     "an OOM: on a failed cudaMalloc the allocator frees its unused cached blocks and retries.")
 
@@ -261,14 +264,15 @@ def accelerate_and_torchtitan(rows: list) -> None:
     h96 = 96 * 10**9
     got = {}
     for n in (8, 128):
-        p = plan("llama-8b", n, h96, "full_shard", "bf16", "selective", 2, 8192, "cuda")
+        p = plan("llama-8b", n, h96, "full_shard", "bf16", "op", 2, 8192, "cuda")
         got[n] = p
     pub8, drop = 82.4, 15.4
     a8, a128 = (got[n].peak_bytes["total"] / GiB for n in (8, 128))
     r8, r128 = (got[n].reserved["reserved"] / GiB for n in (8, 128))
     rows.append({
         "source": "torchtitan llama3_h100_202412: Llama 3.1 8B, H100 96GB, batch 2 x 8192, "
-                  "selective AC, reserved memory",
+                  "op-level selective AC (llama3_8b.toml: selective_ac_option 'op'; planned "
+                  "--ac op, torchtitan's save list), reserved memory",
         "published_reserved_8_GiB": pub8, "planned_allocated_8_GiB": round(a8, 2),
         "planned_reserved_8_GiB": round(r8, 2), "reserved_ratio_8": ratio(r8, pub8),
         "published_reserved_128_GiB": pub8 - drop, "planned_reserved_128_GiB": round(r128, 2),

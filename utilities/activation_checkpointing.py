@@ -40,7 +40,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from utilities.errors import bad_value
 
 __all__ = ["apply_activation_checkpointing", "apply_op_selective_checkpointing", "block_units",
-           "checkpointed_blocks", "select_blocks", "CheckpointWrapper"]
+           "checkpointed_blocks", "select_blocks", "torchtitan_op_policy", "CheckpointWrapper"]
 
 
 def _blocks(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
@@ -113,16 +113,53 @@ def matmul_saving_policy(adapter_ranks: frozenset[int] = frozenset()):
     return policy
 
 
-def apply_op_selective_checkpointing(model: nn.Module, block_class: type[nn.Module]) -> int:
+def torchtitan_op_policy():
+    """A fresh policy for one block's forward, torchtitan's op-level selective checkpointing as
+    its published Llama 3 runs (``llama3_h100_202412``) applied it: ``_save_list`` and
+    ``_custom_policy`` in torchtitan/parallelisms/parallelize_llama.py (December 2024). The
+    outputs of the ops in its save list are kept, every other op is recomputed in backward:
+    ``aten.mm`` (but not every second one of the block, counted again in the recomputation),
+    flash and memory-efficient attention, the functional reduce-scatter (sequence parallelism's,
+    under TP) and ``abs`` and ``max`` (Float8's scales). ``addmm``, ``bmm`` and cuDNN attention
+    are not in it: recomputed. On a machine without a GPU the fake step's attention is CPU
+    flash attention, CUDA flash attention's stand-in, and is kept as it."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ops = torch.ops
+    save = {ops.aten.mm.default, ops.aten.abs.default, ops.aten.max.default,
+            ops._c10d_functional.reduce_scatter_tensor.default}
+    save |= {getattr(ops.aten, name).default for name in (
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu") if hasattr(ops.aten, name)}
+    mm_count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        phase = "recompute" if ctx.is_recompute else "forward"
+        if op == ops.aten.mm.default:
+            mm_count[phase] += 1
+        keep = op in save and not (op == ops.aten.mm.default and mm_count[phase] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_op_selective_checkpointing(model: nn.Module, block_class: type[nn.Module],
+                                     policy: str = "course") -> int:
     """Op-level selective checkpointing of every ``block_class`` (FSDP2: before ``fully_shard``):
-    each block saves what ``matmul_saving_policy`` keeps and recomputes the rest."""
+    each block saves what its policy keeps and recomputes the rest. ``policy``: "course"
+    (``matmul_saving_policy``, which knows LoRA adapters) or "torchtitan"
+    (``torchtitan_op_policy``, its save list as it is)."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    if policy not in ("course", "torchtitan"):
+        raise bad_value("policy", policy, ("course", "torchtitan"))
     ranks = frozenset(m.lora_a.shape[0] for m in model.modules()
                       if isinstance(getattr(m, "lora_a", None), nn.Parameter))
 
     def contexts():
-        return create_selective_checkpoint_contexts(matmul_saving_policy(ranks))
+        chosen = torchtitan_op_policy() if policy == "torchtitan" else matmul_saving_policy(ranks)
+        return create_selective_checkpoint_contexts(chosen)
 
     chosen = {id(m) for m in _blocks(model, block_class)}
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,

@@ -26,8 +26,9 @@ from torch import nn
 from utilities.errors import bad_value
 
 # activation checkpointing: "selective" is op-level, as in torchtitan (keep matmul and attention
-# outputs, recompute the rest); "every-2nd-block" is block-level (lesson 02's "selective")
-AC_MODES = ("none", "selective", "every-2nd-block", "full")
+# outputs, recompute the rest); "op" is torchtitan's own save list, as it is; "every-2nd-block" is
+# block-level (lesson 02's "selective")
+AC_MODES = ("none", "selective", "op", "every-2nd-block", "full")
 
 
 def apply_ac(model: nn.Module, *, block_class: type[nn.Module], mode: str = "full",
@@ -35,7 +36,8 @@ def apply_ac(model: nn.Module, *, block_class: type[nn.Module], mode: str = "ful
     """Checkpoint the ``block_class`` blocks of ``model`` in place and return the module to shard
     for each block, in forward order (its ``CheckpointWrapper`` where it has one).
 
-    ``mode``: one of ``AC_MODES`` (none; selective: op-level; every-2nd-block; full: every block).
+    ``mode``: one of ``AC_MODES`` (none; selective: op-level; op: op-level by torchtitan's save
+    list, ``torchtitan_op_policy``; every-2nd-block; full: every block).
     ``every``: block-level instead, every ``every``-th block (0: none); it overrides ``mode``."""
     from utilities.activation_checkpointing import (
         apply_activation_checkpointing,
@@ -46,9 +48,10 @@ def apply_ac(model: nn.Module, *, block_class: type[nn.Module], mode: str = "ful
     if every is None:
         if mode not in AC_MODES:
             raise bad_value("--ac", mode, AC_MODES)
-        every = {"none": 0, "full": 1, "every-2nd-block": 2, "selective": None}[mode]
+        every = {"none": 0, "full": 1, "every-2nd-block": 2, "selective": None, "op": None}[mode]
     if every is None:
-        apply_op_selective_checkpointing(model, block_class)
+        apply_op_selective_checkpointing(model, block_class,
+                                         policy="torchtitan" if mode == "op" else "course")
     elif every:
         apply_activation_checkpointing(model, block_class, every=every)
     return block_units(model, block_class)

@@ -14,10 +14,14 @@ default):
   is worth keeping (512 B small, over 1 MiB large); a freed block merges with free neighbours of
   its segment and stays cached: segments are never given back (no ``empty_cache``);
 * one pool per CUDA stream: a block freed on one stream is reused only by requests on that stream
-  (segments belong to the stream that took them). FSDP2 allocates its all-gather outputs on its
-  all-gather stream and its reduce-scatter buffers on its reduce-scatter stream; ``streams``
-  names each allocation's stream (the planner: by the tracker's category, "All Gather" and
-  "Reduce Scatter", everything else on the compute stream);
+  (segments belong to the stream that took them). FSDP2 (``_fsdp_collectives.py``) allocates its
+  all-gather outputs off the compute stream, and the reduce-scatter's output on its
+  reduce-scatter stream: the sharded gradients are views of it ("The RS output is allocated in
+  the RS stream and used in the default stream (for optimizer)"), cached there once
+  ``zero_grad`` frees them; the reduce-scatter's input is allocated on the compute stream before
+  the reduce-scatter stream waits on it. ``streams`` names each allocation's stream (the
+  planner: by the tracker's category, "All Gather" and "Sharded Grad", everything else on the
+  compute stream);
 * the step is replayed twice: the second starts with what the first left cached (the gradient
   blocks ``zero_grad(set_to_none=True)`` freed, the logits', the activations'), as every step
   after the first does; the reserved peak is the larger.

@@ -154,10 +154,12 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
 
 
 def fake_batch(spec, batch: int, seq: int, device: torch.device, mask: bool = True):
-    """The step's batch: token ids and labels (and an attention mask for a course model, unless
-    ``mask`` is False: under CP, whose attention is causal without one), or for a model with its
-    own batch function (``--batch-fn``) the loss of the model as a function of it
-    (``plan_options.step_loss`` takes either)."""
+    """The step's batch: token ids and labels, or for a model with its own batch function
+    (``--batch-fn``) the loss of the model as a function of it (``plan_options.step_loss`` takes
+    either). A transformers decoder gets no attention mask: a real step's all-ones mask is read
+    as unpadded and dropped (SDPA's ``is_causal``, K/V heads not repeated), which a fake mask
+    cannot be, so it would plan a seq x seq mask and repeated K/V the run never holds. A seq2seq
+    or your own model gets an all-ones mask; under CP (``mask`` False) a 4-D one of one byte."""
     make_batch = getattr(spec, "make_batch", None)
     if make_batch is not None:
         from utilities.measure.user_code import user_batch
@@ -174,6 +176,8 @@ def fake_batch(spec, batch: int, seq: int, device: torch.device, mask: bool = Tr
     if spec.is_seq2seq:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                 "labels": torch.randint(0, vocab, (batch, seq), device=device)}
+    if spec.family != "custom":  # transformers' model: no mask, as it runs an unpadded batch
+        return {"input_ids": ids, "labels": ids.clone()}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
@@ -246,6 +250,16 @@ def _unit_states(model, optimizer) -> dict[str, dict[str, int]]:
     return out
 
 
+def _own_batch(spec):
+    """While the planner's own batch runs: one sequence per row, as transformers would read from
+    it (``hf_masks``); a ``--batch-fn`` batch is the user's, read as it is."""
+    if getattr(spec, "make_batch", None) is not None:
+        return contextlib.nullcontext()
+    from utilities.measure.hf_masks import one_sequence_per_row
+
+    return one_sequence_per_row()
+
+
 def _cp_attention(group):
     """Attention under context parallelism over ``group`` (``context_parallel.cp_attention``),
     or nothing without one."""
@@ -286,7 +300,7 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = prepare(spec, strategy, precision, ac, mesh, fake_mode, device, options, tp)
         units, tracker_names, root_name = _unit_infos(model)
-        with fake_mode, _cp_attention(cp_group) as cp_calls:
+        with fake_mode, _cp_attention(cp_group) as cp_calls, _own_batch(spec):
             data = fake_batch(spec, batch, seq // cp, device, mask=cp == 1)
             optimizer = _optimizer_in_place(model, data, device, tp)
             tracker = fsdp_mem_tracker()(model, optimizer)

@@ -119,7 +119,8 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="bf16", help=f"one of {', '.join(PRECISIONS)}")
     parser.add_argument("--ac", default="none",
                         help="activation checkpointing: none; selective (op-level, as torchtitan: "
-                        "keep matmul and attention outputs, recompute the rest); every-2nd-block "
+                        "keep matmul and attention outputs, recompute the rest); op (torchtitan's "
+                        "own save list, as its Llama 3 runs); every-2nd-block "
                         "(block-level, lesson 02's 'selective'); full (every block)")
     parser.add_argument("--batch", default="1",
                         help="per-rank batch size (with --tp: per TP group, whose ranks all run "

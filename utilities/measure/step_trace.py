@@ -80,9 +80,10 @@ class StepTrace:
         return self.memory_events.reserved(without) if self.memory_events else None
 
 
-# FSDP2's own CUDA streams, by the tracker's category of what is allocated on them (the all-gather
-# outputs on the all-gather stream, the reduce-scatter's buffers on its stream); the rest: 0
-STREAMS = {"All Gather": 1, "Reduce Scatter": 2}
+# FSDP2's own CUDA streams, by the tracker's category of what is allocated on them: the
+# all-gather outputs off the compute stream, the reduce-scatter's output on its stream, which the
+# sharded gradients are views of (``allocator``); the rest (the reduce-scatter's input too): 0
+STREAMS = {"All Gather": 1, "Sharded Grad": 2}
 
 
 @dataclass
