@@ -117,7 +117,8 @@ def test_sharded_gradients_stay_cached_on_the_reduce_scatter_stream():
     ``zero_grad``, gradient blocks are cached where the next step's activations cannot take
     them, reduce-scatter inputs where they can. The fake step's trace books the gradients under
     the category the replay puts on that stream."""
-    from utilities.measure.fake_step import STREAMS, MemoryEvents, trace
+    from utilities.measure.fake_step import trace
+    from utilities.measure.step_trace import STREAMS, MemoryEvents
 
     mib = 1 << 20
 
