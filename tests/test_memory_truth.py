@@ -117,7 +117,7 @@ def test_sharded_gradients_stay_cached_on_the_reduce_scatter_stream():
     ``zero_grad``, gradient blocks are cached where the next step's activations cannot take
     them, reduce-scatter inputs where they can. The fake step's trace books the gradients under
     the category the replay puts on that stream."""
-    from utilities.measure.fake_step import trace
+    from utilities.measure.fake_step import StepConfig, trace
     from utilities.measure.step_trace import STREAMS, MemoryEvents
 
     mib = 1 << 20
@@ -129,6 +129,6 @@ def test_sharded_gradients_stay_cached_on_the_reduce_scatter_stream():
 
     assert reserved("Sharded Grad") == 128 * mib  # a pool of its own
     assert reserved("Reduce Scatter") == 64 * mib  # the compute stream's blocks, reused
-    events = trace("llama-tiny", 2, "full_shard", "bf16", "none", 2, 64).memory_events
+    events = trace("llama-tiny", StepConfig(2, "full_shard", "bf16", "none", 2, 64)).memory_events
     booked = {category for kind, _, _, category in events.step if kind in ("alloc", "ref")}
     assert {"Sharded Grad", "All Gather"} <= booked and set(STREAMS) <= booked
