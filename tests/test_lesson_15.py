@@ -139,3 +139,20 @@ def test_bad_flags_are_one_line():
 def test_lesson_help_explains_every_flag():
     assert_help_lists("15", ("--variants", "--bf16-steps", "--bf16-lr", "--micro-batches",
                              "--hang-timeout", "--fail-steps"))
+
+
+def test_the_readmes_8b_reserved_figures_are_the_committed_check():
+    """The README's 8B reserved-vs-allocated example quotes benchmarks/results/plan_options_check.json
+    (its torchtitan row at 8 GPUs), so a re-made check cannot leave the prose behind."""
+    import json
+    import re
+
+    from conftest import REPO
+
+    rows = json.loads((REPO / "benchmarks/results/plan_options_check.json").read_text())["rows"]
+    row = next(r for r in rows if "planned_reserved_8_GiB" in r)
+    text = (REPO / "lessons/15_when_fsdp_goes_wrong/README.md").read_text()
+    said = re.search(r"Llama 3.1 8B: ([\d.]+) GiB reserved planned vs ([\d.]+) allocated", text)
+    assert said, "the README's 8B example moved: update this test"
+    assert float(said.group(1)) == pytest.approx(row["planned_reserved_8_GiB"], abs=0.01)
+    assert float(said.group(2)) == pytest.approx(row["planned_allocated_8_GiB"], abs=0.01)
