@@ -144,7 +144,8 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
     if yours is not None:  # the user's own sharding function (utilities.measure.user_code)
         from utilities.measure.user_code import call_parallelize
 
-        call_parallelize(yours, model, mesh, device, spec.name.rpartition(" sharded by ")[2])
+        call_parallelize(yours, model, mesh, device, spec.name.rpartition(" sharded by ")[2],
+                         mp_policy=fsdp2_policy(precision))
     else:
         parallelize_model(model, block_class=block, mesh=mesh, ac=ac, loss_parallel=options.loss_parallel,
                           mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))

@@ -2,9 +2,17 @@
 
 ``add_prediction_arguments`` gives a lesson ``--predict-on 2x8xh100``, ``--predict-model`` and
 ``--predict-batch``; ``predict_from_arguments`` / ``predict_variants`` time each variant's knobs
-with ``estimate_step_time`` (one trace serves them all) into the lesson's ``predicted`` block;
-``predicted_rows`` / ``format_predicted`` print it and ``draw_timelines`` draws its lanes.
-A prediction, not a measurement: the block says so.
+with ``estimate_step_time`` into the lesson's ``predicted`` block; ``predicted_rows`` /
+``format_predicted`` print it and ``draw_timelines`` draws its lanes. A prediction, not a
+measurement: the block says so.
+
+A variant's knobs may carry ``parallelize``: the lesson's own FSDP2 wrap function,
+``fn(model, *, mesh, world_size, device, mp_policy)`` taking what it needs
+(``utilities.measure.user_code``). Its step is traced from the model that function shards, not
+from the course's sequence; the other knobs stay the time model's (``strategy`` names the schedule
+of the ``fully_shard`` arguments the function passes). A variant without one (FSDP1, DDP: the
+planner traces FSDP2 only) is traced as the course's FSDP2 sequence, from its knobs. Each row's
+``traced`` says which.
 """
 
 from __future__ import annotations
@@ -111,11 +119,17 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
     seq = seq or get_model_spec(model).default_seq_len
     rows = []
     for name, knobs in variants.items():
+        knobs = dict(knobs)
+        wrap = knobs.pop("parallelize", None)
         kw = {"precision": precision, "ac": ac, "batch": batch, "seq": seq, **knobs}
-        t = estimate_step_time(model, cluster.gpus, gpu=cluster.gpu,
+        traced, traced_text = model, COURSE_SEQUENCE
+        if wrap is not None:
+            traced, traced_text = own_wrap_spec(model, wrap, name, kw)
+        t = estimate_step_time(traced, cluster.gpus, gpu=cluster.gpu,
                                gpus_per_node=cluster.gpus_per_node,
                                network_gbps=cluster.network_gbps, **kw)
-        rows.append({"name": name, **({"batch": knobs["batch"]} if "batch" in knobs else {}),
+        rows.append({"name": name, "traced": traced_text,
+                     **({"batch": knobs["batch"]} if "batch" in knobs else {}),
                      "step_s": t.step_s, "compute_s": t.compute_s, "comm_s": t.comm_s,
                      "exposed_comm_s": t.exposed_comm_s,
                      "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "mfu": t.mfu,
@@ -124,6 +138,47 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
                     "not measured", "cluster": cluster.describe(), "gpus": cluster.gpus,
             "model": getattr(model, "name", model), "precision": precision, "ac": ac,
             "batch": batch, "seq": seq, "variants": rows}
+
+
+COURSE_SEQUENCE = ("the course's FSDP2 sequence (utilities.parallelize), from the variant's knobs: "
+                   "not the lesson's own code (the planner traces FSDP2 only)")
+
+
+def wrap_text(fn: Any) -> str:
+    """How a row names the lesson's wrap function: its file and name, with a ``functools.partial``'s
+    arguments (``sharding_strategies.py:shard_fsdp2(block_class=T5Block, ...)``)."""
+    from utilities.measure.user_code import _name_of
+
+    base = getattr(fn, "func", fn)
+    code = getattr(base, "__code__", None)
+    text = _name_of(fn, None)
+    if code is None:
+        return text
+    return text.replace(f"{base.__module__}.", f"{os.path.basename(code.co_filename)}:", 1)
+
+
+def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any]) -> tuple[Any, str]:
+    """The spec that traces variant ``name`` through the lesson's own wrap function ``wrap``, and
+    the row's ``traced`` text. One line for a knob the function decides itself, so the model cannot
+    take it from the knobs: activation checkpointing, offload and reshard_after_forward (what it
+    passes ``fully_shard``), DDP's no_shard (not FSDP2); and for a function that cannot be given
+    the prediction's mixed precision (it takes no ``mp_policy``)."""
+    from utilities.measure.user_code import resolve_spec, takes_keyword
+
+    text = wrap_text(wrap)
+    where = f"with the lesson's own wrap function {text} (variant {name})"
+    if kw["ac"] != "none":
+        raise bad_value("ac", kw["ac"], f"none {where}: the function checkpoints what it checkpoints")
+    if kw.get("strategy", "full_shard") == "no_shard":
+        raise bad_value("strategy", "no_shard", f"an FSDP2 strategy {where}: DDP is not fully_shard")
+    options = kw.get("plan_options")
+    if options is not None and (options.offload or options.reshard_after_forward is not None):
+        raise bad_value("plan_options", "offload/reshard_after_forward",
+                        f"neither {where}: it passes fully_shard what it passes")
+    if kw["precision"] != "fp32" and not takes_keyword(wrap, "mp_policy"):
+        raise bad_value("parallelize", text, f"a function that takes mp_policy (the prediction's "
+                        f"{kw['precision']} policy) for variant {name}, or precision fp32")
+    return resolve_spec(model, parallelize=wrap), f"the lesson's own {text}"
 
 
 def predicted_rows(block: dict[str, Any]) -> list[list[str]]:

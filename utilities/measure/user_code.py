@@ -13,13 +13,15 @@ imported; only a file named on the command line (or a function handed to ``plan`
 * ``--batch-fn FILE.py:FUNCTION`` for any other forward: ``FUNCTION(batch, seq)`` returns
   ``(inputs, loss_fn)``: ``inputs`` a dict (``model(**inputs)``) or a tuple (``model(*inputs)``),
   ``loss_fn(output)`` the scalar loss. It runs on fake tensors, so it allocates nothing either.
-* ``--parallelize FILE.py:FUNCTION``: ``FUNCTION(model, *, mesh, world_size, device)`` shards the
-  model in place (``fully_shard`` its units and its root, checkpoint, split...) as your training
-  script does; it may leave out any of the keywords it does not need (``fn(model)`` alone can call
-  ``utilities.distributed.world_mesh()``). ``mesh``: the planned world's DeviceMesh (1-D over
-  ``--gpus`` ranks; with ``--strategy hybrid_shard`` 2-D ("replicate", "shard"); with ``--tp`` 2-D
-  ("dp", "tp")). It runs on the fake process group at the planned world size, so everything
-  ``plan`` reports comes from the model it made.
+* ``--parallelize FILE.py:FUNCTION``: ``FUNCTION(model, *, mesh, world_size, device, mp_policy)``
+  shards the model in place (``fully_shard`` its units and its root, checkpoint, split...) as your
+  training script does; it may leave out any of the keywords it does not need (``fn(model)`` alone
+  can call ``utilities.distributed.world_mesh()``). ``mesh``: the planned world's DeviceMesh (1-D
+  over ``--gpus`` ranks; with ``--strategy hybrid_shard`` 2-D ("replicate", "shard"); with ``--tp``
+  2-D ("dp", "tp")); ``mp_policy``: the ``MixedPrecisionPolicy`` of the planned ``--precision``
+  (``utilities.precision.fsdp2_policy``), for a function that passes ``fully_shard`` one. It runs
+  on the fake process group at the planned world size, so everything ``plan`` reports comes from
+  the model it made.
 
 A model the course does not know is traced whole (no depth scaling), and its step time counts the
 FLOPs of the traced matmuls and attention (no 6N formula it cannot know).
@@ -44,7 +46,7 @@ from utilities.errors import UsageError, bad_value
 from utilities.models import ModelSpec, get_model_spec
 
 FUNCTION_REF = re.compile(r"^(?P<file>.+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
-PARALLELIZE_KEYWORDS = ("mesh", "world_size", "device")
+PARALLELIZE_KEYWORDS = ("mesh", "world_size", "device", "mp_policy")
 FORWARD_CONVENTION = ("a forward(input_ids, labels) that returns the loss or an output with .loss "
                       "(Hugging Face's convention), or --batch-fn FILE.py:FUNCTION returning "
                       "(inputs, loss_fn)")
@@ -283,19 +285,23 @@ def planned_spec(name: Any) -> ModelSpec:
     return get_model_spec(name)
 
 
-def call_parallelize(fn: Callable[..., Any], model: nn.Module, mesh, device: torch.device,
-                     name: str) -> None:
-    """``fn(model, mesh=..., world_size=..., device=...)``, passing the keywords it takes; one line
-    when it raises, or leaves the root unsharded."""
-    from torch.distributed.fsdp import FSDPModule
-
+def takes_keyword(fn: Callable[..., Any], keyword: str) -> bool:
+    """``fn`` takes ``keyword`` by name (or any keyword, through ``**kwargs``)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        params = {}
-    every = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    offered = {"mesh": mesh, "world_size": mesh.size(), "device": device}
-    kwargs = {k: v for k, v in offered.items() if every or k in params}
+        return False
+    return keyword in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def call_parallelize(fn: Callable[..., Any], model: nn.Module, mesh, device: torch.device,
+                     name: str, mp_policy: Any = None) -> None:
+    """``fn(model, mesh=..., world_size=..., device=..., mp_policy=...)``, passing the keywords it
+    takes; one line when it raises, or leaves the root unsharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    offered = {"mesh": mesh, "world_size": mesh.size(), "device": device, "mp_policy": mp_policy}
+    kwargs = {k: v for k, v in offered.items() if v is not None and takes_keyword(fn, k)}
     from utilities.distributed import run_device
 
     try:
@@ -306,7 +312,7 @@ def call_parallelize(fn: Callable[..., Any], model: nn.Module, mesh, device: tor
     except Exception as e:
         raise UsageError(f"--parallelize {name} is not allowed: it raised {type(e).__name__}: "
                          f"{_first_line(e)}; allowed: a function fn(model, *, mesh, world_size, "
-                         "device) that shards the model in place") from None
+                         "device, mp_policy) that shards the model in place") from None
     if not isinstance(model, FSDPModule):
         raise UsageError(f"--parallelize {name} is not allowed: it left the model's root without "
                          "fully_shard; allowed: a function that ends with fully_shard(model, ...) "
