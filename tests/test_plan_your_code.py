@@ -132,3 +132,52 @@ def test_an_op_fake_tensors_cannot_run_is_named(tmp_path):
         "def build():\n    return M()\n")
     with pytest.raises(UsageError, match=r"aten\.\w+.*cannot run on fake tensors"):
         plan(f"{user}:build", 2, 10**12, "full_shard", "fp32", "none", 1, 8, "cpu")
+
+
+def test_a_lessons_prediction_traces_the_lessons_own_wrap_function():
+    """A variant's ``parallelize`` (lesson 06's ``shard_fsdp2``, behind a spy) is what the cluster
+    prediction traces: it gets the model, the planned mesh and the prediction's bf16 policy, and
+    its row names it; a variant without one is the course's sequence from its knobs. Where the
+    lesson's function shards as the course's sequence does, the time is the same (within 1%)."""
+    import torch
+
+    from utilities.measure.predictions import Cluster, predict_variants
+
+    lesson = lesson_module("06")
+    block = get_model_spec("llama-tiny").block_class()
+    calls = []
+
+    def spy(model, *, mesh, mp_policy):
+        calls.append((mesh.size(), mp_policy.param_dtype))
+        lesson.shard_fsdp2(model, block, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy)
+
+    predicted = predict_variants("llama-tiny", Cluster(1, 2, "h100"),
+                                 {"own": {"parallelize": spy}, "knobs": {}}, batch=2, seq=64)
+    assert calls and set(calls) == {(2, torch.bfloat16)}
+    own, knobs = predicted["variants"]
+    assert own["traced"].startswith("the lesson's own test_plan_your_code.py:") and "spy" in own["traced"]
+    assert "utilities.parallelize" in knobs["traced"]
+    assert own["step_s"] == pytest.approx(knobs["step_s"], rel=0.01)
+
+
+@pytest.mark.parametrize("ac, strategy, takes_policy, said", [
+    ("selective", "full_shard", True, "ac 'selective' is not allowed"),
+    ("none", "no_shard", True, "strategy 'no_shard' is not allowed"),
+    ("none", "full_shard", False, "a function that takes mp_policy"),
+])
+def test_a_knob_the_lessons_function_decides_is_refused_in_one_line(ac, strategy, takes_policy, said):
+    """Activation checkpointing, DDP, and bf16 for a function that cannot be given its policy:
+    the lesson's function decides them, so a knob saying otherwise is one line, never ignored."""
+    from utilities.measure.predictions import Cluster, predict_variants
+
+    def with_policy(model, *, mesh, mp_policy):
+        raise AssertionError("refused before the trace")
+
+    def without_policy(model, *, mesh):
+        raise AssertionError("refused before the trace")
+
+    wrap = with_policy if takes_policy else without_policy
+    with pytest.raises(UsageError) as e:
+        predict_variants("llama-tiny", Cluster(1, 2, "h100"),
+                         {"v": {"parallelize": wrap, "strategy": strategy}}, ac=ac, batch=2, seq=64)
+    assert said in str(e.value) and "\n" not in str(e.value)
