@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import ShardingStrategy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -48,7 +48,8 @@ from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.errors import positive_float, positive_int
 from utilities.measure import fmt_bytes, unsharded_parameter_bytes
-from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
+from utilities.measure.predictions import add_prediction_arguments, parse_cluster, predict_from_arguments
+from utilities.models import get_model_spec
 from utilities.results import variant
 from utilities.training import TrainStats
 from utilities.wrapping import fsdp1_meta_init
@@ -63,7 +64,8 @@ def hsdp_mesh(device_type: str, replicate: int, shard: int) -> DeviceMesh:
 
 
 def shard_fsdp2(model: nn.Module, block_class: type[nn.Module], mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | int | None = None) -> nn.Module:
+                reshard_after_forward: bool | int | None = None,
+                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """FSDP2 names the strategy with two arguments of ``fully_shard``, on each block and the root:
 
         reshard_after_forward=True    FULL_SHARD: free a block's gathered weights after its forward
@@ -72,8 +74,12 @@ def shard_fsdp2(model: nn.Module, block_class: type[nn.Module], mesh: DeviceMesh
         mesh=2-D (replicate, shard)   HYBRID_SHARD
         None                          fully_shard's default: True, but the root keeps its weights
                                       (backward starts with it; older torch, 2.6, reshards it too)
+
+    ``mp_policy``: none in the lesson's runs (fp32); its cluster prediction passes bf16's.
     """
     options = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
     for module in model.modules():
         if isinstance(module, block_class):
             fully_shard(module, mesh=mesh, **options)
@@ -210,12 +216,27 @@ def capacity(lesson: Lesson, args: argparse.Namespace, replicate: int) -> None:
                      f"{row['largest_model'] / 1e9:6.2f} B parameters")
 
 
-def predicted_knobs(name: str) -> dict:
+def predicted_knobs(name: str, block_class: type[nn.Module], gpus_per_node: int) -> dict:
     """Each variant as the step-time model's strategy (FSDP1 and FSDP2 alike: same collectives);
-    an int reshard_after_forward re-gathers within a node in backward, modelled as full_shard."""
-    strategy = VARIANTS[name][1]
-    return dict(strategy={"ddp": "no_shard", "reshard_to": "full_shard"}.get(strategy, strategy),
-                limit_all_gathers=VARIANTS[name][0] == "fsdp1")
+    an FSDP2 variant is traced through ``shard_fsdp2`` itself, as the variant calls it (its int
+    reshard_after_forward: one node's ranks, re-gathered within a node, timed as full_shard)."""
+    api, strategy = VARIANTS[name]
+    knobs = dict(strategy={"ddp": "no_shard", "reshard_to": "full_shard"}.get(strategy, strategy),
+                 limit_all_gathers=api == "fsdp1")
+    if api == "fsdp2":
+        reshard = {"full_shard": True, "shard_grad_op": False, "reshard_to": gpus_per_node}.get(strategy)
+        knobs["parallelize"] = functools.partial(shard_fsdp2, block_class=block_class,
+                                                 reshard_after_forward=reshard)
+    return knobs
+
+
+def prediction(args: argparse.Namespace) -> dict | None:
+    """The variants predicted on ``--predict-on`` (``predict_from_arguments``)."""
+    if args.predict_on == "none":
+        return None
+    block = get_model_spec(args.predict_model).block_class()
+    per_node = parse_cluster(args.predict_on).gpus_per_node
+    return predict_from_arguments(args, {n: predicted_knobs(n, block, per_node) for n in args.variants})
 
 
 def takeaway(results: dict) -> str:
@@ -228,7 +249,7 @@ def takeaway(results: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    predicted = predict_from_arguments(args, {n: predicted_knobs(n) for n in args.variants})
+    predicted = prediction(args)
     with Lesson("06", args, needs_ranks="bytes per rank falling with the number of ranks",
                 notes=NOTES, cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         lesson.results.columns("strategy", "resident_bytes_per_rank", "peak_unsharded_parameter_bytes",
