@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import BackwardPrefetch, fully_shard
+from torch.distributed.fsdp import BackwardPrefetch, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -42,6 +42,7 @@ from utilities.distributed import NOT_MEASURABLE, world_mesh
 from utilities.errors import positive_int
 from utilities.measure import gathered_parameter_bytes, unsharded_parameter_bytes
 from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
+from utilities.models import get_model_spec
 from utilities.prefetch import prefetch_plan, profile_steps
 from utilities.results import variant
 from utilities.training import TrainStats
@@ -49,15 +50,18 @@ from utilities.wrapping import fsdp1_meta_init
 
 
 # -- FSDP2: prefetching is implicit; explicit lists reach further ahead ----------------------------
-def shard_blocks(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
+def shard_blocks(model: nn.Module, block_class: type[nn.Module],
+                 mp_policy: MixedPrecisionPolicy | None = None) -> list[nn.Module]:
     """``fully_shard`` every block, then the root; return the blocks in forward order, the order
     prefetch lists speak of. With nothing more, FSDP2 prefetches implicitly: one block ahead in
-    forward, and in backward the block that ran before in forward (BACKWARD_PRE-like)."""
+    forward, and in backward the block that ran before in forward (BACKWARD_PRE-like).
+    ``mp_policy``: none in the lesson's runs (fp32); its cluster prediction passes bf16's."""
     blocks = [m for m in model.modules() if isinstance(m, block_class)]  # T5: encoder, then decoder
     mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     return blocks
 
 
@@ -73,6 +77,15 @@ def prefetch_ahead(blocks: list[nn.Module], depth: int) -> None:
             block.set_modules_to_forward_prefetch(next_in_forward)
         if next_in_backward:
             block.set_modules_to_backward_prefetch(next_in_backward)
+
+
+def shard_fsdp2(model: nn.Module, block_class: type[nn.Module], depth: int | None,
+                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """An FSDP2 variant: the blocks and the root sharded, then (``depth``) the explicit lists."""
+    blocks = shard_blocks(model, block_class, mp_policy)
+    if depth:
+        prefetch_ahead(blocks, depth)
+    return model
 
 
 # -- FSDP1: prefetching is two constructor options -------------------------------------------------
@@ -107,15 +120,18 @@ CPU_NOTE = ("CPU run: gloo runs each collective synchronously on the calling thr
             "a profiler trace per variant.")
 
 
-def predicted_knobs(name: str, depth: int) -> dict:
+def predicted_knobs(name: str, depth: int, block_class: type[nn.Module]) -> dict:
     """Each variant as the step-time model's schedule knobs (FSDP1's limit_all_gathers is on by
-    default, as in the lesson's FSDP1 runs)."""
+    default, as in the lesson's FSDP1 runs); an FSDP2 variant is traced through ``shard_fsdp2``
+    itself, its ``prefetch`` the schedule of the lists that function registers."""
     fsdp1 = {"fsdp1-no-prefetch": "none", "fsdp1-backward-post": "backward_post",
              "fsdp1-backward-pre": "backward_pre", "fsdp1-pre+forward": "backward_pre"}
     if name in fsdp1:
         return dict(backward_prefetch=fsdp1[name], limit_all_gathers=True,
                     forward_prefetch=1 if name == "fsdp1-pre+forward" else None)
-    return dict(prefetch=depth if FSDP2_VARIANTS[name] else 1)
+    explicit = depth if FSDP2_VARIANTS[name] else None
+    return dict(prefetch=explicit or 1, parallelize=functools.partial(
+        shard_fsdp2, block_class=block_class, depth=explicit))
 
 
 def build(lesson: Lesson, depth: int, name: str) -> nn.Module:
@@ -123,11 +139,7 @@ def build(lesson: Lesson, depth: int, name: str) -> nn.Module:
     block = lesson.spec.block_class()
     if name in FSDP1_VARIANTS:
         return wrap_fsdp1(lesson.build_model(), block, lesson.device, **FSDP1_VARIANTS[name])
-    model = lesson.build_model()
-    blocks = shard_blocks(model, block)
-    if FSDP2_VARIANTS[name]:
-        prefetch_ahead(blocks, depth)
-    return model
+    return shard_fsdp2(lesson.build_model(), block, depth if FSDP2_VARIANTS[name] else None)
 
 
 def describe(lesson: Lesson, args: argparse.Namespace, name: str, model: nn.Module,
@@ -197,8 +209,11 @@ def takeaway(results: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    knobs = {name: predicted_knobs(name, args.prefetch_depth) for name in args.variants}
-    predicted = predict_from_arguments(args, knobs)
+    predicted = None
+    if args.predict_on != "none":
+        block = get_model_spec(args.predict_model).block_class()
+        predicted = predict_from_arguments(args, {name: predicted_knobs(name, args.prefetch_depth, block)
+                                                  for name in args.variants})
     with Lesson("04", args, settings=dict(prefetch_depth=args.prefetch_depth), notes=NOTES,
                 cpu_note=CPU_NOTE, needs_ranks="prefetching (overlap of all-gathers with compute)",
                 takeaway=takeaway) as lesson:
