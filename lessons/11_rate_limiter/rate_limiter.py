@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
@@ -44,6 +44,7 @@ from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import NOT_MEASURABLE, world_mesh
 from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
+from utilities.models import get_model_spec
 from utilities.results import peak_range
 from utilities.training import default_step
 from utilities.wrapping import fsdp1_meta_init
@@ -64,16 +65,19 @@ def wrap_fsdp1(model: nn.Module, block_class: type[nn.Module], device: torch.dev
 
 
 # -- FSDP2: no such knob ---------------------------------------------------------------------------
-def wrap_fsdp2(model: nn.Module, block_class: type[nn.Module]) -> nn.Module:
+def wrap_fsdp2(model: nn.Module, block_class: type[nn.Module],
+               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Nothing to set: FSDP2 has no limit_all_gathers. Each all-gather's output buffer is allocated
     on the all-gather stream and freed by the copy-out into the parameters, and the next gather is
     ordered after that free, so about two are in flight by construction. What stays gathered after
-    a block's forward is ``reshard_after_forward`` (lesson 06), not a rate limit."""
+    a block's forward is ``reshard_after_forward`` (lesson 06), not a rate limit. ``mp_policy``:
+    none in the lesson's runs (fp32); its cluster prediction passes bf16's."""
     mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for module in model.modules():
         if isinstance(module, block_class):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     return model
 
 
@@ -149,13 +153,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse(argv)
 
 
-def predicted_knobs(name: str) -> dict:
+def predicted_knobs(name: str, block_class: type[nn.Module]) -> dict:
     """Each variant as the step-time model's schedule: FSDP1 with or without the limiter (FSDP1's
-    default BACKWARD_PRE), FSDP2's one-ahead prefetch. The model has no CPU side, so it shows when
-    all-gathers may be issued, not the limiter's cost in host synchronizations."""
+    default BACKWARD_PRE), FSDP2's one-ahead prefetch, traced through ``wrap_fsdp2`` itself. The
+    model has no CPU side, so it shows when all-gathers may be issued, not the limiter's cost in
+    host synchronizations."""
     limit = VARIANTS[name]
     if limit is None:
-        return dict(prefetch=1)
+        return dict(prefetch=1, parallelize=functools.partial(wrap_fsdp2, block_class=block_class))
     return dict(backward_prefetch="backward_pre", limit_all_gathers=limit)
 
 
@@ -165,7 +170,10 @@ def takeaway(results: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    predicted = predict_from_arguments(args, {n: predicted_knobs(n) for n in args.variants})
+    predicted = None
+    if args.predict_on != "none":
+        block = get_model_spec(args.predict_model).block_class()
+        predicted = predict_from_arguments(args, {n: predicted_knobs(n, block) for n in args.variants})
     with Lesson("11", args, needs_ranks="the rate limiter (all-gathers in flight)", notes=NOTES,
                 cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         lesson.results.columns("limit_all_gathers", "max_reserved_gb", "cuda_malloc_retries")
