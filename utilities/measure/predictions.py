@@ -147,11 +147,11 @@ COURSE_SEQUENCE = ("the course's FSDP2 sequence (utilities.parallelize), from th
 def wrap_text(fn: Any) -> str:
     """How a row names the lesson's wrap function: its file and name, with a ``functools.partial``'s
     arguments (``sharding_strategies.py:shard_fsdp2(block_class=T5Block, ...)``)."""
-    from utilities.measure.user_code import _name_of
+    from utilities.measure.user_code import function_name
 
     base = getattr(fn, "func", fn)
     code = getattr(base, "__code__", None)
-    text = _name_of(fn, None)
+    text = function_name(fn, None)
     if code is None:
         return text
     return text.replace(f"{base.__module__}.", f"{os.path.basename(code.co_filename)}:", 1)

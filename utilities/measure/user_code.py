@@ -117,7 +117,7 @@ def _first_line(e: BaseException) -> str:
     return text[0][:200] if text else type(e).__name__
 
 
-def _name_of(fn: Callable[..., Any], ref: str | None) -> str:
+def function_name(fn: Callable[..., Any], ref: str | None) -> str:
     """How a plan names a function: its ``FILE.py:FUNCTION``, else ``module.qualname`` (a
     ``functools.partial`` with its arguments' names)."""
     if ref:
@@ -173,7 +173,7 @@ def _repeated_block(model: nn.Module) -> type[nn.Module] | None:
 def builder_spec(builder: Callable[[], Any], ref: str | None = None,
                  batch_fn: Callable[..., Any] | None = None) -> PlannedSpec:
     """The spec of a model your ``builder`` makes (built once on meta to check and count it)."""
-    name = _name_of(builder, ref)
+    name = function_name(builder, ref)
     model = build_user_model(builder, name)
     if batch_fn is None and not _takes_hf_batch(model):
         raise UsageError(f"--model {name} is not allowed: {type(model).__name__}.forward does not "
@@ -216,7 +216,7 @@ def resolve_spec(model: Any, parallelize: Any = None, batch_fn: Any = None) -> M
     else:
         spec = get_model_spec(model)
         if batch_fn is not None:
-            raise bad_value("--batch-fn", batch_ref or _name_of(batch_fn, None),
+            raise bad_value("--batch-fn", batch_ref or function_name(batch_fn, None),
                             "only with --model FILE.py:FUNCTION (a course model's batch is its own)")
     if parallelize is None:
         if getattr(spec, "parallelize", None) is not None:  # already the user's
@@ -227,7 +227,7 @@ def resolve_spec(model: Any, parallelize: Any = None, batch_fn: Any = None) -> M
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelSpec)}
     if isinstance(spec, PlannedSpec):
         fields.update(make_batch=spec.make_batch, flops_from_trace=spec.flops_from_trace)
-    name = f"{spec.name} sharded by {_name_of(parallelize, par_ref)}"
+    name = f"{spec.name} sharded by {function_name(parallelize, par_ref)}"
     fields["name"] = name
     planned = _REGISTRY.get(name)
     if not (isinstance(planned, PlannedSpec) and planned.parallelize is parallelize
