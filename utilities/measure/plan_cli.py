@@ -190,7 +190,7 @@ def _add_option_arguments(parser: argparse.ArgumentParser) -> None:
                         "bf16, no fp32 masters: half the state, lost small updates)")
     parser.add_argument("--parallelize", default=None, metavar="FILE.py:FUNCTION",
                         help="plan your own sharding function, FUNCTION(model, *, mesh, "
-                        "world_size, device) in your FILE.py (imported as `python FILE.py` would; "
+                        "world_size, device, mp_policy) in your FILE.py (imported as `python FILE.py` would; "
                         "its module level runs), instead of the course's: it shards the model "
                         "as your training script does, on the fake process group of --gpus ranks")
     parser.add_argument("--batch-fn", default=None, metavar="FILE.py:FUNCTION",

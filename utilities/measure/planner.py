@@ -190,7 +190,7 @@ def plan(model, gpus: int | StepConfig, gpu_memory_bytes: int, *step: Any, paral
 
     Your own code (``utilities.measure.user_code``): ``model`` may be a function that builds an
     ``nn.Module`` (or ``"FILE.py:FUNCTION"``); ``parallelize`` your sharding function
-    ``fn(model, *, mesh, world_size, device)``, traced instead of the course's sequence;
+    ``fn(model, *, mesh, world_size, device, mp_policy)``, traced instead of the course's sequence;
     ``batch_fn`` ``fn(batch, seq) -> (inputs, loss_fn)`` for a forward that does not follow
     Hugging Face's convention.
 
