@@ -160,14 +160,18 @@ def test_a_lessons_prediction_traces_the_lessons_own_wrap_function():
     assert own["step_s"] == pytest.approx(knobs["step_s"], rel=0.01)
 
 
-@pytest.mark.parametrize("ac, strategy, takes_policy, said", [
-    ("selective", "full_shard", True, "ac 'selective' is not allowed"),
-    ("none", "no_shard", True, "strategy 'no_shard' is not allowed"),
-    ("none", "full_shard", False, "a function that takes mp_policy"),
+@pytest.mark.parametrize("ac, strategy, takes_policy, offload, said", [
+    ("selective", "full_shard", True, False, "ac 'selective' is not allowed"),
+    ("none", "no_shard", True, False, "strategy 'no_shard' is not allowed"),
+    ("none", "full_shard", False, False, "a function that takes mp_policy"),
+    ("none", "full_shard", True, True, "would count twice"),
 ])
-def test_a_knob_the_lessons_function_decides_is_refused_in_one_line(ac, strategy, takes_policy, said):
-    """Activation checkpointing, DDP, and bf16 for a function that cannot be given its policy:
-    the lesson's function decides them, so a knob saying otherwise is one line, never ignored."""
+def test_a_knob_the_lessons_function_decides_is_refused_in_one_line(ac, strategy, takes_policy,
+                                                                      offload, said):
+    """Activation checkpointing, DDP, offload, and bf16 for a function that cannot be given its
+    policy: the lesson's function decides them, so a knob saying otherwise is one line, never
+    ignored."""
+    from utilities.measure.plan_options import PlanOptions
     from utilities.measure.predictions import Cluster, predict_variants
 
     def with_policy(model, *, mesh, mp_policy):
@@ -179,5 +183,6 @@ def test_a_knob_the_lessons_function_decides_is_refused_in_one_line(ac, strategy
     wrap = with_policy if takes_policy else without_policy
     with pytest.raises(UsageError) as e:
         predict_variants("llama-tiny", Cluster(1, 2, "h100"),
-                         {"v": {"parallelize": wrap, "strategy": strategy}}, ac=ac, batch=2, seq=64)
+                         {"v": {"parallelize": wrap, "strategy": strategy,
+                                "plan_options": PlanOptions(offload=offload)}}, ac=ac, batch=2, seq=64)
     assert said in str(e.value) and "\n" not in str(e.value)

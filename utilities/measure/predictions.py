@@ -174,7 +174,8 @@ def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any]) -> tuple
     options = kw.get("plan_options")
     if options is not None and (options.offload or options.reshard_after_forward is not None):
         raise bad_value("plan_options", "offload/reshard_after_forward",
-                        f"neither {where}: it passes fully_shard what it passes")
+                        f"neither {where}: it passes fully_shard what it passes, and the time "
+                        "model adds an offload's copies itself (traced too, they would count twice)")
     if kw["precision"] != "fp32" and not takes_keyword(wrap, "mp_policy"):
         raise bad_value("parallelize", text, f"a function that takes mp_policy (the prediction's "
                         f"{kw['precision']} policy) for variant {name}, or precision fp32")
