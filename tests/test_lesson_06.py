@@ -160,3 +160,27 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     from conftest import assert_readme_table_is_reproduced
 
     assert_readme_table_is_reproduced("06", results)
+
+
+def test_the_prediction_prose_quotes_the_committed_prediction():
+    """The prose under the predicted table quotes its rows (full_shard's and DDP's communication,
+    their ratio, HSDP's) and the time model's fitted per-unit cost, so a re-made prediction or a
+    re-fit cannot leave it behind."""
+    import json
+    import re
+
+    from conftest import REPO
+
+    from utilities.measure.gpu_catalogue import CALIBRATED
+
+    folder = REPO / "lessons/06_sharding_strategies"
+    rows = {v["name"]: v for v in json.loads((folder / "predicted_2x8xh100.json").read_text())["variants"]}
+    text = " ".join((folder / "README.md").read_text().split())
+    said = re.search(r"full_shard communicates ([\d.]+)x DDP's time \((\d+) vs (\d+) ms", text)
+    assert said, "the README's prose moved: update this test"
+    comm = {name: rows[name]["comm_s"] * 1e3 for name in ("fsdp2-reshard-true", "ddp", "fsdp2-hsdp")}
+    assert float(said.group(2)) == pytest.approx(comm["fsdp2-reshard-true"], abs=0.5)
+    assert float(said.group(3)) == pytest.approx(comm["ddp"], abs=0.5)
+    assert float(said.group(1)) == pytest.approx(comm["fsdp2-reshard-true"] / comm["ddp"], abs=0.005)
+    assert f"across the two ({comm['fsdp2-hsdp']:.0f} ms)" in text
+    assert f"fitted {CALIBRATED.unit_overhead_s * 1e3:.2f} ms per unit and pass" in text
