@@ -208,3 +208,23 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     from conftest import assert_readme_table_is_reproduced
 
     assert_readme_table_is_reproduced("04", results)
+
+
+def test_the_prose_quotes_the_committed_prediction():
+    """"The model predicts N% ... and M% over no prefetch" is BACKWARD_PRE's step against
+    BACKWARD_POST's and against no prefetch, in the committed prediction, so a re-made prediction
+    cannot leave the prose behind."""
+    import json
+    import re
+
+    from conftest import REPO
+
+    folder = REPO / "lessons/04_backward_prefetch"
+    predicted = json.loads((folder / "predicted_2x8xh100.json").read_text())
+    step = {v["name"]: v["step_s"] for v in predicted["variants"]}
+    text = " ".join((folder / "README.md").read_text().split())
+    said = re.search(r"The model predicts (\d+)% for .*? and (\d+)% over no prefetch", text)
+    assert said, "the README's prose moved: update this test"
+    pre = step["fsdp1-backward-pre"]
+    assert int(said.group(1)) == round(100 * (step["fsdp1-backward-post"] / pre - 1))
+    assert int(said.group(2)) == round(100 * (step["fsdp1-no-prefetch"] / pre - 1))
