@@ -220,3 +220,21 @@ def test_the_lessons_apply_llama_tp_places_every_weight_as_the_library_does(worl
                       for m in (ours, theirs)]
         assert placements[0] == placements[1]
         assert sum(v is not None for v in placements[0].values()) >= 7 * len(ours.model.layers)
+
+
+def test_the_prediction_prose_quotes_the_committed_tp_collectives():
+    """"about 23, 61 and 138 ms a step at tp 2, 4 and 8" is the sum of the timelines' tp_comm_s
+    in the committed prediction, so a re-made prediction cannot leave the prose behind."""
+    import json
+    import re
+
+    from conftest import REPO
+
+    folder = REPO / "lessons/12_tensor_parallel"
+    rows = {v["name"]: v for v in json.loads((folder / "predicted_1x8xh100.json").read_text())["variants"]}
+    text = " ".join((folder / "README.md").read_text().split())
+    said = re.search(r"about (\d+), (\d+) and (\d+) ms a step at tp 2, 4 and 8", text)
+    assert said, "the README's prose moved: update this test"
+    for quoted, name in zip(said.groups(), ("2d-tp2", "2d-tp4", "2d-tp8")):
+        ms = 1e3 * sum(e.get("args", {}).get("tp_comm_s", 0) for e in rows[name]["timeline"])
+        assert abs(int(quoted) - ms) <= 0.6, name

@@ -236,3 +236,26 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     """The README's tables are rendered from results_cpu.json and results_cpu_4ranks.json; the
     quick run reproduces the committed 2-rank run's work, bytes, losses and memory."""
     assert_readme_table_is_reproduced("17", results)
+
+
+def test_the_prediction_prose_quotes_the_committed_prediction():
+    """The prose under the predicted table: CP 1's peak less the sharded states it names (the
+    activations and logits), and CP's exposed collectives per step from the timelines, so a
+    re-made prediction cannot leave it behind."""
+    import json
+    import re
+
+    from conftest import REPO
+
+    folder = REPO / "lessons/17_context_parallel"
+    rows = {v["name"]: v for v in json.loads((folder / "predicted_1x8xh100.json").read_text())["variants"]}
+    text = " ".join((folder / "README.md").read_text().split())
+    said = re.search(r"\((\d+) GiB here\); .*? \(about (\d+) GiB with selective", text)
+    assert said, "the README's prose moved: update this test"
+    rest = rows["fsdp-only"]["peak_bytes"] / 2**30 - int(said.group(1))
+    assert abs(rest - int(said.group(2))) <= 1
+    cp = re.search(r"about ([\d.]+), ([\d.]+) and ([\d.]+) s a step at CP 2, 4 and 8", text)
+    assert cp, "the README's prose moved: update this test"
+    for quoted, name in zip(cp.groups(), ("fsdp-cp2", "fsdp-cp4", "fsdp-cp8")):
+        seconds = sum(e.get("args", {}).get("cp_comm_s", 0) for e in rows[name]["timeline"])
+        assert float(quoted) == pytest.approx(seconds, abs=0.006), name
