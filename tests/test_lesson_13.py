@@ -238,3 +238,27 @@ def test_readme_table_is_reproduced_by_the_quick_run(results):
     from conftest import assert_readme_table_is_reproduced
 
     assert_readme_table_is_reproduced("13", results)
+
+
+def test_the_prose_quotes_the_committed_prediction_against_torchtitan():
+    """"off by eager X%, compiled Y%, fp8-compiled Z%" and the compile and Float8 effects are the
+    committed prediction against torchtitan's published tokens/s, so a re-made prediction or a
+    re-fit cannot leave the prose behind."""
+    import json
+    import re
+
+    from conftest import REPO
+
+    folder = REPO / "lessons/13_fp8_compile"
+    predicted = json.loads((folder / "predicted_1x8xh100-96gb.json").read_text())
+    ran = {v["name"]: v["tokens_per_s_per_gpu"] for v in predicted["variants"]}
+    published = {"eager": 5762, "compiled": 6667, "fp8-compiled": 8532}
+    text = " ".join((folder / "README.md").read_text().split())
+    pattern = (r"off by eager ([-+][\d.]+)%, compiled ([-+][\d.]+)%, fp8-compiled ([-+][\d.]+)%, "
+               r"and its effects are compile x([\d.]+) \(published x[\d.]+\) and Float8 x([\d.]+)")
+    said = re.search(pattern, text)
+    assert said, "the README's prose moved: update this test"
+    for quoted, name in zip(said.groups()[:3], published):
+        assert float(quoted) == pytest.approx(100 * (ran[name] / published[name] - 1), abs=0.06), name
+    assert float(said.group(4)) == pytest.approx(ran["compiled"] / ran["eager"], abs=0.006)
+    assert float(said.group(5)) == pytest.approx(ran["fp8-compiled"] / ran["compiled"], abs=0.006)
