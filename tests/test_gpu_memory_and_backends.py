@@ -336,7 +336,7 @@ def test_lesson_14_pins_the_gpu_before_planning(monkeypatch):
     order = []
     monkeypatch.setattr(lesson, "pin_cuda_device", lambda: order.append("pin"))
 
-    def plans(args):
+    def plans(args, predict):
         order.append("plan")
         raise KeyboardInterrupt  # stop before the lesson joins a process group
 
