@@ -527,8 +527,10 @@ def test_lesson_13_fp8_compiled_runs_where_fp8_is_available(monkeypatch, tmp_pat
     records no skip, and takes its speed-up and FP8 crossover from the rows."""
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # what the lesson sets on import
     lesson = lesson_module("13")
+    import fp8_compile_run  # the lesson's driver, beside it: it asks whether FP8 can run
+
     fake = FakeTorchao(monkeypatch)
-    monkeypatch.setattr(lesson, "fp8_available", lambda device: (True, "faked"))
+    monkeypatch.setattr(fp8_compile_run, "fp8_available", lambda device: (True, "faked"))
     no_rendezvous_env(monkeypatch)
     out = tmp_path / "run13"
     args = lesson.parse_args(["--device", "cpu", "--hidden", "64", "--layers", "1", "--steps", "3",

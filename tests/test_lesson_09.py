@@ -236,14 +236,15 @@ def test_pretrained_that_is_truncated_hostile_or_not_weights_is_one_line(tmp_pat
 
     good = tmp_path / "good.pt"
     torch.save({"w": torch.zeros(2)}, good)
-    assert fine_tuning.pretrained_state(Quiet, argparse.Namespace(pretrained=str(good)))["w"].shape == (2,)
+    state = fine_tuning.pretrained_state(Quiet, argparse.Namespace(pretrained=str(good)), None)
+    assert state["w"].shape == (2,)
     (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:200])
     torch.save({"w": Touch()}, tmp_path / "hostile.pt")
     torch.save([torch.zeros(2)], tmp_path / "list.pt")
     for name, says in (("cut.pt", "not readable"), ("hostile.pt", "asks to run code"),
                        ("list.pt", "not a state dict")):
         with pytest.raises(UsageError, match=says) as e:
-            fine_tuning.pretrained_state(Quiet, argparse.Namespace(pretrained=str(tmp_path / name)))
+            fine_tuning.pretrained_state(Quiet, argparse.Namespace(pretrained=str(tmp_path / name)), None)
         assert "\n" not in str(e.value)
     assert not (tmp_path / "ran").exists()
 

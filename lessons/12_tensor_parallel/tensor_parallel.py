@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
@@ -49,7 +50,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from tp_helpers import ratios_vs_tp1, run_llama, run_mlp
+from tp_helpers import CPU_NOTE, NOTES, TOLERANCE, VARIANTS, run_variants, takeaway
 
 from utilities import distributed as D
 from utilities.course.lesson import Lesson, lesson_parser
@@ -58,7 +59,7 @@ from utilities.measure.gpu_catalogue import get_gpu
 from utilities.measure.plan_options import PlanOptions
 from utilities.measure.planner import plan
 from utilities.measure.predictions import add_prediction_arguments, parse_cluster, predict_from_arguments
-from utilities.measure.tensor_parallel import FeedForward, check_mlp_tensor_parallel, check_tensor_parallel
+from utilities.measure.tensor_parallel import FeedForward, check_tensor_parallel
 from utilities.models import get_model_spec
 
 
@@ -142,31 +143,7 @@ def apply_2d(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-# -- the lesson's variants -----------------------------------------------------------------------
-# name: (kind, dp size or None for "whatever is left", tp size)
-VARIANTS = {
-    "tp1-mlp": ("mlp", None, 1),
-    "tp2-mlp": ("mlp", None, 2),
-    "tp4-mlp": ("mlp", None, 4),
-    "tp1-llama": ("llama", 1, 1),
-    "tp2-llama": ("llama", 1, 2),
-    "tp2-llama-sp": ("llama-sp", 1, 2),
-    "dp1xtp2-2d": ("2d", 1, 2),
-    "dp2xtp2-2d": ("2d", 2, 2),
-}
-TOLERANCE = 1e-5  # fp32: splitting a matmul only reorders its sums
-NOTES = (
-    f"max_abs_diff_vs_unsplit: largest |difference| of outputs and gradients from the unsplit model "
-    f"on the same batch (fp32; expected below {TOLERANCE:g}).",
-    "split weights: q/k/v/o and gate/up/down of every block (MLP: w1/w2/w3); embeddings, norms and "
-    "the LM head are replicated on every TP rank, except with -sp, where the embedding and the head "
-    "are split too (norms stay whole: they are tiny; their activations are what SP shards).",
-    "published (Lightning TP docs, FeedForward(8192, 8192), peak per GPU): 4.04 / 2.03 / 1.02 / "
-    "0.60 GB on 1 / 2 / 4 / 8 GPUs.",
-)
-CPU_NOTE = "CPU run: memory from torch.distributed._tools trackers; step times on gloo are only indicative."
-
-# -- the prediction on a cluster ---------------------------------------------------------------------
+# -- the lesson run: the variants (tp_helpers.py), and the prediction on a cluster ------------
 PREDICT_MODEL, PREDICT_BATCH, PREDICT_SEQ, PREDICT_ON = "llama-8b", 1, 2048, "1x8xh100"
 PREDICT_AC = "selective"  # op-level selective checkpointing, as torchtitan's 8B runs
 PREDICT_TP = (1, 2, 4, 8)
@@ -245,69 +222,11 @@ def parse_args(argv=None):
     return args
 
 
-def fits(kind: str, dp: int | None, tp: int, world: int) -> bool:
-    """tpN-mlp needs a multiple of N ranks, tp1-llama any number, the others exactly dp x tp."""
-    if kind == "mlp":
-        return world % tp == 0
-    if tp == 1 and kind == "llama":
-        return True
-    return dp * tp == world
-
-
-def parallelize(kind: str, tp: int, mesh: DeviceMesh | None):
-    """The variant's split as a function of the model (None: the unsplit baseline)."""
-    if tp == 1 and kind != "2d":
-        return None
-    if kind == "mlp":
-        return lambda model: apply_mlp_tp(model, mesh["tp"])
-    if kind == "2d":
-        return lambda model: apply_2d(model, mesh)
-    return lambda model: apply_llama_tp(model, mesh["tp"], sequence_parallel=kind == "llama-sp")
-
-
-def takeaway(results: dict) -> str:
-    """The lesson's point, from what the run measured (printed last)."""
-    worst = max(v.get("max_abs_diff_vs_unsplit") or 0 for v in results["variants"])
-    return f"tensor parallel computes what the unsplit model does (max |diff| {worst:.1e})"
-
-
 def main(args) -> None:
     predicted = predict(args)  # rank 0, before the group: the model traces on a fake group of its own
     with Lesson("12", args, settings={"tolerance": TOLERANCE}, notes=(*NOTES, PREDICT_NOTE),
                 cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
-        if lesson.spec.family != "llama":
-            raise UsageError(f"--model {lesson.spec.name!r} is not allowed: this lesson splits Llama "
-                             "attention heads; allowed: llama-tiny, llama-1b, llama-8b")
-        world = lesson.dist.world_size
-        dim = args.mlp_dim or (8192 if lesson.device.type == "cuda" and not args.quick
-                               else 512 if args.quick else 1024)
-        hidden = args.mlp_hidden or dim
-        lesson.results.setting(mlp_dim=dim, mlp_hidden=hidden)
-        lesson.results.columns("tp_size", "dp_size", "max_abs_diff_vs_unsplit", "weight_bytes_per_rank",
-                               "peak_ratio_vs_tp1", "split_weight_bytes_per_rank")
-        skipped = [n for n in args.variants if not fits(*VARIANTS[n], world)]
-        meshes: dict[int, DeviceMesh] = {}  # one (world // tp, tp) mesh per tp size, made once
-        for name in (n for n in args.variants if n not in skipped):
-            kind, dp, tp = VARIANTS[name]
-            dp = dp or world // tp
-            if kind == "mlp":
-                check_mlp_tensor_parallel(hidden, tp)
-            elif tp > 1:
-                check_tensor_parallel(lesson.spec.config(), tp, sequence_parallel=kind == "llama-sp")
-            if (tp > 1 or kind == "2d") and tp not in meshes:
-                meshes[tp] = mesh_2d(lesson.device.type, world // tp, tp)
-            mesh = meshes.get(tp)
-            with lesson.variant(name):  # everything the variant made is freed before the next one
-                if kind == "mlp":
-                    stats, row = run_mlp(lesson, name, parallelize(kind, tp, mesh), dim, hidden)
-                else:
-                    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
-                    stats, row = run_llama(lesson, name, parallelize(kind, tp, mesh), dp, dp_rank)
-                lesson.results.add(name, stats, kind=kind, tp_size=tp, dp_size=dp, **row)
-                del stats
-        lesson.results.extend_variants(ratios_vs_tp1(lesson.results.data["variants"]))
-        if skipped:
-            lesson.results.note(f"skipped (need another number of ranks than {world}): {', '.join(skipped)}")
+        run_variants(lesson, args, SimpleNamespace(**globals()))  # the functions above, for the driver
         lesson.results.predicted(predicted)
 
 

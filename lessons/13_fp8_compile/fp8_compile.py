@@ -29,10 +29,10 @@ Run: fsdp-course run 13 [--quick]   or   fsdp-course run 13 -- --hidden 1024,204
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 # Compile in this process rather than in a pool of workers: two ranks on a small machine each
 # forking a compile pool oversubscribe it (and were seen to abort once in five runs on 2 cores).
@@ -40,18 +40,23 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-import torch
-from fp8_helpers import compare, first_step_seconds, flops_per_token, report_crossovers, width_spec
+from fp8_compile_run import (
+    COMPILE_NOTE,
+    GPU_LAYERS,
+    GPU_WIDTHS,
+    VARIANTS,
+    hidden_list,
+    run_settings,
+    run_variants,
+    takeaway,
+)
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
-from utilities.fp8 import float8_module_filter, fp8_available, fp8_linear_names
+from utilities.fp8 import float8_module_filter, fp8_linear_names
 from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
-from utilities.models import ModelSpec
-from utilities.precision import default_policy, fsdp2_policy
-from utilities.results import variant
 
 
 # -- the code this lesson teaches: convert -> shard -> compile, in that order ---------------------
@@ -111,31 +116,7 @@ def precompute_fp8_scales(model: nn.Module) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-# -- the lesson's variants -----------------------------------------------------------------------
-VARIANTS = ("eager", "compiled", "fp8-compiled")
-GPU_WIDTHS = (1024, 2048, 4096)  # FP8 lost at 1024 on an H100; the sweep finds where it starts to pay
-GPU_LAYERS = 4             # enough blocks to see per-block compile reuse, small enough for 1 GPU
-GPU_SEQ_LEN = 2048
-COMPILE_NOTE = ("compile_s: first step of the compiled variant minus eager's first step; all timed "
-                "steps come after it (tokens/s excludes compilation).")
-
-
-def hidden_list(text: str) -> list[int]:
-    """``--hidden 1024,4096``: model widths, each a multiple of 64 (64-wide heads or wider)."""
-    out = []
-    for part in text.split(","):
-        try:
-            h = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{part!r} is not an integer; allowed: comma-separated multiples of 64 >= 64") from None
-        if h < 64 or h % 64:
-            raise argparse.ArgumentTypeError(
-                f"{h} is not allowed; allowed: comma-separated multiples of 64 >= 64")
-        out.append(h)
-    return out
-
-
+# -- the lesson run: the variants (fp8_compile_run.py), and the prediction on a cluster -------
 def parse_args(argv=None):
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
@@ -166,82 +147,15 @@ PREDICTED_KNOBS = {"eager": {}, "compiled": dict(compile=True), "fp8-compiled": 
 PREDICTED_SEQ, PREDICTED_AC = 8192, "selective"
 
 
-def takeaway(results: dict) -> str:
-    """The lesson's point, from what the run measured (printed last)."""
-    eager, compiled = variant(results, "eager"), variant(results, "compiled")
-    diff = max(abs(a - b) for a, b in zip(eager["losses"], compiled["losses"]))
-    return f"compiled trains as eager does (losses within {diff:.1e})"
-
-
 def main(args) -> None:
     predicted = predict_from_arguments(args, {n: PREDICTED_KNOBS[n] for n in args.variants},
                                    ac=PREDICTED_AC, seq=PREDICTED_SEQ)
-    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    widths = args.hidden or (list(GPU_WIDTHS) if on_gpu and not args.quick else None)
-    if widths and on_gpu and args.seq_len is None:
-        args.seq_len = GPU_SEQ_LEN
-    # bf16 on CPU too: the part of the lesson a laptop can run
-    precision = args.precision if args.precision != "auto" else default_policy()[0] if on_gpu else "bf16"
-    fp8_ok, fp8_reason = fp8_available("cuda" if on_gpu else "cpu")
-    shows = ("inductor's fused CPU kernels" if args.compile_backend == "inductor" else
-             f"the {args.compile_backend} backend (graph capture, no generated kernels)")
-    cpu_note = (f"CPU run in {precision}: compiled vs eager shows {shows}, not the GPU picture; FP8 "
-                "needs a Hopper/Ada GPU (sm_89+).")
-
-    with Lesson("13", args, settings=dict(precision=precision, widths=widths,
+    run = run_settings(args)
+    with Lesson("13", args, settings=dict(precision=run.precision, widths=run.widths,
                                           compile_backend=args.compile_backend),
-                notes=(COMPILE_NOTE,), cpu_note=cpu_note, takeaway=takeaway) as lesson:
-        lesson.results.columns("first_step_s", "compile_s", "speedup_vs_eager", "speedup_vs_compiled",
-                               "compiled_blocks", "fp8_linears")
-        block = lesson.spec.block_class()
-        specs = [width_spec(h, args.layers or GPU_LAYERS, lesson.seq_len) for h in widths] if widths \
-            else [lesson.spec]
-        names = [n for n in args.variants if n != "fp8-compiled" or fp8_ok]
-        if len(names) < len(args.variants):
-            label = lambda spec: f"fp8-compiled-h{spec.config().hidden_size}" if widths else "fp8-compiled"
-            lesson.print(f"  fp8-compiled skipped: {fp8_reason}")
-            lesson.results.note(f"fp8-compiled skipped: {fp8_reason}")
-            for spec in specs:
-                lesson.results.skipped(label(spec), fp8_reason)
-        warm = lesson.data(seed_offset=1000)  # the compile step uses its own batch, not the timed data
-        for spec in specs:
-            for name in names:
-                run_variant(lesson, spec, name, block, precision, warm, widths is not None)
-        lesson.results.extend_variants(compare(lesson.results.data["variants"]))
-        if widths and lesson.results.data["variants"]:  # the widest model names the run
-            widest = max(specs, key=lambda s: s.config().hidden_size)
-            lesson.results.run_model(widest.name,
-                                     max(v["parameters"] for v in lesson.results.data["variants"]))
-        if widths:  # where FP8 (and compile) start to pay, from the sweep's rows
-            report_crossovers(lesson, args.variants, None if fp8_ok else fp8_reason)
+                notes=(COMPILE_NOTE,), cpu_note=run.cpu_note, takeaway=takeaway) as lesson:
+        run_variants(lesson, run, SimpleNamespace(**globals()))  # the functions above, for the driver
         lesson.results.predicted(predicted)
-
-
-def run_variant(lesson, spec: ModelSpec, name: str, block: type[nn.Module], precision: str, warm,
-                by_width: bool) -> None:
-    """Build one variant (convert -> shard -> compile), time its compile step, train it, record it;
-    its model and its compiled code are gone before the next one."""
-    label = f"{name}-h{spec.config().hidden_size}" if by_width else name  # compiled-h1024, ...
-    with lesson.variant(label):
-        lesson.seed()
-        model = spec.build(device=lesson.device)
-        params = sum(p.numel() for p in model.parameters())
-        extra = dict(variant=name, precision=precision, hidden=spec.config().hidden_size,
-                     parameters=params)
-        if name != "fp8-compiled":
-            extra["fp8_linears_if_converted"] = len(fp8_linear_names(model, float8_module_filter()))
-        extra.update(parallelize(model, name, block, fsdp2_policy(precision), lesson.args.compile_backend))
-        optimizer = lesson.optimizer(model)
-        if name == "fp8-compiled":
-            optimizer.register_step_post_hook(lambda *_, m=model: precompute_fp8_scales(m))
-        torch._dynamo.reset()  # so compile cost is measured from scratch for each variant
-        extra["first_step_s"] = round(first_step_seconds(model, next(warm), lesson.device), 3)
-        lesson.print(f"  {label}: first forward+backward (compile included) {extra['first_step_s']:.2f}s")
-        stats = lesson.train(model, label, optimizer=optimizer,
-                             flops_per_token=flops_per_token(spec, params, lesson.seq_len))
-        lesson.results.add(label, stats, **extra)
-        del model, optimizer, stats
-        torch._dynamo.reset()  # compiled code of this variant goes too
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ Run: fsdp-course run 17 [--quick]   or   torchrun --nproc-per-node 2 context_par
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -41,30 +41,17 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from cp_helpers import (
-    TinyLlama,
-    attention_inputs,
-    endless,
-    largest_difference,
-    local_slice,
-    per_rank,
-    reference_attention,
-    reverse_batches,
-    token_loss_sum,
-    train_unsplit,
-)
+from context_parallel_run import CPU_NOTE, LOSS_TOLERANCE, NOTES, TOLERANCE, VARIANTS, run_variants, takeaway
+from cp_helpers import TinyLlama
 
 from utilities import distributed as D
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.data import ByteTokenizer
-from utilities.distributed import world_mesh
 from utilities.errors import positive_int
-from utilities.measure import fmt_bytes
 from utilities.measure.gpu_catalogue import get_gpu
 from utilities.measure.planner import plan
 from utilities.measure.predictions import add_prediction_arguments, parse_cluster, predict_from_arguments
 from utilities.models import get_model_spec
-from utilities.training import TrainStats, train
 
 VOCAB = ByteTokenizer.vocab_size  # the reversal task's tokens
 
@@ -246,108 +233,7 @@ def torch_cp_missing(device: torch.device, dist_info: D.DistInfo) -> str | None:
     return None
 
 
-# -- the lesson's variants ----------------------------------------------------------------------------
-VARIANTS = ("ring-contiguous", "ring-balanced", "torch-cp", "fsdp-cp1", "fsdp-cp2", "fsdp-cp4")
-TOLERANCE = 1e-5  # fp32: the ring only reorders the softmax's sums
-LOSS_TOLERANCE = 1e-4  # fp32, a few AdamW steps: the same sums in another order, carried on
-HEADS, HEAD_DIM = 4, 32
-NOTES = (
-    f"max_abs_diff: largest |difference| over every rank of the output and the gradients "
-    f"dq, dk, dv (ring and torch-cp) from causal SDPA on the whole sequence (fp32; expected below "
-    f"{TOLERANCE:g}); fsdp-cpN: largest |difference| of the losses from the unsplit model trained "
-    f"on the same batches (expected below {LOSS_TOLERANCE:g}).",
-    "score blocks: (query chunk, key chunk) products computed, per rank, one attention call; a key "
-    "chunk wholly after the query chunk is masked and skipped. sent: bytes each rank sends per "
-    "attention layer (one call; fsdp-cpN: averaged over its layers and steps).",
-    "fsdp-cpN: FSDP2 over all the ranks (dp x cp flattened), the ring over N of them; the batch per "
-    "data-parallel group is fixed, so a rank holds 1/N of its tokens' activations.",
-)
-CPU_NOTE = ("CPU run: memory from torch.distributed._tools trackers; gloo's point-to-point sends "
-            "and the ring's Python loop make step times only indicative.")
-
-
-def cp_of(name: str, world: int) -> int:
-    """The CP size of a variant: fsdp-cpN's N, the whole world for the attention checks."""
-    return int(name.removeprefix("fsdp-cp")) if name.startswith("fsdp-cp") else world
-
-
-def run_attention(lesson: Lesson, name: str, mesh: DeviceMesh) -> dict:
-    """One attention call split over every rank against SDPA on the whole sequence: the output and
-    the gradients of q, k, v on this rank's tokens, the work per rank, the bytes sent."""
-    world, rank, device = lesson.dist.world_size, lesson.dist.rank, lesson.device
-    q, k, v, dout = attention_inputs(lesson.batch_size, HEADS, lesson.seq_len, HEAD_DIM, lesson.args.seed,
-                                     device)
-    reference = reference_attention(q, k, v, dout)
-    balanced = name != "ring-contiguous"
-    pos = positions(lesson.seq_len, rank, world, balanced).to(device)
-    if name == "torch-cp":
-        got = torch_context_parallel(q.clone(), k.clone(), v.clone(), dout.clone(), mesh["cp"])
-        counts = None
-    else:
-        counts = new_counts()
-        ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
-        out = ring_attention(ql, kl, vl, mesh["cp"].get_group(), balanced, counts)
-        out.backward(dout[:, :, pos])
-        got = [out, ql.grad, kl.grad, vl.grad]
-    row = {"cp": world, "dp": 1, "layout": "head-tail" if balanced else "contiguous",
-           "max_abs_diff": largest_difference(got, [t[:, :, pos] for t in reference], device)}
-    if counts is not None:
-        blocks = [int(b) for b in per_rank(counts["score_blocks"], device)]
-        row.update(score_blocks_per_rank=blocks, score_blocks=" / ".join(map(str, blocks)),
-                   forward_sent_bytes=counts["forward_sent_bytes"],
-                   backward_sent_bytes=counts["backward_sent_bytes"])
-    lesson.print(f"  {name}: max |diff| vs unsplit {row['max_abs_diff']:.1e}"
-                 + (f", score blocks per rank {row['score_blocks']}" if counts is not None else ""))
-    return row
-
-
-def run_fsdp_cp(lesson: Lesson, name: str, cp: int, mesh: DeviceMesh) -> tuple[TrainStats, dict]:
-    """A tiny Llama trained with FSDP2 over every rank and the ring over ``cp`` of them, beside the
-    same model unsplit on this rank alone, on the same global batches."""
-    world, device, seq = lesson.dist.world_size, lesson.device, lesson.seq_len
-    dp = world // cp
-    lesson.seed()
-    model = lesson.materialize(TinyLlama(VOCAB).to(device))
-    reference = lesson.materialize(copy.deepcopy(model))
-    batches = reverse_batches(seq, dp * lesson.batch_size, lesson.steps, lesson.args.seed, device)
-    reference_losses = train_unsplit(reference, batches, lesson.lr)
-    del reference
-    counts = new_counts()
-    use_ring(shard_over_dp_and_cp(model, world_mesh()), mesh, counts)
-    dp_rank = mesh["dp"].get_local_rank()
-    rows = slice(dp_rank * lesson.batch_size, (dp_rank + 1) * lesson.batch_size)
-    local = [local_slice(b, rows, positions(seq, mesh["cp"].get_local_rank(), cp, True)) for b in batches]
-
-    def step(model, batch):  # FSDP averages gradients over the world: scale the sum to the global mean
-        loss = token_loss_sum(model, batch) * world / batch["labelled"]
-        loss.backward()
-        return loss
-
-    stats = train(model, lesson.optimizer(model), endless(local), lesson.steps, device, step_fn=step,
-                  progress=name)
-    diff = max(abs(a - b) for a, b in zip(stats.losses, reference_losses))
-    calls = len(model.layers) * lesson.steps
-    lesson.print(f"  {name}: loss {stats.losses[0]:.3f} -> {stats.losses[-1]:.3f} (unsplit "
-                 f"{reference_losses[0]:.3f} -> {reference_losses[-1]:.3f}, max |diff| {diff:.1e}), "
-                 f"activations per rank {fmt_bytes(stats.peak_memory_bytes.get('activations'))}")
-    return stats, {"cp": cp, "dp": dp, "layout": "head-tail",
-                   "tokens_per_rank": seq * lesson.batch_size // cp,
-                   "max_abs_diff": diff, "unsplit_losses": reference_losses,
-                   "forward_sent_bytes": counts["forward_sent_bytes"] // calls,
-                   "backward_sent_bytes": counts["backward_sent_bytes"] // calls}
-
-
-def fits(name: str, world: int, seq_len: int) -> str | None:
-    """Why a variant cannot run on ``world`` ranks (None: it can)."""
-    cp = cp_of(name, world)
-    if world % cp:
-        return f"needs a multiple of {cp} ranks, not {world}"
-    if seq_len % (2 * cp):
-        return f"needs --seq-len divisible by {2 * cp} (2 chunks per CP rank), not {seq_len}"
-    return None
-
-
-# -- the prediction on a cluster ---------------------------------------------------------------------
+# -- the lesson run: the variants (context_parallel_run.py), and the prediction on a cluster --
 PREDICT_MODEL, PREDICT_BATCH, PREDICT_SEQ, PREDICT_ON = "llama-8b", 1, 65536, "1x8xh100"
 PREDICT_AC = "selective"  # op-level selective checkpointing, as torchtitan's 8B runs
 PREDICT_CP = (1, 2, 4, 8)
@@ -387,22 +273,6 @@ def predict(args) -> dict | None:
     return block
 
 
-def takeaway(results: dict) -> str:
-    """The lesson's point, from what the run measured (printed last)."""
-    by = {v["name"]: v for v in results["variants"]}
-    worst = max(v["max_abs_diff"] for v in results["variants"] if v["name"].startswith("ring"))
-    line = f"ring attention computes what unsplit attention does (max |diff| {worst:.1e})"
-    if "ring-balanced" in by and "ring-contiguous" in by:
-        line += (f"; score blocks per rank {by['ring-contiguous']['score_blocks']} contiguous, "
-                 f"{by['ring-balanced']['score_blocks']} balanced")
-    trained = [v for v in results["variants"] if v["name"].startswith("fsdp-cp")]
-    if len(trained) > 1:
-        act = " -> ".join(fmt_bytes(v["peak_memory_bytes"]["activations"]) for v in trained)
-        line += (f"; activations per rank {act} over CP {', '.join(str(v['cp']) for v in trained)}, "
-                 f"losses within {max(v['max_abs_diff'] for v in trained):.1e} of unsplit")
-    return line
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_variants(VARIANTS)
@@ -435,32 +305,7 @@ def main(args: argparse.Namespace) -> None:
     with Lesson("17", args, settings={"tolerance": TOLERANCE, "loss_tolerance": LOSS_TOLERANCE},
                 needs_ranks="the sequence split over ranks", notes=(*NOTES, PREDICT_NOTE),
                 cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
-        world = lesson.dist.world_size
-        parameters = sum(p.numel() for p in TinyLlama(VOCAB).parameters())
-        lesson.results.run_model("tiny-llama-cp", parameters)
-        lesson.print(f"trained: tiny-llama-cp ({parameters:,} parameters; cp_helpers.TinyLlama: "
-                     "llama-tiny's width, depth and heads, K/V for every head, its attention the ring)")
-        lesson.results.setting(heads=HEADS, head_dim=HEAD_DIM)
-        lesson.results.columns("cp", "dp", "max_abs_diff", "score_blocks",
-                               "forward_sent_bytes", "backward_sent_bytes", "tokens_per_rank")
-        meshes: dict[int, DeviceMesh] = {}
-        for name in args.variants:
-            why = fits(name, world, lesson.seq_len) or (torch_cp_missing(lesson.device, lesson.dist)
-                                                          if name == "torch-cp" else None)
-            if why:
-                lesson.results.skipped(name, why)
-                lesson.print(f"  {name}: skipped, {why}")
-                continue
-            cp = cp_of(name, world)
-            if cp not in meshes:
-                meshes[cp] = cp_mesh(lesson.device.type, world // cp, cp)
-            with lesson.variant(name):
-                if name.startswith("fsdp-cp"):
-                    stats, row = run_fsdp_cp(lesson, name, cp, meshes[cp])
-                    lesson.results.add(name, stats, **row)
-                    del stats
-                else:
-                    lesson.results.add(name, **run_attention(lesson, name, meshes[cp]))
+        run_variants(lesson, args, SimpleNamespace(**globals()))  # the functions above, for the driver
         lesson.results.predicted(predicted)
 
 
