@@ -397,14 +397,16 @@ def test_lesson_03_turns_on_deterministic_kernels_on_a_gpu_only(monkeypatch):
 
     from conftest import lesson_module
 
-    lesson = lesson_module("03")
+    lesson_module("03")  # its folder on sys.path, its driver imported: the workspace set
+    from full_state_dict_run import deterministic_kernels
+
     assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
     was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     try:
-        assert lesson.deterministic_kernels(torch.device("cpu")) is False
+        assert deterministic_kernels(torch.device("cpu")) is False
         assert torch.are_deterministic_algorithms_enabled() == was[0]
-        assert lesson.deterministic_kernels(torch.device("cuda", 0)) is True
+        assert deterministic_kernels(torch.device("cuda", 0)) is True
         assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
