@@ -221,9 +221,11 @@ def test_lesson_07_times_steps_without_the_dtype_probe(world1, monkeypatch):
     from utilities.course.lesson import Lesson
 
     script = lesson_module("07")
+    import mixed_precision_run as run  # the lesson's driver, beside its script
+
     plain = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else None
     probed: list[bool] = []
-    step = script.default_step
+    step = run.default_step
 
     def spying_step(model, batch):
         hooks = any(m._forward_pre_hooks for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -231,13 +233,13 @@ def test_lesson_07_times_steps_without_the_dtype_probe(world1, monkeypatch):
         probed.append(hooks or wrapped)
         return step(model, batch)
 
-    monkeypatch.setattr(script, "default_step", spying_step)
+    monkeypatch.setattr(run, "default_step", spying_step)
     args = script.parse_args(["--device", "cpu", "--quick", "--steps", "3", "--policies", "bf16",
                               "--batch-size", "1", "--seq-len", "16"])
     lesson = Lesson("07", args)
     lesson._setup()
     with lesson.variant("bf16"):
-        script.train_policy(lesson, "fsdp2", "bf16")
+        run.train_policy(lesson, script, "fsdp2", "bf16")
     v = lesson.results.data["variants"][0]
     assert probed == [True, True, False]  # the warm-up and memory steps; one timed
     assert len(v["step_times_s"]) == 1
