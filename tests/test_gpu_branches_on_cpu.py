@@ -342,7 +342,10 @@ def test_profile_steps_gpu_branch_on_a_real_trace(world1, monkeypatch, tmp_path)
     shared = types.SimpleNamespace(device=torch.device("cuda", 0),
                                    dist=D.DistInfo(0, 0, 2, torch.device("cuda", 0),
                                                    SHARED_GPU_BACKEND, ranks_per_gpu=2))
-    assert lesson_module("04").communication_columns(shared, trace) == {
+    lesson_module("04")  # its folder on sys.path
+    from backward_prefetch_run import communication_columns
+
+    assert communication_columns(shared, trace) == {
         "exposed_comm_s_per_step": NOT_MEASURABLE, "comm_s_per_step": NOT_MEASURABLE}
 
 

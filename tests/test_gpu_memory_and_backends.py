@@ -221,9 +221,11 @@ def test_lesson_07_times_steps_without_the_dtype_probe(world1, monkeypatch):
     from utilities.course.lesson import Lesson
 
     script = lesson_module("07")
+    import mixed_precision_run as run  # the lesson's driver, beside its script
+
     plain = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else None
     probed: list[bool] = []
-    step = script.default_step
+    step = run.default_step
 
     def spying_step(model, batch):
         hooks = any(m._forward_pre_hooks for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -231,13 +233,13 @@ def test_lesson_07_times_steps_without_the_dtype_probe(world1, monkeypatch):
         probed.append(hooks or wrapped)
         return step(model, batch)
 
-    monkeypatch.setattr(script, "default_step", spying_step)
+    monkeypatch.setattr(run, "default_step", spying_step)
     args = script.parse_args(["--device", "cpu", "--quick", "--steps", "3", "--policies", "bf16",
                               "--batch-size", "1", "--seq-len", "16"])
     lesson = Lesson("07", args)
     lesson._setup()
     with lesson.variant("bf16"):
-        script.train_policy(lesson, "fsdp2", "bf16")
+        run.train_policy(lesson, script, "fsdp2", "bf16")
     v = lesson.results.data["variants"][0]
     assert probed == [True, True, False]  # the warm-up and memory steps; one timed
     assert len(v["step_times_s"]) == 1
@@ -273,7 +275,9 @@ def test_gloo_on_a_gpu_reports_no_overlap_number():
     assert exposed_communication(gloo_trace) is None
     shared, nccl = _gpu_lesson(SHARED_GPU_BACKEND), _gpu_lesson("cpu:gloo,cuda:nccl")
     trace = {"exposed_comm_s_per_step": 0.0, "comm_s_per_step": 0.0}
-    l04 = lesson_module("04")
+    lesson_module("04")  # its folder on sys.path
+    import backward_prefetch_run as l04  # the lesson's driver, beside its script
+
     assert l04.communication_columns(shared, trace) == {
         "exposed_comm_s_per_step": NOT_MEASURABLE, "comm_s_per_step": NOT_MEASURABLE}
     assert l04.communication_columns(nccl, trace) == trace
@@ -399,14 +403,16 @@ def test_lesson_03_turns_on_deterministic_kernels_on_a_gpu_only(monkeypatch):
 
     from conftest import lesson_module
 
-    lesson = lesson_module("03")
+    lesson_module("03")  # its folder on sys.path, its driver imported: the workspace set
+    from full_state_dict_run import deterministic_kernels
+
     assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
     was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     try:
-        assert lesson.deterministic_kernels(torch.device("cpu")) is False
+        assert deterministic_kernels(torch.device("cpu")) is False
         assert torch.are_deterministic_algorithms_enabled() == was[0]
-        assert lesson.deterministic_kernels(torch.device("cuda", 0)) is True
+        assert deterministic_kernels(torch.device("cuda", 0)) is True
         assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])

@@ -6,7 +6,10 @@
 * the library (every module under utilities/) never reads ``tests/``: it imports no test module and
   opens no path under ``tests/``;
 * a private name (``_x``) of a utilities module stays in it: no other module imports it or reads it
-  as ``module._x``.
+  as ``module._x``;
+* every lesson script runs the code it teaches with a smaller harness: one ``# -- the lesson run``
+  marker line ends the teaching code (from the end of the imports), and the lines after it, not
+  counting ``parse_args`` (the command line), are no more than the lines before it.
 
 Each check lists every offender in one message. The files are parsed once, for all the checks.
 """
@@ -198,6 +201,34 @@ def dotted(node: ast.AST, bound: dict[str, str]) -> str | None:
     return None
 
 
+# -- a lesson script: the code it teaches, then a smaller harness ----------------------------------
+LESSON_RUN_MARKER = "# -- the lesson run"
+
+
+def teaching_and_harness(source: str, tree: ast.Module) -> tuple[int, int] | None:
+    """Lines of the code a lesson script teaches (after its last top-level import, before the
+    ``# -- the lesson run`` marker) and of its harness (after the marker, ``parse_args`` not counted);
+    None unless the marker is there exactly once."""
+    lines = source.splitlines()
+    marks = [number for number, line in enumerate(lines, 1) if line.startswith(LESSON_RUN_MARKER)]
+    if len(marks) != 1:
+        return None
+    imports = (ast.Import, ast.ImportFrom)
+    imports_end = max((node.end_lineno for node in tree.body if isinstance(node, imports)), default=0)
+    command_line = sum(node.end_lineno - min([node.lineno, *(d.lineno for d in node.decorator_list)]) + 1
+                       for node in tree.body if isinstance(node, FUNCTIONS)
+                       and node.name == "parse_args" and node.lineno > marks[0])
+    return marks[0] - 1 - imports_end, len(lines) - marks[0] - command_line
+
+
+def bigger_harness(rel: str, source: str, tree: ast.Module) -> list[str]:
+    counts = teaching_and_harness(source, tree)
+    if counts is None:
+        return [f"{rel}: not one line starting {LESSON_RUN_MARKER!r}"]
+    teaching, harness = counts
+    return [f"{rel}: teaching {teaching} lines, harness {harness}"] if harness > teaching else []
+
+
 # -- the checks on the repository -------------------------------------------------------------------
 def everywhere(check) -> list[str]:
     return [o for rel, source, tree in modules() for o in check(rel, source, tree)]
@@ -230,6 +261,18 @@ def test_the_library_never_reads_tests():
 def test_private_names_stay_in_their_module():
     offenders = everywhere(lambda rel, source, tree: private_uses(rel, tree))
     assert not offenders, report("private names used outside their utilities module", offenders)
+
+
+def test_every_lesson_script_runs_its_code_with_a_smaller_harness():
+    from utilities.course.catalog import LESSONS
+
+    parsed_modules = {rel: (source, tree) for rel, source, tree in modules()}
+    offenders = []
+    for info in LESSONS.values():
+        rel = info.script_path.relative_to(ROOT).as_posix()
+        offenders += bigger_harness(rel, *parsed_modules[rel])
+    assert not offenders, report("lesson scripts whose harness outgrows the code they teach (move the "
+                                 "driver into a module beside the script)", offenders)
 
 
 # -- each check can fail ----------------------------------------------------------------------------
@@ -281,3 +324,17 @@ def test_the_private_check_lets_own_dunder_and_public_names_pass():
             "from utilities import dcp\ndcp.check()\nself._private = 1\nfrom torch import _C\n"
             "from utilities.course.evidence import Manifest\nManifest._fields\n")
     assert private_uses("utilities/course/other.py", parsed(code)) == []
+
+
+def test_the_harness_check_counts_teaching_and_harness_lines():
+    head = "import torch\n\n\ndef shard(m):\n    return m\n"
+    run = "# -- the lesson run ---\ndef main(args):\n    pass\n"
+    command_line = "\n\ndef parse_args(argv=None):\n" + "    x = 1\n" * 20
+    small = head + run + command_line
+    assert teaching_and_harness(small, parsed(small)) == (4, 4)  # 2 blank lines, main; not parse_args
+    assert bigger_harness("l.py", small, parsed(small)) == []
+    big = small + "".join(f"x{i} = {i}\n" for i in range(2))
+    assert bigger_harness("l.py", big, parsed(big)) == ["l.py: teaching 4 lines, harness 6"]
+    unmarked = head + command_line
+    assert bigger_harness("l.py", unmarked, parsed(unmarked)) == [
+        "l.py: not one line starting '# -- the lesson run'"]

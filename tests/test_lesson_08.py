@@ -169,12 +169,12 @@ def _flatten(obj, prefix=""):
 
 def test_a_stray_local_state_dict_name_beside_load_from_is_ignored(tmp_path):
     """``rank0_of_x.pt`` beside a ``--load-from`` folder ended the run in a 50-line ValueError."""
-    import sharded_state_dict as lesson
+    from state_dict_run import local_on_this_world
 
     (tmp_path / "fsdp1_local").mkdir()
     (tmp_path / "fsdp1_local" / "rank0_of_x.pt").write_bytes(b"stray")
     (tmp_path / "fsdp1_local" / "rank1_of_0.pt").write_bytes(b"stray")
-    assert lesson.local_on_this_world(None, tmp_path / "checkpoint") is None
+    assert local_on_this_world(None, tmp_path / "checkpoint") is None
 
 
 def test_readme_table_is_reproduced_by_the_quick_run(saved):

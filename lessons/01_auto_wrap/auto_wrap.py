@@ -26,6 +26,7 @@ import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -35,15 +36,14 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
+from auto_wrap_run import run_wrappings, takeaway
+
 from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.errors import positive_int
-from utilities.measure import fmt_bytes, unsharded_parameter_bytes
-from utilities.models import ModelSpec, get_model_spec
-from utilities.results import variant
-from utilities.training import TrainStats
-from utilities.wrapping import fsdp1_meta_init, fsdp_units, unit_parameter_counts
+from utilities.models import get_model_spec
+from utilities.wrapping import fsdp1_meta_init
 
 
 # -- FSDP2: you pick the units, one fully_shard call per unit --------------------------------------
@@ -82,7 +82,7 @@ def wrap_fsdp1(model: nn.Module, policy: Callable[..., bool] | None, device: tor
                 param_init_fn=fsdp1_meta_init(model, device) if on_meta else None)
 
 
-# -- the comparison ---------------------------------------------------------------------------------
+# -- the comparison: the calls above, side by side, with the model's block class ------------------
 def variants(block_class: type[nn.Module], min_params: int, device: torch.device,
              unit_classes: list[str] | None = None) -> dict[str, Callable[[nn.Module], nn.Module]]:
     """Each variant's wrapping: the calls above, with the model's block class; with
@@ -105,52 +105,18 @@ def variants(block_class: type[nn.Module], min_params: int, device: torch.device
     }
 
 
+# -- the lesson run -------------------------------------------------------------------------------
 VARIANTS = tuple(variants(nn.Module, 1, torch.device("cpu")))  # the names, for --variants
-POLICIES = {"one-unit": "whole", "per-block": "block", "size-based": "size",  # results.json "policy"
-            "yours": "yours"}
 NOTES = ("peak_unsharded_parameter_bytes: all-gathered parameters alive at the memory peak; one "
          "unit means the whole model is gathered at once.",)
 CPU_NOTE = ("CPU run: memory from torch.distributed._tools trackers; step times on CPU include no "
             "communication overlap and are only indicative.")
 
 
-def parameters_per_block(spec: ModelSpec) -> int:
-    model = spec.build("meta")  # the structure only, no memory
-    block = next(m for m in model.modules() if isinstance(m, spec.block_class()))
-    return sum(p.numel() for p in block.parameters())
-
-
-def takeaway(results: dict) -> str:
-    """The lesson's point, from what the run measured (printed last)."""
-    one, block = variant(results, "fsdp2-one-unit"), variant(results, "fsdp2-per-block")
-    peak = lambda v: fmt_bytes(v["peak_memory_bytes"]["total"])  # noqa: E731
-    return (f"per-block wrapping: {fmt_bytes(one['peak_unsharded_parameter_bytes'])} -> "
-            f"{fmt_bytes(block['peak_unsharded_parameter_bytes'])} unsharded at the peak, "
-            f"{peak(one)} -> {peak(block)} in all (FSDP2, {one['fsdp_units']} -> "
-            f"{block['fsdp_units']} units)")
-
-
 def main(args: argparse.Namespace) -> None:
     with Lesson("01", args, needs_ranks="how wrapping bounds the unsharded parameters at the peak",
                 notes=NOTES, cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
-        lesson.results.columns("fsdp_units", "largest_unit_parameters", "peak_unsharded_parameter_bytes")
-        block, per_block = lesson.spec.block_class(), parameters_per_block(lesson.spec)
-        lesson.print(f"block class: {block.__name__} ({per_block:,} parameters per block)")
-        wrappings = variants(block, args.min_params or per_block // 2, lesson.device, args.unit_classes)
-        if args.unit_classes:
-            args.variants = [*args.variants, "fsdp2-yours"]
-
-        def describe(name: str, model: nn.Module, stats: TrainStats) -> dict:
-            units = unit_parameter_counts(model)
-            unsharded = unsharded_parameter_bytes(stats.peak_memory_bytes)
-            lesson.print(f"    {len(units)} unit{'' if len(units) == 1 else 's'}, largest {max(units):,} "
-                         f"params, unsharded params at peak {fmt_bytes(unsharded)}")
-            api, kind = name.split("-", 1)
-            return dict(api=api, policy=POLICIES[kind], fsdp_units=len(fsdp_units(model)),
-                        largest_unit_parameters=max(units), peak_unsharded_parameter_bytes=unsharded)
-
-        lesson.run_variants(args.variants, lambda name: wrappings[name](lesson.build_model()),
-                            describe=describe)
+        run_wrappings(lesson, args, SimpleNamespace(**globals()))  # the wrappings above, measured
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,6 +27,7 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -36,16 +37,13 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
+from backward_prefetch_run import prediction, run_prefetch_variants, takeaway
+
 from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
-from utilities.distributed import NOT_MEASURABLE, world_mesh
+from utilities.distributed import world_mesh
 from utilities.errors import positive_int
-from utilities.measure import gathered_parameter_bytes, unsharded_parameter_bytes
-from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
-from utilities.models import get_model_spec
-from utilities.prefetch import prefetch_plan, profile_steps
-from utilities.results import variant
-from utilities.training import TrainStats
+from utilities.measure.predictions import add_prediction_arguments
 from utilities.wrapping import fsdp1_meta_init
 
 
@@ -103,7 +101,7 @@ def wrap_fsdp1(model: nn.Module, block_class: type[nn.Module], device: torch.dev
                 param_init_fn=fsdp1_meta_init(model, device) if on_meta else None)
 
 
-# -- the comparison ---------------------------------------------------------------------------------
+# -- the comparison: each variant's calls -----------------------------------------------------------
 FSDP1_VARIANTS = {
     "fsdp1-no-prefetch": dict(backward_prefetch=None, forward_prefetch=False),
     "fsdp1-backward-post": dict(backward_prefetch=BackwardPrefetch.BACKWARD_POST, forward_prefetch=False),
@@ -112,26 +110,6 @@ FSDP1_VARIANTS = {
 }
 FSDP2_VARIANTS = {"fsdp2-implicit": False, "fsdp2-explicit": True}  # explicit: --prefetch-depth
 VARIANTS = [*FSDP1_VARIANTS, *FSDP2_VARIANTS]
-NOTES = ("Prefetching changes when all-gathers are issued, never what is computed: every variant's "
-         "losses match.",)
-CPU_NOTE = ("CPU run: gloo runs each collective synchronously on the calling thread, so nothing "
-            "overlaps and step times here cannot show prefetching. The overlap and the exposed "
-            "communication time are measured only on GPUs (NCCL kernels on their own stream), with "
-            "a profiler trace per variant.")
-
-
-def predicted_knobs(name: str, depth: int, block_class: type[nn.Module]) -> dict:
-    """Each variant as the step-time model's schedule knobs (FSDP1's limit_all_gathers is on by
-    default, as in the lesson's FSDP1 runs); an FSDP2 variant is traced through ``shard_fsdp2``
-    itself, its ``prefetch`` the schedule of the lists that function registers."""
-    fsdp1 = {"fsdp1-no-prefetch": "none", "fsdp1-backward-post": "backward_post",
-             "fsdp1-backward-pre": "backward_pre", "fsdp1-pre+forward": "backward_pre"}
-    if name in fsdp1:
-        return dict(backward_prefetch=fsdp1[name], limit_all_gathers=True,
-                    forward_prefetch=1 if name == "fsdp1-pre+forward" else None)
-    explicit = depth if FSDP2_VARIANTS[name] else None
-    return dict(prefetch=explicit or 1, parallelize=functools.partial(
-        shard_fsdp2, block_class=block_class, depth=explicit))
 
 
 def build(lesson: Lesson, depth: int, name: str) -> nn.Module:
@@ -142,42 +120,21 @@ def build(lesson: Lesson, depth: int, name: str) -> nn.Module:
     return shard_fsdp2(lesson.build_model(), block, depth if FSDP2_VARIANTS[name] else None)
 
 
-def describe(lesson: Lesson, args: argparse.Namespace, name: str, model: nn.Module,
-             stats: TrainStats) -> dict:
-    """What the variant set and what it cost: the FSDP1 options, or the prefetch lists FSDP2
-    registered (read back from the model); on GPU (or with --trace) a profile of a few more steps."""
-    if name in FSDP1_VARIANTS:
-        options = FSDP1_VARIANTS[name]
-        prefetch = options["backward_prefetch"]
-        extra = {"api": "fsdp1", "backward_prefetch": prefetch.name if prefetch else None,
-                 "forward_prefetch": options["forward_prefetch"]}
-        summary = prefetch.name if prefetch else "none"
-        summary += ", forward" if options["forward_prefetch"] else ""
-    else:
-        explicit = FSDP2_VARIANTS[name]
-        blocks = [m for m in model.modules() if isinstance(m, lesson.spec.block_class())]
-        extra = {"api": "fsdp2", "prefetch_depth": args.prefetch_depth if explicit else None,
-                 "prefetch_plan": prefetch_plan(blocks)}
-        summary = f"explicit, depth {args.prefetch_depth}" if explicit else "implicit"
-    extra["prefetch"] = summary
-    extra["peak_unsharded_parameter_bytes"] = unsharded_parameter_bytes(stats.peak_memory_bytes)
-    # what prefetching adds: blocks gathered ahead wait in their all-gather buffers until they run
-    extra["peak_gathered_parameter_bytes"] = gathered_parameter_bytes(stats.peak_memory_bytes)
-    if lesson.device.type == "cuda" or args.trace:
-        trace = profile_steps(model, lesson.optimizer(model), lesson.data(seed_offset=1), lesson.device,
-                              lesson.out / "traces" / f"{name}.rank{lesson.dist.rank}.json")
-        extra.update(trace=trace["trace"], **communication_columns(lesson, trace))
-    return extra
+# -- the lesson run -------------------------------------------------------------------------------
+NOTES = ("Prefetching changes when all-gathers are issued, never what is computed: every variant's "
+         "losses match.",)
+CPU_NOTE = ("CPU run: gloo runs each collective synchronously on the calling thread, so nothing "
+            "overlaps and step times here cannot show prefetching. The overlap and the exposed "
+            "communication time are measured only on GPUs (NCCL kernels on their own stream), with "
+            "a profiler trace per variant.")
 
 
-def communication_columns(lesson: Lesson, trace: dict) -> dict:
-    """The profile's communication time and the part no compute overlapped, per step. Over gloo on
-    a GPU (ranks sharing one) gloo blocks the host in each collective and launches no NCCL kernel:
-    the trace shows no communication, which is not zero communication, so no number is given."""
-    if lesson.device.type == "cuda" and not lesson.dist.nccl_on_gpu:
-        return {"exposed_comm_s_per_step": NOT_MEASURABLE, "comm_s_per_step": NOT_MEASURABLE}
-    return {"exposed_comm_s_per_step": trace["exposed_comm_s_per_step"],
-            "comm_s_per_step": trace["comm_s_per_step"]}
+def main(args: argparse.Namespace) -> None:
+    predicted = prediction(args, SimpleNamespace(**globals()))  # before any rank starts
+    with Lesson("04", args, settings=dict(prefetch_depth=args.prefetch_depth), notes=NOTES,
+                cpu_note=CPU_NOTE, needs_ranks="prefetching (overlap of all-gathers with compute)",
+                takeaway=takeaway) as lesson:
+        run_prefetch_variants(lesson, args, predicted, SimpleNamespace(**globals()))  # the calls above
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -189,41 +146,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", action="store_true",
                    help="also record a torch.profiler Chrome trace per variant on CPU (always on GPU)")
     return p.parse(argv)
-
-
-GLOO_GPU_NOTE = (f"exposed communication {NOT_MEASURABLE}: the collectives run over gloo (ranks "
-                 "sharing a GPU), which blocks the host in each one and launches no NCCL kernel, so "
-                 "nothing overlaps and the profiler sees no communication kernel. Step times and "
-                 "prefetching's overlap need one rank per GPU over NCCL.")
-
-
-def takeaway(results: dict) -> str:
-    """The lesson's point, from what the run measured, and the prediction where one was made."""
-    line = "prefetching never changes the losses"
-    predicted = results.get("predicted") or {"variants": []}
-    if {"fsdp1-no-prefetch", "fsdp1-backward-pre"} <= {v["name"] for v in predicted["variants"]}:
-        none, pre = variant(predicted, "fsdp1-no-prefetch"), variant(predicted, "fsdp1-backward-pre")
-        line += (f"; PREDICTED on {predicted['gpus']} GPUs: BACKWARD_PRE "
-                 f"{pre['step_s'] * 1e3:.0f} ms vs no prefetch {none['step_s'] * 1e3:.0f} ms per step")
-    return line
-
-
-def main(args: argparse.Namespace) -> None:
-    predicted = None
-    if args.predict_on != "none":
-        block = get_model_spec(args.predict_model).block_class()
-        predicted = predict_from_arguments(args, {name: predicted_knobs(name, args.prefetch_depth, block)
-                                                  for name in args.variants})
-    with Lesson("04", args, settings=dict(prefetch_depth=args.prefetch_depth), notes=NOTES,
-                cpu_note=CPU_NOTE, needs_ranks="prefetching (overlap of all-gathers with compute)",
-                takeaway=takeaway) as lesson:
-        if lesson.device.type == "cuda" and not lesson.dist.nccl_on_gpu:
-            lesson.results.note(GLOO_GPU_NOTE)
-            lesson.print(f"note: {GLOO_GPU_NOTE}")
-        lesson.results.columns("prefetch", "exposed_comm_s_per_step", "peak_gathered_parameter_bytes")
-        lesson.run_variants(args.variants, functools.partial(build, lesson, args.prefetch_depth),
-                            describe=functools.partial(describe, lesson, args))
-        lesson.results.predicted(predicted)
 
 
 if __name__ == "__main__":

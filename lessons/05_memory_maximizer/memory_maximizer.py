@@ -24,18 +24,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
+from memory_maximizer_run import search
+
 from utilities import Memory_Maximizer
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.errors import positive_float, positive_int
-from utilities.measure import fmt_bytes
-from utilities.measure.batch_search import SearchResult, Trial, all_ranks_agree, find_max_batch
+from utilities.measure.batch_search import Trial
 from utilities.results import variant
 from utilities.training import TrainStats, train
 
@@ -80,8 +82,7 @@ def try_batch(lesson: Lesson, batch: int) -> tuple[Trial, TrainStats]:
     return trial, stats
 
 
-# -- the search and its evidence --------------------------------------------------------------------
-MIB = 2**20
+# -- the lesson run: the search and its evidence -----------------------------------------------------
 # t5-tiny, seq 64, 2 ranks: the tracked peak per rank is about 14 MiB + 5.3 MiB per sample (batch 4:
 # 34.6 MiB, batch 8: 55.7 MiB). 48 MiB puts the answer (batch 6, 7 over) inside the sweep 1..32,
 # with a few MiB of margin on both sides.
@@ -90,36 +91,6 @@ CPU_NOTE = ("CPU run: there is no caching allocator, so no cudaMalloc retries; a
             "failed when its tracked peak (torch.distributed._tools trackers) exceeds the {budget:g} "
             "MiB budget per rank, the CPU stand-in for retries and OOMs. Step times on a shared CPU "
             "are only indicative.")
-
-
-def search(lesson: Lesson, args: argparse.Namespace, budget_mib: float | None) -> SearchResult:
-    """Double the batch from --start-batch until a trial is not clean, then bisect; each trial is
-    one variant, freed before the next, and recorded with its verdict."""
-    limit = args.max_batch or (256 if lesson.device.type == "cuda" else 32)
-    budget = int(budget_mib * MIB) if budget_mib else None
-    stats_by_batch: dict[int, TrainStats] = {}
-
-    def trial(batch: int) -> Trial:
-        with lesson.variant(f"batch-{batch}"):
-            t, stats_by_batch[batch] = try_batch(lesson, batch)
-        return t
-
-    def log(t: Trial) -> None:
-        rate = f"{t.throughput:.1f} samples/s" if t.throughput else "-"
-        lesson.print(f"  batch {t.batch:>4} ({t.phase}): peak {fmt_bytes(t.peak_bytes)}, {rate}, "
-                     f"retries {t.retries}, OOMs {t.ooms} -> {t.verdict}")
-
-    lesson.print(f"search: batch {args.start_batch}..{limit}, budget "
-                 f"{f'{budget_mib:g} MiB per rank' if budget else 'none (retries and OOMs decide)'}")
-    result = find_max_batch(trial, start=args.start_batch, limit=limit, bisect=not args.no_bisect,
-                            budget_bytes=budget, agree=all_ranks_agree, on_trial=log)
-    for t in result.trials:
-        lesson.results.add(f"batch-{t.batch}", stats_by_batch.get(t.batch), batch=t.batch,
-                           samples_per_s=None if t.throughput is None else round(t.throughput, 2),
-                           peak_bytes=t.peak_bytes, retries=t.retries, ooms=t.ooms,
-                           over_budget=t.over_budget, max_reserved=t.max_reserved_bytes,
-                           clean=t.clean, verdict=t.verdict, phase=t.phase, error=t.error)
-    return result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,7 +121,7 @@ def main(args: argparse.Namespace) -> None:
                 takeaway=takeaway) as lesson:
         lesson.results.columns("batch", "phase", "verdict", "retries", "ooms")
         budget_mib = args.budget_mib or (None if lesson.device.type == "cuda" else CPU_BUDGET_MIB)
-        result = search(lesson, args, budget_mib)
+        result = search(lesson, SimpleNamespace(**globals()), args, budget_mib)
         lesson.results.add("recommendation", None, batch=result.best, reason=result.reason,
                            budget_mib=budget_mib, trials=len(result.trials))
         lesson.print(f"recommendation: batch {result.best} per rank ({result.reason})")

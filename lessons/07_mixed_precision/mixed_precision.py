@@ -30,10 +30,12 @@ import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 import torch
+from mixed_precision_run import run_policies, takeaway
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
@@ -42,9 +44,6 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
-from utilities.precision import DtypeProbe, attach_scaler, default_policy, observe_dtypes
-from utilities.results import variant
-from utilities.training import StepOptions, default_step
 from utilities.wrapping import fsdp1_meta_init
 
 # -- the code this lesson teaches -----------------------------------------------------------------
@@ -113,6 +112,27 @@ def scaled_step(scaler: ShardedGradScaler) -> Callable[[nn.Module, dict], torch.
 
 
 # -- the lesson run -------------------------------------------------------------------------------
+NOTES = (
+    "forward_param_dtypes / reduce_dtypes are observed (a forward pre-hook on every Linear; a wrapper "
+    "around reduce_scatter_single), not read from config, on the untimed steps (warm-up and memory): "
+    "the probe syncs the host per reduce-scatter, so no timed step runs with it.",
+    "grad_zero_fraction: gradient entries that reached the reduce-scatter as exact zeros (some are "
+    "zero in any dtype: unused embeddings, FSDP padding); grad_fp16_underflow_fraction: non-zero "
+    "entries below 2**-25, which fp16 rounds to zero. Both over the reductions whose gradients were "
+    "all finite.",
+)
+CPU_NOTE = ("CPU run: 16-bit matmuls on CPU are emulated or slow; step times and speed-ups are only "
+            "meaningful on GPUs with bf16/fp16 tensor cores.")
+
+
+def main(args: argparse.Namespace) -> None:
+    # GPU batch 8: at batch 4 T5-large is bound by kernel launches and bf16 shows no gain (H100,
+    # 2026-11-22: 0.336 s bf16 vs 0.323 s fp32); at batch 8 a plain step is 1.9x faster in bf16.
+    with Lesson("07", args, settings={"api": args.api}, notes=NOTES, cpu_note=CPU_NOTE,
+                takeaway=takeaway) as lesson:
+        run_policies(lesson, args, SimpleNamespace(**globals()))  # the policies above, observed
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = lesson_parser(__doc__)
     p.add_argument("--policies", default=",".join(FSDP2_POLICIES),
@@ -128,75 +148,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                   f"allowed: {', '.join(FSDP2_POLICIES)}\n")
     args.policies = chosen
     return args
-
-
-def dtype_name(dtype: torch.dtype | None) -> str:
-    """A policy's dtype as results.json writes it; None (not cast) is fp32 here."""
-    return str(dtype or torch.float32).removeprefix("torch.")
-
-
-def train_policy(lesson: Lesson, api: str, policy: str) -> None:
-    """Shard with ``policy``, train with a scaler where it needs one, and record the dtypes seen."""
-    block = lesson.spec.block_class()
-    if api == "fsdp2":
-        model = shard_fsdp2(lesson.build_model(), block, FSDP2_POLICIES[policy])
-    else:
-        model = shard_fsdp1(lesson.build_model(), block, FSDP1_POLICIES[policy], lesson.device)
-    model = lesson.materialize(model)
-    optimizer = lesson.optimizer(model)
-    step_fn, extra = default_step, {}
-    if policy in NEEDS_SCALER:
-        scaler = fp16_scaler(lesson.device)
-        step_fn, extra["loss_scales"] = scaled_step(scaler), attach_scaler(optimizer, scaler)
-    # The probe's counts sync the host three times per reduce-scatter: it observes the untimed
-    # steps (warm-up and memory) only, so the step times are those of plain training.
-    seen = DtypeProbe()
-    stats = lesson.train(model, f"{api}-{policy}", optimizer=optimizer, step_fn=step_fn,
-                         options=StepOptions(untimed=lambda: observe_dtypes(model, seen)))
-    mp = FSDP2_POLICIES[policy] if api == "fsdp2" else FSDP1_POLICIES[policy]  # None: not cast
-    fields = dict(api=api, policy=policy, param_dtype=dtype_name(getattr(mp, "param_dtype", None)),
-                  reduce_dtype=dtype_name(getattr(mp, "reduce_dtype", None)), **seen.as_dict())
-    lesson.results.add(f"{api}-{policy}", stats, **fields, **extra)
-    lesson.print(f"    forward weights {seen.forward_param_dtypes}, reduce-scatter {seen.reduce_dtypes}, "
-                 f"zero grads {fields['grad_zero_fraction']:.3%}, below fp16 "
-                 f"{fields['grad_fp16_underflow_fraction']:.3%}, reductions with inf/NaN "
-                 f"{seen.nonfinite_reductions}/{seen.reductions}")
-
-
-NOTES = (
-    "forward_param_dtypes / reduce_dtypes are observed (a forward pre-hook on every Linear; a wrapper "
-    "around reduce_scatter_single), not read from config, on the untimed steps (warm-up and memory): "
-    "the probe syncs the host per reduce-scatter, so no timed step runs with it.",
-    "grad_zero_fraction: gradient entries that reached the reduce-scatter as exact zeros (some are "
-    "zero in any dtype: unused embeddings, FSDP padding); grad_fp16_underflow_fraction: non-zero "
-    "entries below 2**-25, which fp16 rounds to zero. Both over the reductions whose gradients were "
-    "all finite.",
-)
-CPU_NOTE = ("CPU run: 16-bit matmuls on CPU are emulated or slow; step times and speed-ups are only "
-            "meaningful on GPUs with bf16/fp16 tensor cores.")
-
-
-def takeaway(results: dict) -> str:
-    """The lesson's point, from what the run measured (printed last)."""
-    fp32, bf16 = variant(results, "fsdp2-fp32"), variant(results, "fsdp2-bf16")
-    diff = max(abs(a - b) for a, b in zip(fp32["losses"], bf16["losses"]))
-    return (f"bf16: forward weights {', '.join(bf16['forward_param_dtypes'])}, gradients reduced in "
-            f"{', '.join(bf16['reduce_dtypes'])}, loss within {diff:.3f} of fp32")
-
-
-def main(args: argparse.Namespace) -> None:
-    # GPU batch 8: at batch 4 T5-large is bound by kernel launches and bf16 shows no gain (H100,
-    # 2026-11-22: 0.336 s bf16 vs 0.323 s fp32); at batch 8 a plain step is 1.9x faster in bf16.
-    with Lesson("07", args, settings={"api": args.api}, notes=NOTES, cpu_note=CPU_NOTE,
-                takeaway=takeaway) as lesson:
-        lesson.results.columns("param_dtype", "reduce_dtype", "grad_zero_fraction",
-                               "grad_fp16_underflow_fraction", "nonfinite_reductions")
-        chosen, why = default_policy()  # the bf16 checker: bf16 where bf16_ready(), else fp32
-        lesson.print(f"default_policy() here: {chosen} ({why})")
-        for policy in args.policies:
-            with lesson.variant(policy):  # everything the variant made is freed before the next one
-                train_policy(lesson, args.api, policy)
-        lesson.results.record("default_policy", {"name": chosen, "reason": why})
 
 
 if __name__ == "__main__":

@@ -369,6 +369,7 @@ def make_optimizer(model: nn.Module, cfg: Config,
     return optimizer, LambdaLR(optimizer, lr_factor)
 
 
+# -- the lesson run: this script is the lesson (flags in train_config.py, metrics in train_metrics.py)
 if __name__ == "__main__":
     try:
         main(parse_args(description=__doc__))

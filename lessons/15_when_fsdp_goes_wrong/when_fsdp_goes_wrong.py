@@ -292,7 +292,7 @@ def check_same_build(model: nn.Module) -> list[str]:
     return [finding.line for finding in same_build_findings(model)]
 
 
-# -- the lesson's model: a small causal LM whose pieces each failure needs --------------------------
+# -- the lesson run: its model, a small causal LM whose pieces each failure needs, and main -----
 class Block(nn.Module):
     def __init__(self, d: int, adapter: int = 0):
         super().__init__()
