@@ -146,9 +146,12 @@ def _main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, lesson_flags = argv[:cut], argv[cut + 1:]
     if argv[:1] == ["plan"]:
-        from utilities.measure.plan_cli import main as plan_main
+        from utilities.imports import paused_collection
 
-        return plan_main(argv[1:])
+        with paused_collection():  # torch's and transformers' imports (utilities.imports says why)
+            from utilities.measure.plan_cli import main as plan_main
+
+            return plan_main(argv[1:])
     args = _parser().parse_args(argv)
     args.lesson_args = lesson_flags
     try:

@@ -285,6 +285,7 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
     forward and backward run DTensor ops too: one untracked forward and backward come first."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from utilities.imports import collect_from_here
     from utilities.measure.memory import TrackerHooks
     from utilities.measure.plan_options import PlanOptions, accumulate, traced_micro_batches
     from utilities.measure.tensor_parallel import loss_parallel_context
@@ -304,6 +305,7 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
         with fake_mode, _cp_attention(cp_group) as cp_calls, _own_batch(spec):
             data = fake_batch(spec, batch, seq // cp, device, mask=cp == 1)
             optimizer = _optimizer_in_place(model, data, device, tp)
+            collect_from_here()  # the tracked step runs with the garbage collector on
             tracker = fsdp_mem_tracker()(model, optimizer)
 
             def between():
