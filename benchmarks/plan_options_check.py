@@ -306,10 +306,10 @@ def accelerate_and_torchtitan(rows: list) -> None:
                 "checkpoint's own saved-tensor hooks take the saves, and what a compiled "
                 "checkpointed region keeps is not traced. The published 5.4 GiB drop is not "
                 "reproduced. Candidates, unverified: eager SAC caches every MUST_SAVE output "
-                "until the recompute replays it, while AOTAutograd saves only the ones its "
-                "backward needs (the last mm of a block, the MLP's down projection, feeds only "
-                "the residual sum: 2 x 8192 x 4096 x 2 B = 128 MiB per block, 4 GiB over 32); "
-                "and inductor fuses the recompute's pointwise temporaries in backward."})
+                "until the recompute replays it, and the compiled region may not keep one its "
+                "backward never reads (the last mm of a block, the MLP's down projection, feeds "
+                "only the residual sum: 2 x 8192 x 4096 x 2 B = 128 MiB per block, 4 GiB over "
+                "32); inductor fuses the recompute's pointwise temporaries in backward."})
 
 
 # Llama 3.1 70B's published shapes (meta-llama/Llama-3.1-70B config.json)
