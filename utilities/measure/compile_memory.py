@@ -6,9 +6,12 @@ compiled region's backward is one graph, and AOTAutograd's min-cut partitioner
 (``torch._functorch.partitioners.min_cut_rematerialization_partition``) chooses what crosses from
 its forward to its backward: the set of forward tensors of fewest bytes from which backward can
 compute everything it needs, where matmuls, attention, collectives, random ops and ops whose output
-is 4x smaller than their inputs (reductions) cannot be recomputed, and every other op (pointwise,
-casts) can, inside the region. Pointwise outputs recomputable from what is saved anyway are not
-saved: they are recomputed in backward (fused into its kernels).
+is 4x smaller than their inputs (reductions) cannot be recomputed, nor a tensor a matmul or
+attention reads (its backward reads it again in a kernel of its own, so recomputing it is not
+free: ``ban_recompute_materialized_backward``), and every other op (pointwise, casts) can, inside
+the region. Pointwise outputs recomputable from what is saved anyway are not saved: they are
+recomputed in backward (fused into its kernels): SiLU's output, RMSNorm's fp32 upcast; the
+SwiGLU product and the normalized inputs of the projections stay saved.
 
 ``CompiledRegions`` traces that on the fake step. Each block that runs uncheckpointed is a region
 (torchtitan compiles per block; accelerate's regional compile too): while its forward runs, a
@@ -43,9 +46,9 @@ from utilities.measure.op_recorder import MEMORY, _classify
 COMPILE_MEMORY_NOTE = (
     "--compile: memory as torch.compile per block saves it (AOTAutograd's min-cut partitioner, "
     "traced): within each uncheckpointed block, the pointwise outputs eager autograd saves "
-    "(SiLU, the SwiGLU product, RMSNorm's casts and normalized output) and that can be recomputed "
-    "from tensors saved anyway (matmul and attention outputs, small reductions, the block's "
-    "input) are not saved but recomputed in backward")
+    "(SiLU's, RMSNorm's fp32 upcast) that can be recomputed from tensors saved anyway (matmul "
+    "and attention outputs and their inputs, small reductions, the block's input) are not saved "
+    "but recomputed in backward")
 
 
 def compile_note(regions: list[dict[str, Any]], ac: str) -> str:
@@ -145,6 +148,9 @@ class _Region:
             n = self.latest[key] = len(self.nodes)
             self.nodes.append(_Node(nbytes, banned, name, weakref.ref(t)))
             self.edges += [(s, n) for s in sources]
+        if kind != MEMORY:  # its backward reads its inputs in a kernel of its own: materialized
+            for s in sources:
+                self.nodes[s].banned = True
 
     def pack(self, t):
         saved = _Saved(t, self.node_of(t) if isinstance(t, torch.Tensor) else None, self.fake_mode)
