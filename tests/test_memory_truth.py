@@ -240,6 +240,7 @@ def test_help_says_what_compile_does_to_memory(capsys):
     assert "memory" in said and "recomputed in backward" in said and "--no-time" in said
 
 
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 def test_compiled_saves_match_aotautograds_own_partitioner():
     """The traced model against the real thing on CPU: a llama-tiny layer compiled with
     AOTAutograd and inductor's partitioner (``min_cut_rematerialization_partition``, no code
