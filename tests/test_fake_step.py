@@ -28,6 +28,8 @@ CASES = {
     "block pairs, LoRA": dict(world=4, strategy="full_shard", precision="bf16",
                               ac="every-2nd-block", batch=1, seq=128,
                               options=PlanOptions(lora_rank=8)),
+    "compiled blocks": dict(world=8, strategy="full_shard", precision="bf16", ac="none", batch=1,
+                            seq=256, compile=True),
 }
 
 

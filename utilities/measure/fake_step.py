@@ -302,6 +302,7 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = prepare(spec, strategy, precision, ac, mesh, fake_mode, device, options, tp)
         units, tracker_names, root_name = _unit_infos(model)
+        compiled = _compiled_regions(model, spec, fake_mode, config.compile)
         with fake_mode, _cp_attention(cp_group) as cp_calls, _own_batch(spec):
             data = fake_batch(spec, batch, seq // cp, device, mask=cp == 1)
             optimizer = _optimizer_in_place(model, data, device, tp)
@@ -315,7 +316,9 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
             ops, samples, recorder = _recorders(tracker, tracker_names, root_name, spec, fake_mode,
                                                 cp_group, device.type)
 
-            with ops.mode, TrackerHooks(), tracker:  # the hooks go, so the model can be collected
+            compiled.regions.clear()  # the untracked steps' regions
+            # the hooks go, so the model can be collected
+            with ops.mode, TrackerHooks(), tracker, compiled.mode:
                 start = len(recorder.events)
                 optimizer.zero_grad(set_to_none=True)
                 with loss_parallel_context(model):
@@ -345,7 +348,8 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
                      collectives=list(ops.collectives), trace_s=time.perf_counter() - t0,
                      backward_collectives_from=(len(ops.collectives) if ops.backward_collectives_from
                                                 is None else ops.backward_collectives_from),
-                     memory_events=memory, unit_states=unit_states)
+                     memory_events=memory, unit_states=unit_states,
+                     compiled_regions=compiled.regions)
     samples.event_places = places
     return step, samples
 
@@ -361,6 +365,24 @@ def _quiet_warnings() -> None:
     warnings.filterwarnings("ignore", message="Module is None")
     warnings.filterwarnings("ignore", message=T5_POSITION_BIAS_VIEW)
     warnings.filterwarnings("ignore", message=HEAD_VIEW_WARNING)
+
+
+def _compiled_regions(model, spec, fake_mode, compile: bool):
+    """The blocks traced as ``torch.compile`` regions (``compile_memory.CompiledRegions``), or
+    nothing to trace when the step is eager."""
+    if not compile:
+        return _Eager()
+    from utilities.measure.compile_memory import CompiledRegions
+
+    return CompiledRegions(model, spec.block_class(), fake_mode)
+
+
+class _Eager:
+    """No compiled region: an empty list of them and no mode."""
+
+    def __init__(self):
+        self.regions: list = []
+        self.mode = contextlib.nullcontext()
 
 
 def _meshes(config: StepConfig, device: torch.device):
@@ -465,7 +487,9 @@ class StepConfig:
     checkpointing ``ac``, ``batch`` x ``seq`` tokens per rank, the fake tensors' ``device_type``,
     the plan's ``options`` (``PlanOptions``), tensor parallelism ``tp``, ``scale`` (trace a
     deep model at small depths and extend it), and context parallelism ``cp`` (each rank of a
-    CP group runs seq / cp of the tokens, ``utilities.measure.context_parallel``)."""
+    CP group runs seq / cp of the tokens, ``utilities.measure.context_parallel``), and ``compile``
+    (each uncheckpointed block saves for backward what ``torch.compile`` saves,
+    ``utilities.measure.compile_memory``)."""
 
     world: int
     strategy: str = "full_shard"
@@ -479,6 +503,7 @@ class StepConfig:
     tp: int = 1
     scale: bool = True
     cp: int = 1
+    compile: bool = False
 
 
 def step_config(config: int | StepConfig | None = None, *fields: Any, **settings: Any) -> StepConfig:
@@ -541,6 +566,7 @@ def _trace(spec, config: StepConfig) -> StepTrace:
         scaled = linearly_scaled(spec, small, small_samples, large, large_samples, depths)
     if scaled is None:  # the blocks are not alike: trace them all
         return _whole(spec, config)
+    scaled.compiled_regions = small.compiled_regions
     scaled.trace_s = time.perf_counter() - t0
     return scaled
 

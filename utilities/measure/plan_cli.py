@@ -140,7 +140,10 @@ def _add_time_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network-gbps", default="400",
                         help="network bandwidth per GPU between nodes, Gb/s; default 400")
     parser.add_argument("--compile", action="store_true",
-                        help="predict the step time with torch.compile per block")
+                        help="torch.compile per block: the step time with inductor's fused kernels, "
+                        "and the memory as AOTAutograd's partitioner saves it (the pointwise "
+                        "outputs eager saves, such as SiLU's, recomputed in backward instead; "
+                        "traced on each uncheckpointed block; applies with --no-time too)")
     parser.add_argument("--fp8", action="store_true",
                         help="predict the step time with Float8 linears and FP8 all-gathers")
     parser.add_argument("--calibrate", action="store_true",
@@ -294,7 +297,8 @@ def config_from_args(args: argparse.Namespace) -> StepConfig:
     config = StepConfig(_int_arg("--gpus", args.gpus), args.strategy, args.precision, args.ac,
                         seq=_int_arg("--seq", args.seq),
                         shard_size=_int_arg("--shard-size", args.shard_size),
-                        tp=_int_arg("--tp", args.tp), cp=_int_arg("--cp", getattr(args, "cp", "1")))
+                        tp=_int_arg("--tp", args.tp), cp=_int_arg("--cp", getattr(args, "cp", "1")),
+                        compile=bool(getattr(args, "compile", False)))
     return dataclasses.replace(config, batch=_int_arg("--batch", args.batch))
 
 
@@ -363,7 +367,7 @@ def format_plan(p: Plan, largest: int | None = None) -> str:
              f"{f' (shard groups of {p.shard_size})' if p.shard_size else ''}"
              f"{f' across TP groups of {p.tp}' if p.tp > 1 else ''}"
              f"{f' with CP groups of {p.cp}' if p.cp > 1 else ''}, {p.precision}, "
-             f"AC {p.ac}, batch {p.batch} x seq {p.seq} "
+             f"AC {p.ac}{', compiled per block' if p.compile else ''}, batch {p.batch} x seq {p.seq} "
              + (f"per CP group (each of its {p.cp} ranks runs 1/{p.cp} of every sequence's tokens"
                 + (f"; a TP group of {p.tp} per CP rank" if p.tp > 1 else "") + ")" if p.cp > 1 else
                 f"per TP group (each of its {p.tp} ranks runs these tokens)" if p.tp > 1 else

@@ -160,6 +160,9 @@ class Plan:
     reserved: dict[str, int] | None = None
     tp: int = 1  # tensor parallelism inside groups of tp GPUs, FSDP2 across them
     cp: int = 1  # context parallelism: groups of cp GPUs split every sequence, FSDP2 over all
+    compile: bool = False  # each block torch.compile-d: saves for backward as AOTAutograd does
+    # under compile: one block's bytes saved for backward eager and compiled, what is recomputed
+    compile_memory: dict[str, Any] | None = None
 
     @property
     def theory(self) -> dict[str, dict[str, int]]:
@@ -172,7 +175,8 @@ class Plan:
         """The step this plan is of (what the time model takes for it)."""
         return StepConfig(self.gpus, self.strategy, self.precision, self.ac, self.batch, self.seq,
                           self.device_type, self.shard_size,
-                          PlanOptions(**self.options) if self.options else None, self.tp, cp=self.cp)
+                          PlanOptions(**self.options) if self.options else None, self.tp, cp=self.cp,
+                          compile=self.compile)
 
 
 def plan(model, gpus: int | StepConfig, gpu_memory_bytes: int, *step: Any, parallelize: Any = None,
@@ -216,7 +220,8 @@ def plan(model, gpus: int | StepConfig, gpu_memory_bytes: int, *step: Any, paral
                 gpu_memory_bytes=gpu_memory_bytes, strategy=strategy, precision=config.precision,
                 ac=config.ac, batch=config.batch, seq=config.seq, device_type=device.type,
                 shard_size=config.shard_size, budget_bytes=budget, notes=notes,
-                warnings=warnings, options=o.as_dict(), tp=config.tp, cp=config.cp)
+                warnings=warnings, options=o.as_dict(), tp=config.tp, cp=config.cp,
+                compile=config.compile)
     if floor["total"] > budget:
         # No need to run anything: what every rank holds at all times already overflows.
         return Plan(**head, peak_bytes=floor, detail={}, fits=False,
@@ -247,7 +252,7 @@ def plan(model, gpus: int | StepConfig, gpu_memory_bytes: int, *step: Any, paral
         **head, peak_bytes={k: int(v) for k, v in cats.items()}, detail=detail, fits=fits,
         overflowing=None if cats["total"] <= budget else overflowing_category(cats, budget),
         method="FSDPMemTracker on FakeTensorMode + fake process group", model_states=states,
-        host=host, reserved=reserved)
+        host=host, reserved=reserved, compile_memory=_compile_memory(step, config))
 
 
 def _checked_plan(spec, config: StepConfig, gpu_memory_bytes: int, parallelize: Any
@@ -287,7 +292,23 @@ def _trace_notes(step, config: StepConfig) -> list[str]:
         notes.append(loss_parallel_note(o.loss_parallel, config.tp))
     if config.cp > 1:
         notes.append(cp_note(config.cp))
+    if config.compile:
+        from utilities.measure.compile_memory import compile_note
+
+        notes.append(compile_note(step.compiled_regions, config.ac))
     return notes
+
+
+def _compile_memory(step, config: StepConfig) -> dict[str, Any] | None:
+    """Under compile: one (middle) block's bytes saved for backward, eager and compiled, and the
+    ops whose saved outputs are recomputed instead (``compile_memory``); None when eager."""
+    if not config.compile:
+        return None
+    from utilities.measure.compile_memory import COMPILE_MEMORY_NOTE
+
+    regions = step.compiled_regions
+    block = dict(regions[len(regions) // 2]) if regions else {}
+    return {"what": COMPILE_MEMORY_NOTE, "compiled_blocks": len(regions), "per_block": block}
 
 
 def _as_ddp(cats: dict[str, int], detail: dict[str, int], states: dict[str, int],

@@ -73,6 +73,8 @@ class StepTrace:
     memory_events: MemoryEvents | None = field(default=None, repr=False)
     unit_states: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     reserved_scaled_linearly: bool = False  # the replay could not be extended block by block
+    # under compile: each compiled region's saved bytes, eager and compiled (``compile_memory``)
+    compiled_regions: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def reserved(self, without: frozenset[str] = frozenset()) -> dict[str, int] | None:
         """The caching allocator's peaks for this step (``allocator.reserved_peak``), leaving out
