@@ -132,11 +132,12 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
     (``utilities.parallelize.parallelize_model``: TP on the mesh's "tp" dim when ``tp`` > 1,
     checkpointing, FSDP2 per block and the root), then materialize it as fake tensors on
     ``device``."""
-    from utilities.measure.plan_options import PlanOptions, apply_to_model, shard_kwargs
+    from utilities.measure.plan_options import PlanOptions, apply_to_model, policy_name, shard_kwargs
     from utilities.parallelize import parallelize_model
     from utilities.precision import fsdp2_policy
 
     options = options or PlanOptions()
+    policy = fsdp2_policy(policy_name(precision, options))
     model = spec.build(device="meta")
     block = spec.block_class()
     apply_to_model(model, [m for m in model.modules() if isinstance(m, block)], options)
@@ -145,10 +146,10 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
         from utilities.measure.user_code import call_parallelize
 
         call_parallelize(yours, model, mesh, device, spec.name.rpartition(" sharded by ")[2],
-                         mp_policy=fsdp2_policy(precision))
+                         mp_policy=policy)
     else:
         parallelize_model(model, block_class=block, mesh=mesh, ac=ac, loss_parallel=options.loss_parallel,
-                          mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))
+                          mp_policy=policy, **shard_kwargs(options, strategy))
     with fake_mode:
         model.to_empty(device=device)
     return model
