@@ -119,6 +119,9 @@ def test_an_fp32_reduction_holds_fp32_unsharded_gradients_across_micro_batches()
     last_fp32 = tiny(2, **base, accum_sync="last", reduce_dtype="fp32")
     parameters = get_model_spec(MODEL).num_parameters
     assert parameters == 836_736
+    # booked as gradients (the tracker's unsharded gradients), not temporaries: every parameter's
+    assert (last_bf16.peak_bytes["gradients"], last_fp32.peak_bytes["gradients"]) == (2 * parameters,
+                                                                                      4 * parameters)
     held = last_fp32.peak_bytes["total"] - last_bf16.peak_bytes["total"]
     assert 2 * parameters <= held <= 2 * parameters + 369_152, held
     every = [tiny(2, **base, reduce_dtype=r).peak_bytes["total"] for r in ("bf16", "fp32")]
