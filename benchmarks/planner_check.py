@@ -9,7 +9,9 @@ measured and the relative error (predicted / measured - 1).
 Every GPU configuration is compared: on a GPU the measured peak is always
 `torch.cuda.max_memory_allocated` over the step (lesson 10 and lesson 05 call their GPU category
 split a "census", but the total beside it is the allocator's real peak), and for the memory
-maximizer every trial that ran without an OOM, not only the recommended batch. On CPU, runs whose
+maximizer every trial that ran without an OOM, not only the recommended batch; and
+planner_check_accum.py's real CPU steps with bf16 parameters and gradient accumulation (not
+counted in --max-checks), each planned with its options. On CPU, runs whose
 "peak" is a census of resident state (where no tracker could follow the step, e.g. gradient
 accumulation) are left out: they hold no activations and are no peak to compare with.
 
@@ -109,6 +111,23 @@ def measured_configs(directory: Path, device_type: str) -> list[dict]:
     return configs
 
 
+def accumulation_configs(directory: Path, device_type: str) -> list[dict]:
+    """planner_check_accum.py's runs (bf16 parameters, gradient accumulation, both syncs, a bf16
+    or fp32 reduction; real 2-rank CPU steps under the tracker), each planned with its options."""
+    configs = []
+    for name, data in _load(directory, "planner_check_accum", device_type):
+        for run in data.get("runs", []):
+            if run.get("status") != "ok" or not run.get("peak_bytes"):
+                continue
+            configs.append({
+                "source": f"{name}:{run['config']}", "model": data["model"]["name"],
+                "gpus": data["world_size"], "precision": data["precision"], "ac": data["ac"],
+                "batch": data["batch_size"], "seq": data["seq_len"], "options": run["options"],
+                "measured_bytes": run["peak_bytes"], "measured_on": device_type,
+                "measured_method": measured_method(device_type, "tracker"), "caveats": []})
+    return configs
+
+
 def main(argv=None) -> int:
     from utilities.measure.planner import parse_memory, plan
 
@@ -120,11 +139,12 @@ def main(argv=None) -> int:
     configs = measured_configs(Path(args.results_dir), measured_on)
     if args.max_checks is not None:
         configs = configs[: args.max_checks]
+    configs += accumulation_configs(Path(args.results_dir), measured_on)
     data["rows"] = []
     for c in configs:
         p = plan(c["model"], c["gpus"], parse_memory(args.gpu_memory), strategy="full_shard",
                  precision=c["precision"], ac=c["ac"], batch=c["batch"], seq=c["seq"],
-                 device_type=measured_on)
+                 device_type=measured_on, options=c.get("options"))
         predicted = p.peak_bytes["total"]
         row = dict(c, predicted_bytes=predicted, predicted_detail=p.peak_bytes,
                    relative_error=predicted / c["measured_bytes"] - 1, planner_notes=p.notes)

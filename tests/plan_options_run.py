@@ -32,6 +32,7 @@ def step_peak(model_name: str, batch: int, seq: int, options: dict) -> dict:
         accumulate,
         apply_to_model,
         as_options,
+        policy_name,
         shard_kwargs,
         traced_micro_batches,
         trainable_parameters,
@@ -47,7 +48,7 @@ def step_peak(model_name: str, batch: int, seq: int, options: dict) -> dict:
     blocks = [m for m in model.modules() if isinstance(m, block)]
     apply_to_model(model, blocks, o)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    kw = dict(mesh=mesh, mp_policy=fsdp2_policy("bf16"), **shard_kwargs(o, "full_shard"))
+    kw = dict(mesh=mesh, mp_policy=fsdp2_policy(policy_name("bf16", o)), **shard_kwargs(o, "full_shard"))
     for b in blocks:
         fully_shard(b, **kw)
     fully_shard(model, **kw)

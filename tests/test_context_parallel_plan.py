@@ -9,6 +9,7 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
 from utilities.measure import plan_cli
 from utilities.measure import planner as P
@@ -66,6 +67,58 @@ def kv_heavy(layers: int = 2):
         return c
 
     return dataclasses.replace(spec, make_config=config, known_parameters=None, name="llama-tiny kv-heavy")
+
+
+def gqa(layers: int = 2):
+    """llama-tiny with llama-8b's grouped-query attention (32 query heads, 8 K/V heads), heads of
+    10 (so no other tensor of the step shares the repeated K/V's size), a narrow MLP."""
+    spec = get_model_spec(MODEL)
+    make = spec.make_config
+
+    def config():
+        c = make()
+        c.num_attention_heads, c.num_key_value_heads, c.head_dim = 32, 8, 10
+        c.intermediate_size, c.num_hidden_layers = 64, layers
+        return c
+
+    return dataclasses.replace(spec, make_config=config, known_parameters=None, name="llama-tiny gqa")
+
+
+def test_a_gqa_model_under_cp_holds_no_mask_and_gathers_only_its_kv_heads(monkeypatch):
+    """A transformers decoder under CP gets the unpadded batch's answer (no mask: SDPA's
+    ``is_causal`` with ``enable_gqa``), as a real CP run does, so its trace holds no
+    (seq/cp) x seq mask and gathers the 8 K/V heads, never K/V repeated to the 32 query heads.
+    By hand (batch 1, seq 4096, cp 4, bf16): the whole sequence's K repeated is 32 x 4096 x 10 x 2
+    = 2.5 MiB, its K/V heads 0.625 MiB. The same step fed a 4-D mask (transformers then repeats
+    K/V, a fake mask being unreadable) gathers the repeated ones, K and V in each layer's forward
+    and backward, and peaks at least the repeated K and V's excess higher."""
+    from utilities.measure import fake_step
+
+    spec, seq, cp = gqa(), 4096, 4
+    cfg = spec.config()
+    repeated_k = 1 * cfg.num_attention_heads * seq * cfg.head_dim * 2
+    heads_k = 1 * cfg.num_key_value_heads * seq * cfg.head_dim * 2
+    assert (repeated_k, heads_k) == (2_621_440, 655_360)
+    local = seq // cp
+    masks = {n * b for n in (local * local, local * seq) for b in (1, 2, 4)}
+    config = StepConfig(8, ac="none", batch=1, seq=seq, device_type="cuda", cp=cp)
+    step = trace(spec, config)
+    sizes = [n for kind, _, n, _ in step.memory_events.step if kind == "alloc"]
+    assert repeated_k not in sizes and not masks & set(sizes)
+    cp_ops = [(op, n) for op, unit, n in step.collectives if op.startswith("cp:") and unit == "layers.0"]
+    assert [n for op, n in cp_ops if op == "cp:all_gather_into_tensor"] == [heads_k // cp] * 4
+
+    plain = fake_step.fake_batch
+
+    def masked(spec, batch, seq, device, mask=True):
+        return {**plain(spec, batch, seq, device, mask), "attention_mask": torch.ones(
+            (1, 1, 1, 1), dtype=torch.bool, device=device).expand(batch, 1, seq, seq)}
+
+    monkeypatch.setattr(fake_step, "fake_batch", masked)
+    with_mask = trace(dataclasses.replace(spec, name="llama-tiny gqa masked"), config)
+    masked_sizes = [n for kind, _, n, _ in with_mask.memory_events.step if kind == "alloc"]
+    assert masked_sizes.count(repeated_k) >= 2 * 2 * cfg.num_hidden_layers
+    assert with_mask.peak["Total"] - step.peak["Total"] >= 2 * (repeated_k - heads_k)
 
 
 def live_at_peak(events) -> list[int]:

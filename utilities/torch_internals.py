@@ -297,7 +297,9 @@ def fsdp_mem_tracker():
     pre-backward runs. An explicit backward prefetch (``set_modules_to_backward_prefetch``) is
     issued just after that, from the unit's state, so its output was booked as a temporary: a
     depth-2 prefetch's two gathered blocks showed as temporaries, and the bytes gathered at the
-    peak did not grow with the depth. The total is unchanged; only the category moves. On a torch
+    peak did not grow with the depth. And the unsharded gradients FSDP2 accumulates in its
+    reduce dtype between micro-batches without gradient sync are booked as unsharded gradients,
+    not temporaries. The totals are unchanged; only the category moves. On a torch
     whose tracker lacks the private names this relies on, it is the stock tracker.
     """
     from torch.distributed._tools import fsdp2_mem_tracker as module
@@ -312,6 +314,9 @@ def fsdp_mem_tracker():
     booked = (module._FSDPState.PRE_FW, module._FSDPState.PRE_BW)
     post_forward = getattr(module._FSDPState, "POST_FW", None)
     kept = getattr(module._FSDPRefType, "UNSHARDED_PARAM", None)
+    to_copy = torch.ops.aten._to_copy.default
+    post_backward = getattr(module._FSDPState, "POST_BW", None)
+    unsharded_grad = getattr(module._FSDPRefType, "UNSHARDED_GRAD", None)
 
     class FSDPMemTracker(stock):  # the name results.json reports as the method
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -326,6 +331,13 @@ def fsdp_mem_tracker():
                 # which the stock tracker books as an activation; False keeps the whole
                 # gathered parameters, booked as unsharded parameters: so is this
                 self._rebook(out, kept)
+            elif (func is to_copy and state is post_backward and unsharded_grad is not None
+                  and isinstance(out, torch.Tensor)):
+                # accumulation without gradient sync under a reduce dtype: FSDP2 keeps the unsharded
+                # gradients upcast (FSDPParam.unsharded_accumulated_grad), on no parameter's .grad,
+                # which the stock tracker booked as temporaries (a copy that becomes a sharded
+                # gradient is re-booked as one by the stock tracker after post-backward)
+                self._rebook(out, unsharded_grad)
             return out
 
         def _rebook(self, t, category) -> None:

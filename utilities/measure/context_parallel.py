@@ -116,8 +116,10 @@ def _gathered(x: torch.Tensor, group) -> torch.Tensor:
 class CPAttention(torch.autograd.Function):
     """Causal attention of the local queries over the whole sequence's keys, K/V gathered over the
     CP ``group`` in forward and again in backward (the module's docstring). K and V are gathered
-    as the model hands them to attention: a Llama of Hugging Face's (or torchtitan's) repeats its
-    K/V heads to the query heads before SDPA, and torch's ring gathers what SDPA gets."""
+    as the model hands them to attention, as torch's ring gathers what SDPA gets: a transformers
+    decoder on the planner's unpadded batch hands SDPA its K/V heads only (``enable_gqa``; the
+    attention ops take fewer K/V heads than query heads), a model that repeats them (torchtitan's
+    Llama) every head."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale):

@@ -132,11 +132,12 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
     (``utilities.parallelize.parallelize_model``: TP on the mesh's "tp" dim when ``tp`` > 1,
     checkpointing, FSDP2 per block and the root), then materialize it as fake tensors on
     ``device``."""
-    from utilities.measure.plan_options import PlanOptions, apply_to_model, shard_kwargs
+    from utilities.measure.plan_options import PlanOptions, apply_to_model, policy_name, shard_kwargs
     from utilities.parallelize import parallelize_model
     from utilities.precision import fsdp2_policy
 
     options = options or PlanOptions()
+    policy = fsdp2_policy(policy_name(precision, options))
     model = spec.build(device="meta")
     block = spec.block_class()
     apply_to_model(model, [m for m in model.modules() if isinstance(m, block)], options)
@@ -145,10 +146,10 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
         from utilities.measure.user_code import call_parallelize
 
         call_parallelize(yours, model, mesh, device, spec.name.rpartition(" sharded by ")[2],
-                         mp_policy=fsdp2_policy(precision))
+                         mp_policy=policy)
     else:
         parallelize_model(model, block_class=block, mesh=mesh, ac=ac, loss_parallel=options.loss_parallel,
-                          mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))
+                          mp_policy=policy, **shard_kwargs(options, strategy))
     with fake_mode:
         model.to_empty(device=device)
     return model
@@ -157,10 +158,11 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
 def fake_batch(spec, batch: int, seq: int, device: torch.device, mask: bool = True):
     """The step's batch: token ids and labels, or for a model with its own batch function
     (``--batch-fn``) the loss of the model as a function of it (``plan_options.step_loss`` takes
-    either). A transformers decoder gets no attention mask: a real step's all-ones mask is read
-    as unpadded and dropped (SDPA's ``is_causal``, K/V heads not repeated), which a fake mask
-    cannot be, so it would plan a seq x seq mask and repeated K/V the run never holds. A seq2seq
-    or your own model gets an all-ones mask; under CP (``mask`` False) a 4-D one of one byte."""
+    either). A transformers decoder gets no attention mask, with or without CP: a real step's
+    all-ones mask is read as unpadded and dropped (SDPA's ``is_causal``, K/V heads not repeated),
+    which a fake mask cannot be, so it would plan a seq x seq mask and repeated K/V the run never
+    holds. A seq2seq or your own model gets an all-ones mask; your own under CP (``mask`` False)
+    a 4-D one of one byte."""
     make_batch = getattr(spec, "make_batch", None)
     if make_batch is not None:
         from utilities.measure.user_code import user_batch
@@ -171,14 +173,14 @@ def fake_batch(spec, batch: int, seq: int, device: torch.device, mask: bool = Tr
         ids = torch.randint(0, vocab, (batch, seq), device=device)
         return {"input_ids": ids, "labels": ids.clone()}
     ids = torch.randint(0, vocab, (batch, seq), device=device)
+    if spec.family != "custom" and not spec.is_seq2seq:  # transformers' decoder: an unpadded batch
+        return {"input_ids": ids, "labels": ids.clone()}
     if not mask:  # a 4-D mask the model takes as it is, one byte held (CP attention is causal)
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones(
             (1, 1, 1, 1), dtype=torch.bool, device=device).expand(batch, 1, seq, seq)}
     if spec.is_seq2seq:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                 "labels": torch.randint(0, vocab, (batch, seq), device=device)}
-    if spec.family != "custom":  # transformers' model: no mask, as it runs an unpadded batch
-        return {"input_ids": ids, "labels": ids.clone()}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 

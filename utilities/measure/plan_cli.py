@@ -191,6 +191,11 @@ def _add_option_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-dtype", default="fp32",
                         help="fp32 (default: fp32 master parameters) or bf16 (the model stored in "
                         "bf16, no fp32 masters: half the state, lost small updates)")
+    parser.add_argument("--reduce-dtype", default=None,
+                        help="bf16 or fp32: the gradients' reduce-scatter dtype (default: the "
+                        "precision's own); "
+                        "fp32 with --precision bf16 is torchtitan's default, and with --accum-sync "
+                        "last FSDP2 then holds the unsharded gradients in fp32 between micro-batches")
     parser.add_argument("--parallelize", default=None, metavar="FILE.py:FUNCTION",
                         help="plan your own sharding function, FUNCTION(model, *, mesh, "
                         "world_size, device, mp_policy) in your FILE.py (imported as `python FILE.py` would; "
@@ -220,6 +225,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         trainable=parse_fraction("--trainable", getattr(args, "trainable", None)),
         lora_rank=_int_arg("--lora-rank", getattr(args, "lora_rank", None)),
         param_dtype=str(getattr(args, "param_dtype", "fp32")),
+        reduce_dtype=getattr(args, "reduce_dtype", None),
         host_memory_bytes=(parse_memory(host, "--host-memory") if host is not None
                            else PlanOptions().host_memory_bytes),
         gpus_per_node=_int_arg("--gpus-per-node", getattr(args, "gpus_per_node", "8")),

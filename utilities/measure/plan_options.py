@@ -29,6 +29,13 @@ flag                       field                       mechanism (memory; time)
                                                        the blocks' ``nn.Linear`` layers
 ``--param-dtype``          ``param_dtype``             ``fp32`` (masters kept) or ``bf16``: the model
                                                        stored in bf16, no fp32 master copy
+``--reduce-dtype``         ``reduce_dtype``            ``fp32`` with ``--precision bf16``: FSDP2's
+                                                       ``reduce_dtype`` (torchtitan's default). The
+                                                       reduce-scatter in fp32; under ``--accum-sync
+                                                       last`` FSDP2 keeps the unsharded gradients
+                                                       between micro-batches upcast to fp32
+                                                       (``FSDPParam.unsharded_accumulated_grad``),
+                                                       twice the bf16 ones. None: the precision's own
 ``--gpus-per-node``        ``gpus_per_node``           ranks sharing one host's memory
 ``--no-loss-parallel``     ``loss_parallel``           with ``--tp``: True (default, torchtitan's) keeps
                                                        the LM head's logits split over the vocabulary
@@ -56,6 +63,7 @@ from utilities.errors import UsageError, bad_value
 
 ACCUM_SYNC = ("every", "last")
 PARAM_DTYPES = ("fp32", "bf16")
+REDUCE_DTYPES = ("bf16", "fp32")
 # A typical 8-GPU node's host memory: a DGX H100 has 2 TB of system memory.
 HOST_MEMORY_BYTES = 2 * 10**12
 HOST_MEMORY_SOURCE = "2 TB, a DGX H100's system memory (a typical 8-GPU node)"
@@ -76,6 +84,7 @@ class PlanOptions:
     trainable: float | None = None
     lora_rank: int | None = None
     param_dtype: str = "fp32"
+    reduce_dtype: str | None = None  # None: the precision's own (bf16 reduces in bf16)
     host_memory_bytes: int = HOST_MEMORY_BYTES
     gpus_per_node: int = 8
     loss_parallel: bool = True  # with TP: the logits split over the vocabulary (torchtitan's default)
@@ -134,6 +143,10 @@ def check_options(o: PlanOptions, strategy: str = "full_shard", precision: str =
     if o.param_dtype == "bf16" and precision == "fp32":
         raise bad_value("--param-dtype", o.param_dtype, "fp32 with --precision fp32 (bf16 "
                         "parameters compute in bf16: use --precision bf16)")
+    if o.reduce_dtype is not None and o.reduce_dtype not in REDUCE_DTYPES:
+        raise bad_value("--reduce-dtype", o.reduce_dtype, REDUCE_DTYPES)
+    if o.reduce_dtype == "bf16" and precision == "fp32":
+        raise bad_value("--reduce-dtype", o.reduce_dtype, "fp32 with --precision fp32")
     if not isinstance(o.host_memory_bytes, int) or o.host_memory_bytes < 1:
         raise bad_value("--host-memory", o.host_memory_bytes, "sizes > 0")
     if not isinstance(o.loss_parallel, bool):
@@ -264,6 +277,18 @@ def apply_to_model(model: nn.Module, blocks: list[nn.Module], o: PlanOptions) ->
         add_lora(model, blocks, o.lora_rank)
     elif o.trainable is not None and o.trainable < 1:
         freeze_fraction(model, blocks, o.trainable)
+
+
+def policy_name(precision: str, o: PlanOptions) -> str:
+    """The ``utilities.precision`` policy FSDP2 gets for ``precision`` with ``o.reduce_dtype``:
+    bf16 with an fp32 reduction is ``bf16-fp32-reduce``."""
+    return "bf16-fp32-reduce" if precision == "bf16" and o.reduce_dtype == "fp32" else precision
+
+
+def reduce_item(precision: str, o: PlanOptions | None) -> int:
+    """Bytes per gradient element in the reduce-scatter: 4 in fp32 (``--precision fp32`` or
+    ``--reduce-dtype fp32``), else 2."""
+    return 4 if precision == "fp32" or (o is not None and o.reduce_dtype == "fp32") else 2
 
 
 def shard_kwargs(o: PlanOptions, strategy: str) -> dict[str, Any]:

@@ -390,10 +390,12 @@ def _compute_segments(run: _Timed) -> list[tuple[str, str, float, dict[str, Any]
 def _unit_collectives(run: _Timed):
     """Per unit: its forward and backward all-gathers and its gradients' collectives (sets
     ``run.group`` and ``run.replicas``), and the function that makes a collective."""
+    from utilities.measure.plan_options import reduce_item
+
     c, t, g, eff = run.config, run.timing, run.gpu, run.eff
     gpus, strategy, tp = c.world, c.strategy, c.tp
     p_item = 4 if c.precision == "fp32" else 2
-    r_item = 4 if c.precision == "fp32" else 2
+    r_item = reduce_item(c.precision, c.options)
     group = {"full_shard": gpus // tp, "shard_grad_op": gpus // tp,
              "hybrid_shard": c.shard_size or gpus, "no_shard": 1}[strategy]
     per_rank = group * tp  # a 2-D parameter: split over tp, then sharded over the group
