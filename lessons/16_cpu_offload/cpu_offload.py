@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 from cpu_offload_run import CPU_NOTE, NOTES, VARIANTS, pin_memory_setting, run_variant, takeaway
 from torch import nn
-from torch.distributed.fsdp import CPUOffload, fully_shard
+from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -43,6 +43,7 @@ from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.measure.plan_options import PlanOptions
 from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
+from utilities.models import get_model_spec
 from utilities.torch_internals import cpu_offload_policy_class
 
 CPUOffloadPolicy = cpu_offload_policy_class()  # torch.distributed.fsdp.CPUOffloadPolicy
@@ -50,13 +51,16 @@ CPUOffloadPolicy = cpu_offload_policy_class()  # torch.distributed.fsdp.CPUOfflo
 
 # -- FSDP2: an offload policy on every fully_shard call --------------------------------------------
 def wrap_fsdp2(model: nn.Module, block_class: type[nn.Module], offload: bool,
-               pin_memory: bool) -> nn.Module:
+               pin_memory: bool, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """One unit per block, then the root. With ``offload`` every unit keeps its parameter shards,
     their gradients (and so the optimizer state) in host memory; ``pin_memory`` page-locks them so
     the copies to the GPU run asynchronously (it needs a GPU). The model must be on the CPU when
-    ``fully_shard`` sees it: offloaded parameters are never on the GPU whole."""
+    ``fully_shard`` sees it: offloaded parameters are never on the GPU whole. ``mp_policy``: none
+    in the lesson's runs (fp32); its cluster prediction passes bf16's."""
     mesh = world_mesh()
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=pin_memory)} if offload else {}
+    if mp_policy is not None:
+        policy["mp_policy"] = mp_policy
     for module in reversed(list(model.modules())):  # inner modules before outer ones
         if isinstance(module, block_class):
             fully_shard(module, mesh=mesh, **policy)
@@ -76,17 +80,35 @@ def wrap_fsdp1(model: nn.Module, block_class: type[nn.Module], device: torch.dev
 
 
 # -- the lesson run -------------------------------------------------------------------------------
-def prediction_knobs(variants: list[str]) -> dict[str, dict]:
-    """Each variant as the step-time model takes it: offload moves the shards, gradients and the
-    optimizer step to the host (``PlanOptions(offload=True)``: the copies over PCIe and AdamW on
-    the host CPU). The model plans FSDP2; FSDP1's offload is predicted the same way."""
-    return {name: {"plan_options": PlanOptions(offload=offload)} if offload else {}
-            for name, (_api, offload) in VARIANTS.items() if name in variants}
+def prediction_knobs(variants: list[str], block_class: type[nn.Module]) -> dict[str, dict]:
+    """Each variant as the step-time model takes it. An FSDP2 variant is traced through
+    ``wrap_fsdp2`` itself, with the page-locked shards a GPU run gets; the time model reads its
+    CPUOffloadPolicy from the model it shards (the copies over PCIe, AdamW on the host CPU). The
+    model traces FSDP2 only: FSDP1's offload is ``PlanOptions(offload=True)``, predicted the same
+    way."""
+    knobs = {}
+    for name, (api, offload) in VARIANTS.items():
+        if name not in variants:
+            continue
+        if api == "fsdp2":
+            knobs[name] = {"parallelize": functools.partial(wrap_fsdp2, block_class=block_class,
+                                                            offload=offload, pin_memory=True)}
+        else:
+            knobs[name] = {"plan_options": PlanOptions(offload=True)} if offload else {}
+    return knobs
+
+
+def prediction(args: argparse.Namespace) -> dict | None:
+    """The variants predicted on ``--predict-on`` (``predict_from_arguments``: rank 0, before the
+    process group)."""
+    if not args.variants or args.predict_on == "none":
+        return None
+    block = get_model_spec(args.predict_model).block_class()
+    return predict_from_arguments(args, prediction_knobs(args.variants, block))
 
 
 def main(args: argparse.Namespace) -> None:
-    knobs = prediction_knobs(args.variants)
-    predicted = predict_from_arguments(args, knobs) if knobs else None  # rank 0, before the group
+    predicted = prediction(args)
     with Lesson("16", args, needs_ranks="sharding before offloading", notes=NOTES,
                 cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         pin = pin_memory_setting(lesson, args)

@@ -145,7 +145,7 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
         from utilities.measure.user_code import call_parallelize
 
         call_parallelize(yours, model, mesh, device, spec.name.rpartition(" sharded by ")[2],
-                         mp_policy=fsdp2_policy(precision))
+                         mp_policy=fsdp2_policy(precision), take_offload=options.offload)
     else:
         parallelize_model(model, block_class=block, mesh=mesh, ac=ac, loss_parallel=options.loss_parallel,
                           mp_policy=fsdp2_policy(precision), **shard_kwargs(options, strategy))

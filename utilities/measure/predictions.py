@@ -124,7 +124,8 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
         kw = {"precision": precision, "ac": ac, "batch": batch, "seq": seq, **knobs}
         traced, traced_text = model, COURSE_SEQUENCE
         if wrap is not None:
-            traced, traced_text = own_wrap_spec(model, wrap, name, kw)
+            traced, traced_text = own_wrap_spec(model, wrap, name, kw,
+                                                min(cluster.gpus, cluster.gpus_per_node))
         t = estimate_step_time(traced, cluster.gpus, gpu=cluster.gpu,
                                gpus_per_node=cluster.gpus_per_node,
                                network_gbps=cluster.network_gbps, **kw)
@@ -157,18 +158,23 @@ def wrap_text(fn: Any) -> str:
     return text.replace(f"{base.__module__}.", f"{os.path.basename(code.co_filename)}:", 1)
 
 
-def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any]) -> tuple[Any, str]:
+def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any], world: int
+                  ) -> tuple[Any, str]:
     """The spec that traces variant ``name`` through the lesson's own wrap function ``wrap``, and
-    the row's ``traced`` text. One line for a knob the function decides itself, so the model cannot
-    take it from the knobs: activation checkpointing, offload and reshard_after_forward (what it
-    passes ``fully_shard``), DDP's no_shard (not FSDP2); and for a function that cannot be given
-    the prediction's mixed precision (it takes no ``mp_policy``)."""
-    from utilities.measure.user_code import resolve_spec, takes_keyword
+    the row's ``traced`` text; ``kw`` takes what the function decides, read from the model it
+    shards on ``world`` fake ranks (``user_code.decided_by``): its checkpointing (``ac``: a knob
+    saying otherwise is one line) and its ``CPUOffloadPolicy`` (the time model's offload copies and
+    host AdamW, the traced model without it: counted once). One line for an offload or
+    reshard_after_forward knob (what the function passes ``fully_shard`` decides them), DDP's
+    no_shard (not FSDP2), and a function that cannot be given the prediction's mixed precision
+    (it takes no ``mp_policy``)."""
+    from dataclasses import replace
+
+    from utilities.measure.plan_options import PlanOptions
+    from utilities.measure.user_code import decided_by, resolve_spec, takes_keyword
 
     text = wrap_text(wrap)
     where = f"with the lesson's own wrap function {text} (variant {name})"
-    if kw["ac"] != "none":
-        raise bad_value("ac", kw["ac"], f"none {where}: the function checkpoints what it checkpoints")
     if kw.get("strategy", "full_shard") == "no_shard":
         raise bad_value("strategy", "no_shard", f"an FSDP2 strategy {where}: DDP is not fully_shard")
     options = kw.get("plan_options")
@@ -179,7 +185,23 @@ def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any]) -> tuple
     if kw["precision"] != "fp32" and not takes_keyword(wrap, "mp_policy"):
         raise bad_value("parallelize", text, f"a function that takes mp_policy (the prediction's "
                         f"{kw['precision']} policy) for variant {name}, or precision fp32")
-    return resolve_spec(model, parallelize=wrap), f"the lesson's own {text}"
+    spec = resolve_spec(model, parallelize=wrap)
+    decided = decided_by(spec, world, kw["precision"])
+    from utilities.parallelize import AC_MODES
+
+    if decided.ac not in AC_MODES:
+        raise bad_value("parallelize", text, f"a function that checkpoints as one of {AC_MODES} "
+                        f"for variant {name} (it checkpoints {decided.ac})")
+    op_level = {"selective", "op"}
+    if kw["ac"] not in ("none", decided.ac) and not {kw["ac"], decided.ac} <= op_level:
+        raise bad_value("ac", kw["ac"], f"none or {decided.ac!r} {where}: the function checkpoints "
+                        f"what it checkpoints ({decided.ac})")
+    if kw["ac"] == "none":
+        kw["ac"] = decided.ac
+    if decided.offload:
+        kw["plan_options"] = replace(options or PlanOptions(), offload=True)
+    return spec, f"the lesson's own {text}" + (", its CPUOffloadPolicy planned as the time model's "
+                                              "offload" if decided.offload else "")
 
 
 def predicted_rows(block: dict[str, Any]) -> list[list[str]]:
