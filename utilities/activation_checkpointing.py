@@ -40,7 +40,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from utilities.errors import bad_value
 
 __all__ = ["apply_activation_checkpointing", "apply_op_selective_checkpointing", "block_units",
-           "checkpointed_blocks", "checkpointing_of", "select_blocks", "torchtitan_op_policy", "CheckpointWrapper"]
+           "checkpointed_blocks", "checkpointing_of", "select_blocks", "torchtitan_op_policy",
+           "CheckpointWrapper"]
 
 
 def _blocks(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
