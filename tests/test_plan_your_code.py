@@ -170,12 +170,17 @@ def test_a_knob_the_lessons_function_decides_is_refused_in_one_line(ac, strategy
                                                                       offload, said):
     """Activation checkpointing, DDP, offload, and bf16 for a function that cannot be given its
     policy: the lesson's function decides them, so a knob saying otherwise is one line, never
-    ignored."""
+    ignored (its checkpointing read from the model it shards: here none)."""
     from utilities.measure.plan_options import PlanOptions
     from utilities.measure.predictions import Cluster, predict_variants
 
+    lesson = lesson_module("13")
+    block = get_model_spec("llama-tiny").block_class()
+
     def with_policy(model, *, mesh, mp_policy):
-        raise AssertionError("refused before the trace")
+        if ac == "none":
+            raise AssertionError("refused before the trace")
+        lesson.shard(model, block, mp_policy)  # no checkpointing
 
     def without_policy(model, *, mesh):
         raise AssertionError("refused before the trace")
@@ -186,3 +191,50 @@ def test_a_knob_the_lessons_function_decides_is_refused_in_one_line(ac, strategy
                          {"v": {"parallelize": wrap, "strategy": strategy,
                                 "plan_options": PlanOptions(offload=offload)}}, ac=ac, batch=2, seq=64)
     assert said in str(e.value) and "\n" not in str(e.value)
+
+
+OWN_VS_KNOBS = 0.01  # a lesson's own function against the course's sequence of the same knobs
+
+
+def _rows(predicted: dict) -> dict:
+    return {v["name"]: v for v in predicted["variants"]}
+
+
+def test_lesson_16s_offload_prediction_reads_the_policy_from_wrap_fsdp2():
+    """Lesson 16's fsdp2-offload row traces its ``wrap_fsdp2``; the planner reads the
+    CPUOffloadPolicy it passes from the model it shards, so the row is the knob row's (FSDP1's: the
+    course's sequence with ``PlanOptions(offload=True)``) within 1%: the time model's copies and
+    host AdamW, counted once. Measured on t5-tiny: -0.08%; the offload dropped, -4.8%; the
+    policy traced as well (FSDP2's per-parameter copy-in casts under offload), +4.2% (t5-large on
+    2 x 8 H100: +2.9%)."""
+    from utilities.measure.predictions import Cluster, predict_variants
+
+    lesson = lesson_module("16")
+    knobs = lesson.prediction_knobs(["fsdp2-offload", "fsdp1-offload"],
+                                    get_model_spec("t5-tiny").block_class())
+    rows = _rows(predict_variants("t5-tiny", Cluster(1, 2, "h100"), knobs, batch=2, seq=64))
+    own, knob = rows["fsdp2-offload"], rows["fsdp1-offload"]
+    assert own["traced"].startswith("the lesson's own cpu_offload.py:wrap_fsdp2(") and "offload=True" in own[
+        "traced"] and "CPUOffloadPolicy" in own["traced"]
+    assert "utilities.parallelize" in knob["traced"]
+    assert own["step_s"] == pytest.approx(knob["step_s"], rel=OWN_VS_KNOBS)
+
+
+def test_lesson_13s_prediction_reads_the_checkpointing_of_checkpoint_and_shard():
+    """Lesson 13's rows trace its ``checkpoint_and_shard`` (op-level selective checkpointing, then
+    ``shard``): within 1% of the course's sequence with ``ac="selective"``, recomputing in
+    backward; a knob naming other checkpointing is one line."""
+    from utilities.measure.predictions import Cluster, predict_variants
+
+    lesson = lesson_module("13")
+    own = functools.partial(lesson.checkpoint_and_shard,
+                            block_class=get_model_spec("llama-tiny").block_class())
+    cluster = Cluster(1, 2, "h100")
+    rows = _rows(predict_variants("llama-tiny", cluster, {"own": {"parallelize": own, "compile": True},
+                                                          "knobs": {"compile": True}},
+                                  ac="selective", batch=2, seq=64))
+    assert rows["own"]["traced"].startswith("the lesson's own fp8_compile.py:checkpoint_and_shard(")
+    assert rows["own"]["step_s"] == pytest.approx(rows["knobs"]["step_s"], rel=OWN_VS_KNOBS)
+    assert any(e["phase"] == "recompute" for e in rows["own"]["timeline"])
+    with pytest.raises(UsageError, match=r"ac 'full' is not allowed.*checkpoints what it checkpoints"):
+        predict_variants("llama-tiny", cluster, {"own": {"parallelize": own}}, ac="full", batch=2, seq=64)
