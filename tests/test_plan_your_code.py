@@ -207,10 +207,13 @@ def test_lesson_16s_offload_prediction_reads_the_policy_from_wrap_fsdp2():
     host AdamW, counted once. Measured on t5-tiny: -0.08%; the offload dropped, -4.8%; the
     policy traced as well (FSDP2's per-parameter copy-in casts under offload), +4.2% (t5-large on
     2 x 8 H100: +2.9%)."""
+    import importlib
+
     from utilities.measure.predictions import Cluster, predict_variants
 
     lesson = lesson_module("16")
-    knobs = lesson.prediction_knobs(["fsdp2-offload", "fsdp1-offload"],
+    driver = importlib.import_module("cpu_offload_run")  # beside the script, on sys.path with it
+    knobs = driver.prediction_knobs(lesson, ["fsdp2-offload", "fsdp1-offload"],
                                     get_model_spec("t5-tiny").block_class())
     rows = _rows(predict_variants("t5-tiny", Cluster(1, 2, "h100"), knobs, batch=2, seq=64))
     own, knob = rows["fsdp2-offload"], rows["fsdp1-offload"]

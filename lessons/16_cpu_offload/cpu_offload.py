@@ -30,7 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from cpu_offload_run import CPU_NOTE, NOTES, VARIANTS, pin_memory_setting, run_variant, takeaway
+from cpu_offload_run import CPU_NOTE, NOTES, VARIANTS, pin_memory_setting, prediction, run_variant, takeaway
 from torch import nn
 from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -41,9 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
-from utilities.measure.plan_options import PlanOptions
-from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
-from utilities.models import get_model_spec
+from utilities.measure.predictions import add_prediction_arguments
 from utilities.torch_internals import cpu_offload_policy_class
 
 CPUOffloadPolicy = cpu_offload_policy_class()  # torch.distributed.fsdp.CPUOffloadPolicy
@@ -80,39 +78,12 @@ def wrap_fsdp1(model: nn.Module, block_class: type[nn.Module], device: torch.dev
 
 
 # -- the lesson run -------------------------------------------------------------------------------
-def prediction_knobs(variants: list[str], block_class: type[nn.Module]) -> dict[str, dict]:
-    """Each variant as the step-time model takes it. An FSDP2 variant is traced through
-    ``wrap_fsdp2`` itself, with the page-locked shards a GPU run gets; the time model reads its
-    CPUOffloadPolicy from the model it shards (the copies over PCIe, AdamW on the host CPU). The
-    model traces FSDP2 only: FSDP1's offload is ``PlanOptions(offload=True)``, predicted the same
-    way."""
-    knobs = {}
-    for name, (api, offload) in VARIANTS.items():
-        if name not in variants:
-            continue
-        if api == "fsdp2":
-            knobs[name] = {"parallelize": functools.partial(wrap_fsdp2, block_class=block_class,
-                                                            offload=offload, pin_memory=True)}
-        else:
-            knobs[name] = {"plan_options": PlanOptions(offload=True)} if offload else {}
-    return knobs
-
-
-def prediction(args: argparse.Namespace) -> dict | None:
-    """The variants predicted on ``--predict-on`` (``predict_from_arguments``: rank 0, before the
-    process group)."""
-    if not args.variants or args.predict_on == "none":
-        return None
-    block = get_model_spec(args.predict_model).block_class()
-    return predict_from_arguments(args, prediction_knobs(args.variants, block))
-
-
 def main(args: argparse.Namespace) -> None:
-    predicted = prediction(args)
+    code = SimpleNamespace(**globals())  # the functions above, for the driver
+    predicted = prediction(args, code)  # rank 0, before the group
     with Lesson("16", args, needs_ranks="sharding before offloading", notes=NOTES,
                 cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         pin = pin_memory_setting(lesson, args)
-        code = SimpleNamespace(**globals())  # the functions above, for the driver
         for name in args.variants:
             run_variant(lesson, name, pin, code)
         lesson.results.predicted(predicted)

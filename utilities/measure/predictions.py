@@ -162,7 +162,7 @@ def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any], world: i
                   ) -> tuple[Any, str]:
     """The spec that traces variant ``name`` through the lesson's own wrap function ``wrap``, and
     the row's ``traced`` text; ``kw`` takes what the function decides, read from the model it
-    shards on ``world`` fake ranks (``user_code.decided_by``): its checkpointing (``ac``: a knob
+    shards on ``world`` fake ranks (``decided_by``): its checkpointing (``ac``: a knob
     saying otherwise is one line) and its ``CPUOffloadPolicy`` (the time model's offload copies and
     host AdamW, the traced model without it: counted once). One line for an offload or
     reshard_after_forward knob (what the function passes ``fully_shard`` decides them), DDP's
@@ -171,7 +171,7 @@ def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any], world: i
     from dataclasses import replace
 
     from utilities.measure.plan_options import PlanOptions
-    from utilities.measure.user_code import decided_by, resolve_spec, takes_keyword
+    from utilities.measure.user_code import resolve_spec, takes_keyword
 
     text = wrap_text(wrap)
     where = f"with the lesson's own wrap function {text} (variant {name})"
@@ -202,6 +202,41 @@ def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any], world: i
         kw["plan_options"] = replace(options or PlanOptions(), offload=True)
     return spec, f"the lesson's own {text}" + (", its CPUOffloadPolicy planned as the time model's "
                                               "offload" if decided.offload else "")
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What a sharding function decides itself, read from the model it shards: ``ac``, its
+    checkpointing as ``AC_MODES`` names it (``checkpointing_of``); ``offload``: its units carry
+    a ``CPUOffloadPolicy``."""
+
+    ac: str
+    offload: bool
+
+
+def decided_by(spec: Any, world: int, precision: str) -> Decided:
+    """Run ``spec``'s sharding function once on a ``world``-rank fake world over its model built on
+    meta (nothing allocated) and read what it decided (``Decided``); one line for a function that
+    offloads some units and not others."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from utilities.activation_checkpointing import checkpointing_of
+    from utilities.measure.fake_step import fake_world
+    from utilities.measure.user_code import call_parallelize
+    from utilities.precision import fsdp2_policy
+    from utilities.torch_internals import fsdp2_offloaded_units
+
+    name = spec.name.rpartition(" sharded by ")[2]
+    with fake_world(world):
+        model = spec.build(device="meta")
+        call_parallelize(spec.parallelize, model, init_device_mesh("cpu", (world,)),
+                         torch.device("cpu"), name, mp_policy=fsdp2_policy(precision))
+        offloaded, units = fsdp2_offloaded_units(model)
+    if 0 < offloaded < units:
+        raise bad_value("--parallelize", name, f"a function that offloads every unit or none (it "
+                        f"gave {offloaded} of {units} units a CPUOffloadPolicy)")
+    return Decided(ac=checkpointing_of(model, spec.block_class()), offload=offloaded > 0)
 
 
 def predicted_rows(block: dict[str, Any]) -> list[list[str]]:

@@ -324,35 +324,3 @@ def call_parallelize(fn: Callable[..., Any], model: nn.Module, mesh, device: tor
 
         fsdp2_offloaded_units(model, take=True)
 
-
-@dataclasses.dataclass(frozen=True)
-class Decided:
-    """What a sharding function decides itself, read from the model it shards: ``ac``, its
-    checkpointing as ``AC_MODES`` names it (``checkpointing_of``); ``offload``: its units carry
-    a ``CPUOffloadPolicy``."""
-
-    ac: str
-    offload: bool
-
-
-def decided_by(spec: PlannedSpec, world: int, precision: str) -> Decided:
-    """Run ``spec``'s sharding function once on a ``world``-rank fake world over its model built on
-    meta (nothing allocated) and read what it decided (``Decided``); one line for a function that
-    offloads some units and not others."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from utilities.activation_checkpointing import checkpointing_of
-    from utilities.measure.fake_step import fake_world
-    from utilities.precision import fsdp2_policy
-    from utilities.torch_internals import fsdp2_offloaded_units
-
-    name = spec.name.rpartition(" sharded by ")[2]
-    with fake_world(world):
-        model = spec.build(device="meta")
-        call_parallelize(spec.parallelize, model, init_device_mesh("cpu", (world,)),
-                         torch.device("cpu"), name, mp_policy=fsdp2_policy(precision))
-        offloaded, units = fsdp2_offloaded_units(model)
-    if 0 < offloaded < units:
-        raise bad_value("--parallelize", name, f"a function that offloads every unit or none (it "
-                        f"gave {offloaded} of {units} units a CPUOffloadPolicy)")
-    return Decided(ac=checkpointing_of(model, spec.block_class()), offload=offloaded > 0)
