@@ -10,9 +10,12 @@ A variant's knobs may carry ``parallelize``: the lesson's own FSDP2 wrap functio
 ``fn(model, *, mesh, world_size, device, mp_policy)`` taking what it needs
 (``utilities.measure.user_code``). Its step is traced from the model that function shards, not
 from the course's sequence; the other knobs stay the time model's (``strategy`` names the schedule
-of the ``fully_shard`` arguments the function passes). A variant without one (FSDP1, DDP: the
-planner traces FSDP2 only) is traced as the course's FSDP2 sequence, from its knobs. Each row's
-``traced`` says which.
+of the ``fully_shard`` arguments the function passes). What the function decides is read from
+the model it shards (``decided_by``): its checkpointing is the row's ``ac``, and a
+``CPUOffloadPolicy`` on its units is the time model's offload (copies over PCIe, AdamW on the
+host), the traced step running without it, so it counts once. A variant without one (FSDP1, DDP:
+the planner traces FSDP2 only) is traced as the course's FSDP2 sequence, from its knobs. Each
+row's ``traced`` says which.
 """
 
 from __future__ import annotations
