@@ -241,3 +241,24 @@ def test_lesson_13s_prediction_reads_the_checkpointing_of_checkpoint_and_shard()
     assert any(e["phase"] == "recompute" for e in rows["own"]["timeline"])
     with pytest.raises(UsageError, match=r"ac 'full' is not allowed.*checkpoints what it checkpoints"):
         predict_variants("llama-tiny", cluster, {"own": {"parallelize": own}}, ac="full", batch=2, seq=64)
+
+
+def test_a_2d_function_gets_the_2d_mesh_its_prediction_traces():
+    """What a function decides is read on the mesh the trace gives it: lesson 12's ``apply_2d``
+    slices ``mesh["tp"]`` and ``mesh["dp"]`` (a 1-D mesh cannot be sliced) and its row traces it,
+    the FSDP2 collectives across the TP groups the course's sequence's (its TP plan runs without
+    sequence parallelism, the course's with: the compute differs, the FSDP traffic does not)."""
+    from utilities.measure.plan_options import PlanOptions
+    from utilities.measure.predictions import Cluster, predict_variants
+
+    lesson = lesson_module("12")
+
+    def own(model, *, mesh):
+        lesson.apply_2d(model, mesh)
+
+    knobs = {"tp": 2, "batch": 4, "plan_options": PlanOptions(loss_parallel=False)}
+    rows = _rows(predict_variants("llama-tiny", Cluster(1, 4, "h100"),
+                                  {"own": {"parallelize": own, **knobs}, "knobs": knobs},
+                                  precision="fp32", batch=2, seq=64))
+    assert rows["own"]["traced"].startswith("the lesson's own test_plan_your_code.py:")
+    assert rows["own"]["comm_s"] == pytest.approx(rows["knobs"]["comm_s"], rel=1e-6)

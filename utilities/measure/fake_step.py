@@ -297,7 +297,7 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
     t0 = time.perf_counter()
     with fake_world(world), warnings.catch_warnings():
         _quiet_warnings()
-        mesh, cp_group = _meshes(config, device)
+        mesh, cp_group = step_meshes(config, device)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = prepare(spec, strategy, precision, ac, mesh, fake_mode, device, options, tp)
         units, tracker_names, root_name = _unit_infos(model)
@@ -361,7 +361,7 @@ def _quiet_warnings() -> None:
     warnings.filterwarnings("ignore", message=HEAD_VIEW_WARNING)
 
 
-def _meshes(config: StepConfig, device: torch.device):
+def step_meshes(config: StepConfig, device: torch.device):
     """The step's device mesh (1-D; HSDP's or TP's 2-D) on the fake world, and the CP group of
     rank 0 (None without context parallelism)."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -189,7 +189,7 @@ def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any], world: i
         raise bad_value("parallelize", text, f"a function that takes mp_policy (the prediction's "
                         f"{kw['precision']} policy) for variant {name}, or precision fp32")
     spec = resolve_spec(model, parallelize=wrap)
-    decided = decided_by(spec, world, kw["precision"])
+    decided = decided_by(spec, world, kw)
     from utilities.parallelize import AC_MODES
 
     if decided.ac not in AC_MODES:
@@ -217,24 +217,28 @@ class Decided:
     offload: bool
 
 
-def decided_by(spec: Any, world: int, precision: str) -> Decided:
-    """Run ``spec``'s sharding function once on a ``world``-rank fake world over its model built on
-    meta (nothing allocated) and read what it decided (``Decided``); one line for a function that
-    offloads some units and not others."""
+def decided_by(spec: Any, world: int, kw: dict[str, Any]) -> Decided:
+    """Run ``spec``'s sharding function once on a ``world``-rank fake world, on the mesh the trace
+    gives it (``kw``'s ``tp`` and hybrid_shard's groups), over its model built on meta (nothing
+    allocated) and read what it decided (``Decided``); one line for a function that offloads some
+    units and not others."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
 
     from utilities.activation_checkpointing import checkpointing_of
-    from utilities.measure.fake_step import fake_world
+    from utilities.measure.fake_step import StepConfig, fake_world, step_meshes
     from utilities.measure.user_code import call_parallelize
     from utilities.precision import fsdp2_policy
     from utilities.torch_internals import fsdp2_offloaded_units
 
     name = spec.name.rpartition(" sharded by ")[2]
+    hybrid = kw.get("strategy") == "hybrid_shard"
+    config = StepConfig(world, tp=kw.get("tp", 1),
+                        shard_size=min(world, kw.get("shard_size") or world) if hybrid else None)
     with fake_world(world):
         model = spec.build(device="meta")
-        call_parallelize(spec.parallelize, model, init_device_mesh("cpu", (world,)),
-                         torch.device("cpu"), name, mp_policy=fsdp2_policy(precision))
+        mesh, _ = step_meshes(config, torch.device("cpu"))
+        call_parallelize(spec.parallelize, model, mesh, torch.device("cpu"), name,
+                         mp_policy=fsdp2_policy(kw["precision"]))
         offloaded, units = fsdp2_offloaded_units(model)
     if 0 < offloaded < units:
         raise bad_value("--parallelize", name, f"a function that offloads every unit or none (it "
