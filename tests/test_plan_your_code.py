@@ -258,3 +258,18 @@ def test_lesson_12s_2d_rows_trace_apply_2d_on_the_2d_mesh():
     assert rows["own"]["traced"].startswith("the lesson's own tensor_parallel.py:apply_2d(")
     assert rows["own"]["step_s"] == pytest.approx(rows["knobs"]["step_s"], rel=OWN_VS_KNOBS)
     assert rows["own"]["comm_s"] == pytest.approx(rows["knobs"]["comm_s"], rel=1e-6)
+
+
+def test_lesson_17s_rows_say_why_its_ring_is_not_traced():
+    """Lesson 17's ring (``shard_over_dp_and_cp``, ``use_ring``) is written for its TinyLlama, not
+    the Hugging Face Llama its prediction plans: every row is the course's sequence and its
+    ``traced`` says why."""
+    from utilities.measure.predictions import Cluster, predict_variants
+
+    lesson = lesson_module("17")
+    knobs = lesson.prediction_knobs(2)
+    assert set(knobs) == {"fsdp-only", "fsdp-cp2"}
+    rows = _rows(predict_variants("llama-tiny", Cluster(1, 2, "h100"), {"fsdp-only": knobs["fsdp-only"]},
+                                  batch=2, seq=64))
+    traced = rows["fsdp-only"]["traced"]
+    assert "utilities.parallelize" in traced and "not traced" in traced and "TinyLlama" in traced

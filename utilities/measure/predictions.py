@@ -116,7 +116,8 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
     """A lesson's ``predicted`` block: each variant's knobs (``estimate_step_time`` keywords) on
     ``cluster``, with its step time, exposed communication, tokens/s per GPU and timeline. One
     trace serves every variant. A prediction, not a measurement: the block says so. A variant's
-    knobs may carry its own ``batch`` (with ``tp``, a TP group's): its row records it."""
+    knobs may carry its own ``batch`` (with ``tp``, a TP group's): its row records it, and
+    ``not_traced``: why the lesson's own function cannot be traced (its row's ``traced`` says it)."""
     from utilities.models import get_model_spec
 
     seq = seq or get_model_spec(model).default_seq_len
@@ -124,8 +125,10 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
     for name, knobs in variants.items():
         knobs = dict(knobs)
         wrap = knobs.pop("parallelize", None)
+        why_not = knobs.pop("not_traced", None)
         kw = {"precision": precision, "ac": ac, "batch": batch, "seq": seq, **knobs}
-        traced, traced_text = model, COURSE_SEQUENCE
+        traced, traced_text = model, (f"{COURSE_SEQUENCE_BASE}: the lesson's own code is not "
+                                      f"traced: {why_not}" if why_not else COURSE_SEQUENCE)
         if wrap is not None:
             traced, traced_text = own_wrap_spec(model, wrap, name, kw,
                                                 min(cluster.gpus, cluster.gpus_per_node))
@@ -144,8 +147,8 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
             "batch": batch, "seq": seq, "variants": rows}
 
 
-COURSE_SEQUENCE = ("the course's FSDP2 sequence (utilities.parallelize), from the variant's knobs: "
-                   "not the lesson's own code (the planner traces FSDP2 only)")
+COURSE_SEQUENCE_BASE = "the course's FSDP2 sequence (utilities.parallelize), from the variant's knobs"
+COURSE_SEQUENCE = f"{COURSE_SEQUENCE_BASE}: not the lesson's own code (the planner traces FSDP2 only)"
 
 
 def wrap_text(fn: Any) -> str:
