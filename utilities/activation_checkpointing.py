@@ -40,7 +40,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from utilities.errors import bad_value
 
 __all__ = ["apply_activation_checkpointing", "apply_op_selective_checkpointing", "block_units",
-           "checkpointed_blocks", "select_blocks", "torchtitan_op_policy", "CheckpointWrapper"]
+           "checkpointed_blocks", "checkpointing_of", "select_blocks", "torchtitan_op_policy",
+           "CheckpointWrapper"]
 
 
 def _blocks(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
@@ -179,6 +180,28 @@ def _replace_children(module: nn.Module, chosen: set[int], wrapper) -> None:
 def checkpointed_blocks(model: nn.Module) -> int:
     """How many modules of ``model`` run under a ``CheckpointWrapper``."""
     return sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+
+
+def checkpointing_of(model: nn.Module, block_class: type[nn.Module]) -> str:
+    """How ``model``'s ``block_class`` blocks are checkpointed, read from their wrappers, as
+    ``parallelize.AC_MODES`` names it: "none", "selective" (op-level: every block's wrapper runs a
+    selective context, the course's policy or torchtitan's), "full" (every block whole),
+    "every-2nd-block" (the 1st, 3rd, ...); any other pattern as "N of M blocks"."""
+    wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules()
+                if isinstance(m, CheckpointWrapper)}
+    blocks = _blocks(model, block_class)
+    wrapped = [i for i, b in enumerate(blocks) if id(b) in wrappers]
+    op_level = [i for i in wrapped if "context_fn" in getattr(
+        wrappers[id(blocks[i])].checkpoint_fn, "keywords", {})]
+    if not wrapped:
+        return "none"
+    if len(op_level) == len(wrapped) == len(blocks):
+        return "selective"
+    if not op_level and len(wrapped) == len(blocks):
+        return "full"
+    if not op_level and wrapped == list(range(0, len(blocks), 2)):
+        return "every-2nd-block"
+    return f"{len(wrapped)} of {len(blocks)} blocks" + (" (op-level)" if op_level else "")
 
 
 def block_units(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:

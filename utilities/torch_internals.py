@@ -396,6 +396,41 @@ def fsdp2_mp_policy(module: nn.Module) -> Any | None:
         return None
 
 
+def _fsdp2_param_groups(module: nn.Module) -> list[Any]:
+    """The parameter groups of a ``fully_shard``-ed module's state (AttributeError where this
+    torch keeps them elsewhere)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # an older torch: one group per state
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return list(groups)
+
+
+def fsdp2_offloaded_units(model: nn.Module, take: bool = False) -> tuple[int, int]:
+    """(units given a ``CPUOffloadPolicy``, units) among ``model``'s ``fully_shard`` units (FSDP2
+    keeps the policy on each unit's parameter group; no public getter). ``take``, before the model
+    is materialized: those units go back to FSDP2's default placement (shards on the device, the
+    foreach copy-in), their offload left to whoever plans it (the planner's offload arithmetic)."""
+    from torch.distributed.fsdp import FSDPModule, OffloadPolicy
+
+    policy_class = cpu_offload_policy_class()
+    units = offloaded = 0
+    try:
+        for m in model.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            units += 1
+            groups = [g for g in _fsdp2_param_groups(m) if isinstance(g.offload_policy, policy_class)]
+            offloaded += bool(groups)
+            for group in groups if take else ():
+                group.offload_policy = OffloadPolicy()
+                for param in group.fsdp_params:
+                    param.offload_to_cpu, param.pin_memory = False, False
+    except AttributeError as e:
+        raise _unsupported("reading FSDP2's offload policy", f"'{e.name}' on an FSDP module") from None
+    return offloaded, units
+
+
 def fsdp2_sharded_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]] | None:
     """The parameters a ``fully_shard``-ed module manages, as (owning module, name, sharded
     DTensor parameter), a tied parameter once per module holding it. Between an unshard and its
@@ -403,10 +438,7 @@ def fsdp2_sharded_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn
     unsharded tensors; FSDP2 keeps the sharded ones here. None where this torch keeps them
     elsewhere."""
     try:
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:  # an older torch: one group per state
-            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        groups = _fsdp2_param_groups(module)
         out = []
         for param in (p for group in groups for p in group.fsdp_params):
             info = param._module_info

@@ -32,6 +32,7 @@ each (a TP group of N GPUs takes N times the per-GPU batch), with the planner's 
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -53,6 +54,7 @@ from torch.distributed.tensor.parallel import (
 from tp_helpers import CPU_NOTE, NOTES, TOLERANCE, VARIANTS, run_variants, takeaway
 
 from utilities import distributed as D
+from utilities.activation_checkpointing import apply_op_selective_checkpointing
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.errors import UsageError, positive_int
 from utilities.measure.gpu_catalogue import get_gpu
@@ -133,13 +135,21 @@ def mesh_2d(device_type: str, dp: int, tp: int) -> DeviceMesh:
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def apply_2d(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def apply_2d(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False,
+             checkpoint: bool = False, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """TP first on mesh["tp"], then FSDP2 on mesh["dp"]: fully_shard shards the TP shards (2-D
-    DTensors). The other way round, TP would try to split FSDP's shards."""
-    apply_llama_tp(model, mesh["tp"], sequence_parallel=False)
+    DTensors). The other way round, TP would try to split FSDP's shards. ``checkpoint``: op-level
+    selective checkpointing of each block between the two (the TP plan names the block's own
+    submodules, which the wrapper would hide; the wrapper becomes the FSDP unit). The lesson's runs
+    take the defaults; its cluster prediction, torchtitan's 8B setup: sequence parallel,
+    checkpointing, bf16."""
+    apply_llama_tp(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    if checkpoint:
+        apply_op_selective_checkpointing(model, type(model.model.layers[0]))
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for block in model.model.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(block, mesh=mesh["dp"], **policy)
+    fully_shard(model, mesh=mesh["dp"], **policy)
     return model
 
 
@@ -168,9 +178,10 @@ def prediction_knobs(model: str, batch: int, gpus_per_node: int) -> dict[str, di
         return gpus_per_node % tp == 0
 
     whole_logits = PlanOptions(loss_parallel=False)  # as this lesson's TP plan runs its loss
+    own = functools.partial(apply_2d, sequence_parallel=True, checkpoint=True)
     return {("fsdp-only" if tp == 1 else f"2d-tp{tp}"): ({"tp": tp, "batch": batch * tp,
-                                                         "plan_options": whole_logits} if tp > 1
-                                                        else {})
+                                                         "plan_options": whole_logits,
+                                                         "parallelize": own} if tp > 1 else {})
             for tp in PREDICT_TP if tp == 1 or splits(tp)}
 
 
@@ -188,9 +199,10 @@ def predict(args) -> dict | None:
     memory = get_gpu(cluster.gpu).memory_bytes
     for row in block["variants"]:
         k = knobs[row["name"]]
-        p = plan(block["model"], cluster.gpus, memory, ac=PREDICT_AC, seq=block["seq"],
-                 batch=k.get("batch", block["batch"]), tp=k.get("tp", 1),
-                 options=k.get("plan_options"))
+        own = k.get("parallelize")  # its checkpointing is its own: no ac beside it
+        p = plan(block["model"], cluster.gpus, memory, ac="none" if own else PREDICT_AC,
+                 seq=block["seq"], batch=k.get("batch", block["batch"]), tp=k.get("tp", 1),
+                 options=k.get("plan_options"), parallelize=own)
         row.update(peak_bytes=p.peak_bytes["total"], fits=p.fits)
     return block
 

@@ -29,6 +29,7 @@ Run: fsdp-course run 13 [--quick]   or   fsdp-course run 13 -- --hidden 1024,204
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -53,10 +54,12 @@ from fp8_compile_run import (
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from utilities.activation_checkpointing import apply_op_selective_checkpointing, block_units
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
 from utilities.fp8 import float8_module_filter, fp8_linear_names
 from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
+from utilities.models import get_model_spec
 
 
 # -- the code this lesson teaches: convert -> shard -> compile, in that order ---------------------
@@ -75,12 +78,21 @@ def convert_to_fp8(model: nn.Module) -> list[str]:
 
 
 def shard(model: nn.Module, block_class: type[nn.Module], mp_policy: MixedPrecisionPolicy) -> None:
-    """2. FSDP2: each transformer block one unit, the root takes what is left."""
+    """2. FSDP2: each transformer block one unit (its checkpoint wrapper, where it has one), the
+    root takes what is left."""
     mesh = world_mesh()  # every rank, on this run's device (not the machine's accelerator)
-    for module in list(model.modules()):
-        if isinstance(module, block_class):
-            fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+    for module in block_units(model, block_class):
+        fully_shard(module, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+
+def checkpoint_and_shard(model: nn.Module, block_class: type[nn.Module],
+                         mp_policy: MixedPrecisionPolicy) -> None:
+    """torchtitan's published Llama 3.1 8B run, which the cluster prediction holds the variants
+    against: op-level selective checkpointing of every block (keep the matmul and attention
+    outputs, recompute the rest), then 2."""
+    apply_op_selective_checkpointing(model, block_class)
+    shard(model, block_class, mp_policy)
 
 
 def compile_blocks(model: nn.Module, block_class: type[nn.Module], backend: str = "inductor") -> int:
@@ -142,14 +154,26 @@ def parse_args(argv=None):
 
 
 # torchtitan's published Llama 3.1 8B run (8 x H100 96GB, batch 2 x 8192, op-level selective AC):
-# the lesson's variants predicted where published numbers exist to hold them against
+# the lesson's variants predicted where published numbers exist to hold them against. Each traces
+# checkpoint_and_shard; compile and Float8 are the time model's kernel factors (compile_blocks and
+# convert_to_fp8 need inductor and torchao on a GPU, not fake tensors)
 PREDICTED_KNOBS = {"eager": {}, "compiled": dict(compile=True), "fp8-compiled": dict(compile=True, fp8=True)}
 PREDICTED_SEQ, PREDICTED_AC = 8192, "selective"
 
 
+def prediction(args) -> dict | None:
+    """The variants predicted on ``--predict-on`` (``predict_from_arguments``: rank 0, before the
+    process group), each traced through ``checkpoint_and_shard``."""
+    if args.predict_on == "none":
+        return None
+    own = functools.partial(checkpoint_and_shard,
+                            block_class=get_model_spec(args.predict_model).block_class())
+    return predict_from_arguments(args, {n: {**PREDICTED_KNOBS[n], "parallelize": own}
+                                         for n in args.variants}, ac=PREDICTED_AC, seq=PREDICTED_SEQ)
+
+
 def main(args) -> None:
-    predicted = predict_from_arguments(args, {n: PREDICTED_KNOBS[n] for n in args.variants},
-                                   ac=PREDICTED_AC, seq=PREDICTED_SEQ)
+    predicted = prediction(args)
     run = run_settings(args)
     with Lesson("13", args, settings=dict(precision=run.precision, widths=run.widths,
                                           compile_backend=args.compile_backend),

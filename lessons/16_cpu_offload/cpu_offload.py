@@ -30,9 +30,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from cpu_offload_run import CPU_NOTE, NOTES, VARIANTS, pin_memory_setting, run_variant, takeaway
+from cpu_offload_run import CPU_NOTE, NOTES, VARIANTS, pin_memory_setting, prediction, run_variant, takeaway
 from torch import nn
-from torch.distributed.fsdp import CPUOffload, fully_shard
+from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -41,8 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 from utilities.course.catalog import LESSONS
 from utilities.course.lesson import Lesson, lesson_parser
 from utilities.distributed import world_mesh
-from utilities.measure.plan_options import PlanOptions
-from utilities.measure.predictions import add_prediction_arguments, predict_from_arguments
+from utilities.measure.predictions import add_prediction_arguments
 from utilities.torch_internals import cpu_offload_policy_class
 
 CPUOffloadPolicy = cpu_offload_policy_class()  # torch.distributed.fsdp.CPUOffloadPolicy
@@ -50,13 +49,16 @@ CPUOffloadPolicy = cpu_offload_policy_class()  # torch.distributed.fsdp.CPUOfflo
 
 # -- FSDP2: an offload policy on every fully_shard call --------------------------------------------
 def wrap_fsdp2(model: nn.Module, block_class: type[nn.Module], offload: bool,
-               pin_memory: bool) -> nn.Module:
+               pin_memory: bool, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """One unit per block, then the root. With ``offload`` every unit keeps its parameter shards,
     their gradients (and so the optimizer state) in host memory; ``pin_memory`` page-locks them so
     the copies to the GPU run asynchronously (it needs a GPU). The model must be on the CPU when
-    ``fully_shard`` sees it: offloaded parameters are never on the GPU whole."""
+    ``fully_shard`` sees it: offloaded parameters are never on the GPU whole. ``mp_policy``: none
+    in the lesson's runs (fp32); its cluster prediction passes bf16's."""
     mesh = world_mesh()
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=pin_memory)} if offload else {}
+    if mp_policy is not None:
+        policy["mp_policy"] = mp_policy
     for module in reversed(list(model.modules())):  # inner modules before outer ones
         if isinstance(module, block_class):
             fully_shard(module, mesh=mesh, **policy)
@@ -76,21 +78,12 @@ def wrap_fsdp1(model: nn.Module, block_class: type[nn.Module], device: torch.dev
 
 
 # -- the lesson run -------------------------------------------------------------------------------
-def prediction_knobs(variants: list[str]) -> dict[str, dict]:
-    """Each variant as the step-time model takes it: offload moves the shards, gradients and the
-    optimizer step to the host (``PlanOptions(offload=True)``: the copies over PCIe and AdamW on
-    the host CPU). The model plans FSDP2; FSDP1's offload is predicted the same way."""
-    return {name: {"plan_options": PlanOptions(offload=offload)} if offload else {}
-            for name, (_api, offload) in VARIANTS.items() if name in variants}
-
-
 def main(args: argparse.Namespace) -> None:
-    knobs = prediction_knobs(args.variants)
-    predicted = predict_from_arguments(args, knobs) if knobs else None  # rank 0, before the group
+    code = SimpleNamespace(**globals())  # the functions above, for the driver
+    predicted = prediction(args, code)  # rank 0, before the group
     with Lesson("16", args, needs_ranks="sharding before offloading", notes=NOTES,
                 cpu_note=CPU_NOTE, takeaway=takeaway) as lesson:
         pin = pin_memory_setting(lesson, args)
-        code = SimpleNamespace(**globals())  # the functions above, for the driver
         for name in args.variants:
             run_variant(lesson, name, pin, code)
         lesson.results.predicted(predicted)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -17,8 +18,10 @@ from torch import nn
 
 from utilities.course.lesson import Lesson
 from utilities.measure import fmt_bytes
+from utilities.measure.plan_options import PlanOptions
+from utilities.measure.predictions import predict_from_arguments
 from utilities.measure.transfers import count_copies, local_parameter_bytes, placement
-from utilities.models import init_weights
+from utilities.models import get_model_spec, init_weights
 from utilities.results import variant
 from utilities.training import default_step
 
@@ -145,3 +148,30 @@ def pin_memory_setting(lesson: Lesson, args: argparse.Namespace) -> bool:
                  "auto or false on a CPU (pinned host memory needs a GPU)")
     lesson.results.setting(pin_memory=pin)
     return pin
+
+
+def prediction_knobs(code: SimpleNamespace, variants: list[str], block_class: type[nn.Module]
+                     ) -> dict[str, dict]:
+    """Each variant as the step-time model takes it. An FSDP2 variant is traced through
+    ``wrap_fsdp2`` itself, with the page-locked shards a GPU run gets; the time model reads its
+    CPUOffloadPolicy from the model it shards (the copies over PCIe, AdamW on the host CPU). The
+    model traces FSDP2 only: FSDP1's offload is ``PlanOptions(offload=True)``, predicted the same
+    way."""
+    knobs = {}
+    for name in variants:
+        api, offload = VARIANTS[name]
+        if api == "fsdp2":
+            knobs[name] = {"parallelize": functools.partial(code.wrap_fsdp2, block_class=block_class,
+                                                            offload=offload, pin_memory=True)}
+        else:
+            knobs[name] = {"plan_options": PlanOptions(offload=True)} if offload else {}
+    return knobs
+
+
+def prediction(args: argparse.Namespace, code: SimpleNamespace) -> dict | None:
+    """The variants predicted on ``--predict-on`` (``predict_from_arguments``: rank 0, before the
+    process group)."""
+    if not args.variants or args.predict_on == "none":
+        return None
+    block = get_model_spec(args.predict_model).block_class()
+    return predict_from_arguments(args, prediction_knobs(code, args.variants, block))

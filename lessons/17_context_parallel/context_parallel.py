@@ -244,11 +244,19 @@ PREDICT_NOTE = ("The prediction on a cluster is `fsdp-course plan --cp N`'s time
                 "8/N sequences a step.")
 
 
+NOT_TRACED = ("shard_over_dp_and_cp and use_ring are written for the lesson's TinyLlama (its "
+              "model.layers and model.attend, the ring's point-to-point sends), not the Hugging Face "
+              "Llama the prediction plans; the planner's CP attention (utilities.measure."
+              "context_parallel) stands in for the ring")
+
+
 def prediction_knobs(gpus_per_node: int) -> dict[str, dict]:
     """The predicted variants as the step-time model takes them: FSDP2 alone (cp 1) and CP over
     2, 4 and 8 GPUs of one node (those that divide it), FSDP2 over every GPU in each. The batch
-    is a CP group's: one long sequence, split over its N GPUs."""
+    is a CP group's: one long sequence, split over its N GPUs. The course's sequence, each row
+    saying why not the lesson's functions (``NOT_TRACED``)."""
     return {("fsdp-only" if cp == 1 else f"fsdp-cp{cp}"): ({"cp": cp} if cp > 1 else {})
+            | {"not_traced": NOT_TRACED}
             for cp in PREDICT_CP if gpus_per_node % cp == 0}
 
 

@@ -146,7 +146,7 @@ def prepare(spec, strategy: str, precision: str, ac: str, mesh, fake_mode, devic
         from utilities.measure.user_code import call_parallelize
 
         call_parallelize(yours, model, mesh, device, spec.name.rpartition(" sharded by ")[2],
-                         mp_policy=policy)
+                         mp_policy=policy, take_offload=options.offload)
     else:
         parallelize_model(model, block_class=block, mesh=mesh, ac=ac, loss_parallel=options.loss_parallel,
                           mp_policy=policy, **shard_kwargs(options, strategy))
@@ -300,7 +300,7 @@ def _run(spec, config: StepConfig) -> tuple[StepTrace, MemorySamples]:
     t0 = time.perf_counter()
     with fake_world(world), warnings.catch_warnings():
         _quiet_warnings()
-        mesh, cp_group = _meshes(config, device)
+        mesh, cp_group = step_meshes(config, device)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = prepare(spec, strategy, precision, ac, mesh, fake_mode, device, options, tp)
         units, tracker_names, root_name = _unit_infos(model)
@@ -387,7 +387,7 @@ class _Eager:
         self.mode = contextlib.nullcontext()
 
 
-def _meshes(config: StepConfig, device: torch.device):
+def step_meshes(config: StepConfig, device: torch.device):
     """The step's device mesh (1-D; HSDP's or TP's 2-D) on the fake world, and the CP group of
     rank 0 (None without context parallelism)."""
     from torch.distributed.device_mesh import init_device_mesh

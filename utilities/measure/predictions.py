@@ -10,9 +10,12 @@ A variant's knobs may carry ``parallelize``: the lesson's own FSDP2 wrap functio
 ``fn(model, *, mesh, world_size, device, mp_policy)`` taking what it needs
 (``utilities.measure.user_code``). Its step is traced from the model that function shards, not
 from the course's sequence; the other knobs stay the time model's (``strategy`` names the schedule
-of the ``fully_shard`` arguments the function passes). A variant without one (FSDP1, DDP: the
-planner traces FSDP2 only) is traced as the course's FSDP2 sequence, from its knobs. Each row's
-``traced`` says which.
+of the ``fully_shard`` arguments the function passes). What the function decides is read from
+the model it shards (``decided_by``): its checkpointing is the row's ``ac``, and a
+``CPUOffloadPolicy`` on its units is the time model's offload (copies over PCIe, AdamW on the
+host), the traced step running without it, so it counts once. A variant without one (FSDP1, DDP:
+the planner traces FSDP2 only) is traced as the course's FSDP2 sequence, from its knobs. Each
+row's ``traced`` says which.
 """
 
 from __future__ import annotations
@@ -113,7 +116,8 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
     """A lesson's ``predicted`` block: each variant's knobs (``estimate_step_time`` keywords) on
     ``cluster``, with its step time, exposed communication, tokens/s per GPU and timeline. One
     trace serves every variant. A prediction, not a measurement: the block says so. A variant's
-    knobs may carry its own ``batch`` (with ``tp``, a TP group's): its row records it."""
+    knobs may carry its own ``batch`` (with ``tp``, a TP group's): its row records it, and
+    ``not_traced``: why the lesson's own function cannot be traced (its row's ``traced`` says it)."""
     from utilities.models import get_model_spec
 
     seq = seq or get_model_spec(model).default_seq_len
@@ -121,10 +125,13 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
     for name, knobs in variants.items():
         knobs = dict(knobs)
         wrap = knobs.pop("parallelize", None)
+        why_not = knobs.pop("not_traced", None)
         kw = {"precision": precision, "ac": ac, "batch": batch, "seq": seq, **knobs}
-        traced, traced_text = model, COURSE_SEQUENCE
+        traced, traced_text = model, (f"{COURSE_SEQUENCE_BASE}: the lesson's own code is not "
+                                      f"traced: {why_not}" if why_not else COURSE_SEQUENCE)
         if wrap is not None:
-            traced, traced_text = own_wrap_spec(model, wrap, name, kw)
+            traced, traced_text = own_wrap_spec(model, wrap, name, kw,
+                                                min(cluster.gpus, cluster.gpus_per_node))
         t = estimate_step_time(traced, cluster.gpus, gpu=cluster.gpu,
                                gpus_per_node=cluster.gpus_per_node,
                                network_gbps=cluster.network_gbps, **kw)
@@ -140,8 +147,8 @@ def predict_variants(model, cluster: Cluster, variants: dict[str, dict[str, Any]
             "batch": batch, "seq": seq, "variants": rows}
 
 
-COURSE_SEQUENCE = ("the course's FSDP2 sequence (utilities.parallelize), from the variant's knobs: "
-                   "not the lesson's own code (the planner traces FSDP2 only)")
+COURSE_SEQUENCE_BASE = "the course's FSDP2 sequence (utilities.parallelize), from the variant's knobs"
+COURSE_SEQUENCE = f"{COURSE_SEQUENCE_BASE}: not the lesson's own code (the planner traces FSDP2 only)"
 
 
 def wrap_text(fn: Any) -> str:
@@ -157,18 +164,23 @@ def wrap_text(fn: Any) -> str:
     return text.replace(f"{base.__module__}.", f"{os.path.basename(code.co_filename)}:", 1)
 
 
-def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any]) -> tuple[Any, str]:
+def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any], world: int
+                  ) -> tuple[Any, str]:
     """The spec that traces variant ``name`` through the lesson's own wrap function ``wrap``, and
-    the row's ``traced`` text. One line for a knob the function decides itself, so the model cannot
-    take it from the knobs: activation checkpointing, offload and reshard_after_forward (what it
-    passes ``fully_shard``), DDP's no_shard (not FSDP2); and for a function that cannot be given
-    the prediction's mixed precision (it takes no ``mp_policy``)."""
+    the row's ``traced`` text; ``kw`` takes what the function decides, read from the model it
+    shards on ``world`` fake ranks (``decided_by``): its checkpointing (``ac``: a knob
+    saying otherwise is one line) and its ``CPUOffloadPolicy`` (the time model's offload copies and
+    host AdamW, the traced model without it: counted once). One line for an offload or
+    reshard_after_forward knob (what the function passes ``fully_shard`` decides them), DDP's
+    no_shard (not FSDP2), and a function that cannot be given the prediction's mixed precision
+    (it takes no ``mp_policy``)."""
+    from dataclasses import replace
+
+    from utilities.measure.plan_options import PlanOptions
     from utilities.measure.user_code import resolve_spec, takes_keyword
 
     text = wrap_text(wrap)
     where = f"with the lesson's own wrap function {text} (variant {name})"
-    if kw["ac"] != "none":
-        raise bad_value("ac", kw["ac"], f"none {where}: the function checkpoints what it checkpoints")
     if kw.get("strategy", "full_shard") == "no_shard":
         raise bad_value("strategy", "no_shard", f"an FSDP2 strategy {where}: DDP is not fully_shard")
     options = kw.get("plan_options")
@@ -179,7 +191,62 @@ def own_wrap_spec(model: Any, wrap: Any, name: str, kw: dict[str, Any]) -> tuple
     if kw["precision"] != "fp32" and not takes_keyword(wrap, "mp_policy"):
         raise bad_value("parallelize", text, f"a function that takes mp_policy (the prediction's "
                         f"{kw['precision']} policy) for variant {name}, or precision fp32")
-    return resolve_spec(model, parallelize=wrap), f"the lesson's own {text}"
+    spec = resolve_spec(model, parallelize=wrap)
+    decided = decided_by(spec, world, kw)
+    from utilities.parallelize import AC_MODES
+
+    if decided.ac not in AC_MODES:
+        raise bad_value("parallelize", text, f"a function that checkpoints as one of {AC_MODES} "
+                        f"for variant {name} (it checkpoints {decided.ac})")
+    op_level = {"selective", "op"}
+    if kw["ac"] not in ("none", decided.ac) and not {kw["ac"], decided.ac} <= op_level:
+        raise bad_value("ac", kw["ac"], f"none or {decided.ac!r} {where}: the function checkpoints "
+                        f"what it checkpoints ({decided.ac})")
+    if kw["ac"] == "none":
+        kw["ac"] = decided.ac
+    if decided.offload:
+        kw["plan_options"] = replace(options or PlanOptions(), offload=True)
+    return spec, f"the lesson's own {text}" + (", its CPUOffloadPolicy planned as the time model's "
+                                              "offload" if decided.offload else "")
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What a sharding function decides itself, read from the model it shards: ``ac``, its
+    checkpointing as ``AC_MODES`` names it (``checkpointing_of``); ``offload``: its units carry
+    a ``CPUOffloadPolicy``."""
+
+    ac: str
+    offload: bool
+
+
+def decided_by(spec: Any, world: int, kw: dict[str, Any]) -> Decided:
+    """Run ``spec``'s sharding function once on a ``world``-rank fake world, on the mesh the trace
+    gives it (``kw``'s ``tp`` and hybrid_shard's groups), over its model built on meta (nothing
+    allocated) and read what it decided (``Decided``); one line for a function that offloads some
+    units and not others."""
+    import torch
+
+    from utilities.activation_checkpointing import checkpointing_of
+    from utilities.measure.fake_step import StepConfig, fake_world, step_meshes
+    from utilities.measure.user_code import call_parallelize
+    from utilities.precision import fsdp2_policy
+    from utilities.torch_internals import fsdp2_offloaded_units
+
+    name = spec.name.rpartition(" sharded by ")[2]
+    hybrid = kw.get("strategy") == "hybrid_shard"
+    config = StepConfig(world, tp=kw.get("tp", 1),
+                        shard_size=min(world, kw.get("shard_size") or world) if hybrid else None)
+    with fake_world(world):
+        model = spec.build(device="meta")
+        mesh, _ = step_meshes(config, torch.device("cpu"))
+        call_parallelize(spec.parallelize, model, mesh, torch.device("cpu"), name,
+                         mp_policy=fsdp2_policy(kw["precision"]))
+        offloaded, units = fsdp2_offloaded_units(model)
+    if 0 < offloaded < units:
+        raise bad_value("--parallelize", name, f"a function that offloads every unit or none (it "
+                        f"gave {offloaded} of {units} units a CPUOffloadPolicy)")
+    return Decided(ac=checkpointing_of(model, spec.block_class()), offload=offloaded > 0)
 
 
 def predicted_rows(block: dict[str, Any]) -> list[list[str]]:

@@ -295,9 +295,11 @@ def takes_keyword(fn: Callable[..., Any], keyword: str) -> bool:
 
 
 def call_parallelize(fn: Callable[..., Any], model: nn.Module, mesh, device: torch.device,
-                     name: str, mp_policy: Any = None) -> None:
+                     name: str, mp_policy: Any = None, take_offload: bool = False) -> None:
     """``fn(model, mesh=..., world_size=..., device=..., mp_policy=...)``, passing the keywords it
-    takes; one line when it raises, or leaves the root unsharded."""
+    takes; one line when it raises, or leaves the root unsharded. ``take_offload``: the plan's
+    offload arithmetic stands for the ``CPUOffloadPolicy`` the function gave its units, which the
+    traced model then does not keep (``torch_internals.fsdp2_offloaded_units``)."""
     from torch.distributed.fsdp import FSDPModule
 
     offered = {"mesh": mesh, "world_size": mesh.size(), "device": device, "mp_policy": mp_policy}
@@ -317,3 +319,8 @@ def call_parallelize(fn: Callable[..., Any], model: nn.Module, mesh, device: tor
         raise UsageError(f"--parallelize {name} is not allowed: it left the model's root without "
                          "fully_shard; allowed: a function that ends with fully_shard(model, ...) "
                          "(the root unit), as a training script's does")
+    if take_offload:
+        from utilities.torch_internals import fsdp2_offloaded_units
+
+        fsdp2_offloaded_units(model, take=True)
+
