@@ -50,6 +50,7 @@ PRIVATE_MODULES = {
     "torch.testing._internal.distributed.fake_pg": "FakeStore: the planner's fake process group",
     "torch.utils._foreach_utils": "which devices have fused AdamW kernels",
     "torch.utils._python_dispatch": "TorchDispatchMode: the time model counts each op",
+    "torch.utils._pytree": "tree_leaves: the tensors among an op's arguments (compile's memory)",
 }
 
 

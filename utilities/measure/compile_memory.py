@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from utilities.measure.op_recorder import MEMORY, _classify
+from utilities.measure.op_recorder import MEMORY, classify_op
 
 COMPILE_MEMORY_NOTE = (
     "--compile: memory as torch.compile per block saves it (AOTAutograd's min-cut partitioner, "
@@ -233,7 +233,7 @@ class CompiledRegions:
                 out = func(*args, **(kwargs or {}))
                 region = regions.active
                 if region is not None:
-                    kind = kinds[func] if func in kinds else kinds.setdefault(func, _classify(func))
+                    kind = kinds[func] if func in kinds else kinds.setdefault(func, classify_op(func))
                     if kind is not None:
                         region.op(func, kind, args, kwargs or {}, out)
                 return out

@@ -75,7 +75,7 @@ _SKIP_OPS = {"detach", "empty", "empty_strided", "empty_like", "new_empty", "new
              "lift_fresh", "_local_scalar_dense", "set_", "resize_", "record_stream"}
 
 
-def _classify(func) -> int | None:
+def classify_op(func) -> int | None:
     """The kind of an ATen op, or None for ops that launch no kernel (views, allocations)."""
     ns = func.namespace
     name = func.__name__.split(".")[0]
@@ -229,7 +229,7 @@ class OpRecorder:
 
         kind = self.kinds.get(func, 0.5)
         if kind == 0.5:
-            kind = self.kinds[func] = _classify(func)
+            kind = self.kinds[func] = classify_op(func)
         if kind is None:
             return
         if self.fake_mode is not None:
