@@ -109,7 +109,7 @@ def test_on_4_ranks_int_reshard_and_a_true_hybrid_mesh(tmp_path):
     HSDP on a (2, 2) mesh (the default on 4 ranks), where it both replicates and shards: each rank
     holds half the parameters, and FSDP1's hybrid and FSDP2's HSDP train as full sharding does."""
     r = run_lesson("06", tmp_path, "--variants", "fsdp2-reshard-true,fsdp2-reshard-int,"
-                   "fsdp2-reshard-false,fsdp1-hybrid-shard,fsdp2-hsdp", nproc=4)
+                   "fsdp2-reshard-false,fsdp1-hybrid-shard,fsdp2-hsdp", "--predict-on", "none", nproc=4)
     true, two, false = (variant(r, f"fsdp2-reshard-{k}") for k in ("true", "int", "false"))
 
     def peak(v):

@@ -3,7 +3,7 @@
 
 HSDP on 2 nodes x 2 ranks shards within a node and replicates across: each rank holds what
 full sharding over its node's 2 ranks would give it, and the losses are full sharding's. And the
-README's own multi-node command, run as written (the head node and the GPU count filled in), trains.
+README's own multi-node command, run as written (the head node and the GPU count filled in), is that run.
 """
 
 from __future__ import annotations
@@ -56,28 +56,22 @@ def torchrun_argv(command: str, port: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
 
 
-def test_the_readmes_multinode_command_runs_as_two_agents_on_one_machine(tmp_path):
+def test_the_readmes_multinode_command_is_hsdp_that_shards_within_a_node(tmp_path):
+    """The README's command as written (its head node on this machine, 2 ranks per "node"): the
+    two agents meet through c10d; full sharding over all 4 ranks holds a quarter of the
+    parameters per rank, HSDP half (its node's 2 ranks shard, the 2 nodes replicate), and both
+    train the same model. The run skips the lesson's GPU-cluster prediction (a fake step of
+    t5-large that this check does not read)."""
     command = readme_multinode_command()
     assert "--rdzv-backend c10d" in command and "--nnodes 2" in command and "$HEAD_NODE" in command
-    argv = torchrun_argv(command.replace("--nproc-per-node 8", "--nproc-per-node 1"), free_port())
-    r = two_agents([*argv, "--device", "cpu", "--quick", "--out", str(tmp_path)], tmp_path)
-    assert r["world_size"] == 2 and r["device"] == "cpu"
-    for v in r["variants"]:
-        assert v["losses"][-1] < v["losses"][0], v["name"]
-
-
-def test_hsdp_on_two_nodes_shards_within_a_node_and_trains_as_full_shard(tmp_path):
-    argv = torchrun_argv("torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "
-                         "$HEAD_NODE:29500 --rdzv-id hsdp lessons/06_sharding_strategies/"
-                         "sharding_strategies.py", free_port())
-    r = two_agents([*argv, "--device", "cpu", "--quick", "--variants", "fsdp2-reshard-true,fsdp2-hsdp",
-                    "--replicate", "2", "--out", str(tmp_path)], tmp_path)
-    assert r["world_size"] == 4
+    argv = torchrun_argv(command.replace("--nproc-per-node 8", "--nproc-per-node 2"), free_port())
+    r = two_agents([*argv, "--device", "cpu", "--quick", "--predict-on", "none", "--out", str(tmp_path)],
+                   tmp_path)
+    assert r["world_size"] == 4 and r["device"] == "cpu"
     full, hsdp = variant(r, "fsdp2-reshard-true"), variant(r, "fsdp2-hsdp")
     whole = r["model"]["parameters"] * 4  # fp32 bytes of the whole model
     assert hsdp["mesh"] == [2, 2]
-    # resident bytes are one rank's: full sharding over 4 ranks holds a quarter, HSDP a half (its
-    # node's 2 ranks shard, the 2 nodes replicate)
     assert full["resident_bytes"]["parameters"] == pytest.approx(whole / 4, rel=0.05)
     assert hsdp["resident_bytes"]["parameters"] == pytest.approx(whole / 2, rel=0.05)
     assert hsdp["losses"] == pytest.approx(full["losses"], abs=5e-3)
+    assert full["losses"][-1] < full["losses"][0]

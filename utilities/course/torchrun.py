@@ -25,12 +25,16 @@ def run(argv: list[str]) -> NoReturn:
     import logging
     import signal
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main
+    from utilities.imports import collect_from_here, paused_collection
 
-    from utilities.distributed import LAUNCHER_NAMES_A_LOST_RANK, LAUNCHER_PRINTS_THE_ERROR
+    with paused_collection():  # torch's imports (utilities.imports says why)
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main
 
+        from utilities.distributed import LAUNCHER_NAMES_A_LOST_RANK, LAUNCHER_PRINTS_THE_ERROR
+
+        collect_from_here()  # frozen: this process ends with its ranks (skip_final_collections)
     skip_final_collections()
     os.environ[LAUNCHER_NAMES_A_LOST_RANK] = "1"  # the ranks inherit it
     errors = tempfile.TemporaryDirectory(prefix="fsdp-course-errors-")
