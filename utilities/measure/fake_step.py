@@ -41,6 +41,7 @@ import torch
 
 from utilities.errors import UsageError, bad_value
 from utilities.measure.depth_scaling import (
+    checked,
     extended,
     layers_of,
     linearly_scaled,
@@ -561,7 +562,10 @@ def _trace(spec, config: StepConfig) -> StepTrace:
         return _whole(spec, config)
     t0 = time.perf_counter()
     small, small_samples = _run(with_layers(spec, depths[0]), config)
-    if not adamw_foreach(device):
+    if not adamw_foreach(device) and layers_of(spec) is None:  # several stacks: checked
+        large, _ = _run(with_layers(spec, depths[1]), config)
+        scaled = checked(spec, small, small_samples, large, depths)
+    elif not adamw_foreach(device):
         scaled = extended(spec, small, small_samples, depths[0], depths[1] - depths[0])
     else:  # AdamW's foreach: its temporaries span every block; two depths, extended linearly
         large, large_samples = _run(with_layers(spec, depths[1]), config)
