@@ -7,6 +7,11 @@ its neighbours' tensors pointed at the neighbouring copies (``_extended_events``
 Where the events cannot be extended (AdamW's foreach), two depths are traced and every sample is
 extended linearly from them (``linearly_scaled``). The op segments, collectives and units are repeated to
 fill L blocks (``_repeated``). None wherever the blocks turn out not to be alike.
+
+T5's two stacks (encoder, decoder) are extended one after the other, the other stack's blocks
+counted as the root's work; as the decoder's first block works for every later block (the
+relative attention bias), the extension is trusted only where it reproduces the trace at the
+next depth to the byte (``checked``). Under AdamW's foreach T5 is traced whole.
 """
 
 from __future__ import annotations
@@ -300,8 +305,6 @@ def linearly_scaled(spec, small: StepTrace, small_samples: MemorySamples, large:
     """A deep model from two traces: each memory sample extended linearly (``_scaled_peak``), the
     states and the allocator's replay too; the ops of the smaller repeated."""
     p = depths[1] - depths[0]
-    if layers_of(spec) is None:  # several stacks: extended event by event only
-        return None
     named_small, named_large = _block_index(small.units), _block_index(large.units)
     if named_small is None or named_large is None:
         return None
