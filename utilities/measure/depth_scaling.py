@@ -297,7 +297,10 @@ def checked(spec, small: StepTrace, small_samples: MemorySamples, large: StepTra
     if check is None or any(getattr(check, k) != getattr(large, k) for k in ("peak", "states")) or any(
             check.reserved(without) != large.reserved(without) for without in (frozenset(), offloaded)):
         return None
-    return extended(spec, small, small_samples, depths[0], p)
+    scaled = extended(spec, small, small_samples, depths[0], p)
+    if scaled is not None:
+        scaled.traced_layers = depths
+    return scaled
 
 
 def linearly_scaled(spec, small: StepTrace, small_samples: MemorySamples, large: StepTrace,
