@@ -31,10 +31,26 @@ CASES = {
     "compiled blocks": dict(world=8, strategy="full_shard", precision="bf16", ac="none", batch=1,
                             seq=256, compile=True),
 }
+# T5 (t5-tiny's blocks, 8 in each stack): the encoder and the decoder extended one after the other
+T5_CASES = {
+    "T5, full_shard": dict(world=4, strategy="full_shard", precision="bf16", ac="none", batch=1,
+                           seq=64),
+    "T5, reshard False": dict(world=8, strategy="full_shard", precision="bf16", ac="none", batch=1,
+                              seq=64, options=PlanOptions(reshard_after_forward=False)),
+    "T5, selective": dict(world=4, strategy="full_shard", precision="bf16", ac="selective", batch=1,
+                          seq=64),
+}
+CASES.update(T5_CASES)
+
+
+def _spec(case):
+    if case in T5_CASES:
+        return depth_scaling.with_layers(get_model_spec("t5-tiny"), 8)
+    return get_model_spec("llama-1b")
 
 
 def _both(case):
-    spec = get_model_spec("llama-1b")
+    spec = _spec(case)
     kw = dict(CASES[case])
     return (fake_step.trace(spec, StepConfig(scale=True, **kw)),
             fake_step.trace(spec, StepConfig(scale=False, **kw)))
@@ -63,8 +79,9 @@ def test_a_scaled_trace_is_the_full_trace_to_the_byte(case):
         assert scaled.reserved(offloaded) == full.reserved(offloaded)
 
 
-def test_a_scaled_trace_predicts_the_step_to_the_microsecond(monkeypatch):
-    kw = dict(model="llama-1b", gpus=8, ac="selective", batch=1, seq=256)
+@pytest.mark.parametrize("model, ac", [("llama-1b", "selective"), ("t5-base", "none")])
+def test_a_scaled_trace_predicts_the_step_to_the_microsecond(monkeypatch, model, ac):
+    kw = dict(model=model, gpus=8, ac=ac, batch=1, seq=128 if model.startswith("t5") else 256)
     scaled = st.estimate_step_time(**kw)
     monkeypatch.setattr(st, "trace", lambda spec, config: fake_step.trace(
         spec, dataclasses.replace(config, scale=False)))
@@ -73,17 +90,30 @@ def test_a_scaled_trace_predicts_the_step_to_the_microsecond(monkeypatch):
     assert scaled.compute_s == pytest.approx(full.compute_s, abs=1e-6)
     assert scaled.comm_s == pytest.approx(full.comm_s, abs=1e-6)
     assert scaled.per_unit.keys() == full.per_unit.keys()
+    for unit in full.per_unit:
+        assert scaled.per_unit[unit] == pytest.approx(full.per_unit[unit], abs=1e-6), unit
 
 
 def test_blocks_that_differ_are_traced_whole():
     """Freezing the first blocks first (``--trainable``) makes blocks differ: no scaling; nor for a
-    shallow model or one with two stacks (T5)."""
+    shallow model, nor T5 with a shallow stack."""
     spec = get_model_spec("llama-1b")
     assert depth_scaling.scaled_depths(spec, "none") == (5, 6)  # one trace; the second for a check
     assert depth_scaling.scaled_depths(spec, "every-2nd-block") == (10, 12)
     assert depth_scaling.scaled_depths(spec, "none", PlanOptions(trainable=0.5)) is None
     assert depth_scaling.scaled_depths(get_model_spec("llama-tiny"), "none") is None
-    assert depth_scaling.scaled_depths(get_model_spec("t5-base"), "none") is None
+    assert depth_scaling.scaled_depths(get_model_spec("t5-small"), "none") is None  # 6 blocks a stack
+    assert depth_scaling.scaled_depths(get_model_spec("t5-base"), "none") == (5, 6)
+
+
+def test_t5_under_full_checkpointing_is_traced_whole():
+    """Under full checkpointing T5's decoder blocks free what blocks beyond their neighbours made:
+    extended to 6 blocks per stack, the 5 blocks' trace is not the trace of 6, so it is traced
+    whole (``depth_scaling.checked``)."""
+    spec = depth_scaling.with_layers(get_model_spec("t5-tiny"), 8)
+    kw = dict(T5_CASES["T5, full_shard"], ac="full")
+    assert depth_scaling.scaled_depths(spec, "full") == (5, 6)
+    assert not fake_step.trace(spec, StepConfig(scale=True, **kw)).traced_layers
 
 
 def test_the_planner_and_the_time_model_share_one_trace():

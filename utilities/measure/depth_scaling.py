@@ -7,6 +7,11 @@ its neighbours' tensors pointed at the neighbouring copies (``_extended_events``
 Where the events cannot be extended (AdamW's foreach), two depths are traced and every sample is
 extended linearly from them (``linearly_scaled``). The op segments, collectives and units are repeated to
 fill L blocks (``_repeated``). None wherever the blocks turn out not to be alike.
+
+T5's two stacks (encoder, decoder) are extended one after the other, the other stack's blocks
+counted as the root's work; as the decoder's first block works for every later block (the
+relative attention bias), the extension is trusted only where it reproduces the trace at the
+next depth to the byte (``checked``). Under AdamW's foreach T5 is traced whole.
 """
 
 from __future__ import annotations
@@ -31,6 +36,18 @@ def layers_of(spec) -> int | None:
     return n if isinstance(n, int) else None
 
 
+def stacks_of(spec) -> dict[str | None, int] | None:
+    """Each stack's block-name prefix (None: whatever the trace names it) and its block count: a
+    decoder's one stack, or T5's encoder and decoder; None where the config names none."""
+    if spec.is_seq2seq:
+        if spec.family != "t5":
+            return None
+        cfg = spec.config()
+        return {"encoder.block.": cfg.num_layers, "decoder.block.": cfg.num_decoder_layers}
+    layers = layers_of(spec)
+    return None if layers is None else {None: layers}
+
+
 def _period(ac: str) -> int:
     """How many blocks repeat: checkpointing every second block makes pairs."""
     return 2 if ac == "every-2nd-block" else 1
@@ -42,12 +59,12 @@ def scaled_depths(spec, ac: str, options=None) -> tuple[int, int] | None:
     several stacks, a freezing that differs block by block (``--trainable``), or an odd number
     of blocks under block-pair checkpointing. A depth is two periods of blocks at each end and
     one in the middle (a period: one block, or two under block-pair checkpointing)."""
-    layers = layers_of(spec)
+    stacks = stacks_of(spec)
     p = _period(ac)
-    if layers is None or (options is not None and options.trainable is not None):
+    if stacks is None or (options is not None and options.trainable is not None):
         return None
     small = (2 * EDGE_BLOCKS + 1) * p
-    if layers <= small + p or layers % p:
+    if any(layers <= small + p or layers % p for layers in stacks.values()):
         return None
     return small, small + p
 
@@ -58,12 +75,15 @@ def _periods(index: dict[str, int], p: int) -> dict[str, int]:
 
 
 def with_layers(spec, n: int):
-    """``spec`` with ``n`` blocks (its config's ``num_hidden_layers``)."""
+    """``spec`` with ``n`` blocks in each stack (its config's ``num_hidden_layers``, and T5's
+    ``num_decoder_layers``)."""
     make = spec.make_config
 
     def config():
         cfg = make()
         cfg.num_hidden_layers = n
+        if spec.is_seq2seq:
+            cfg.num_decoder_layers = n
         return cfg
 
     return dataclasses.replace(spec, make_config=config, known_parameters=None,
@@ -83,6 +103,27 @@ def _block_index(units: list[UnitInfo]) -> tuple[str, dict[str, int]] | None:
     if [int(m.group(2)) for m in found] != list(range(len(blocks))):
         return None
     return found[0].group(1), {b: i for i, b in enumerate(blocks)}
+
+
+def _stacks(spec, units: list[UnitInfo]) -> list[tuple[str, dict[str, int], int]] | None:
+    """Each stack's block prefix, its block units' indices (``_block_index``) and its block count
+    in the deep model; None unless every block unit belongs to a stack and each stack's blocks
+    are named ``prefix0``, ``prefix1``, ... in order."""
+    stacks = stacks_of(spec)
+    if stacks is None:
+        return None
+    if list(stacks) == [None]:
+        named = _block_index(units)
+        return None if named is None else [(*named, stacks[None])]
+    out = []
+    for prefix, layers in stacks.items():
+        named = _block_index([u for u in units if u.name.startswith(prefix)])
+        if named is None or named[0] != prefix:
+            return None
+        out.append((prefix, named[1], layers))
+    if sum(len(index) for _, index, _ in out) != sum(not u.is_root for u in units):
+        return None
+    return out
 
 
 def _role(unit: str, index: dict[str, int], depth: int) -> int | str:
@@ -149,11 +190,11 @@ def _scaled_peak(small: MemorySamples, large: MemorySamples, index_small, index_
     return {k: int(round(v)) for k, v in zip(small.keys, best_values)}
 
 
-def _renamed(seq, name_of, backward_from, index, prefix, depth, layers, p):
+def _renamed(seq, name_of, index, prefix, depth, layers, p):
     """``seq`` (segments, collectives or units of the trace at ``depth``, whose middle blocks are
-    one period ``p``; its backward from index ``backward_from``) with the middle entries repeated
-    to fill ``layers`` blocks, in ascending order in forward and descending in backward, and
-    every block renamed to its index in the deep model."""
+    one period ``p``) with the middle entries repeated to fill ``layers`` blocks, in ascending
+    order after the first blocks and descending after the last (``_ascending``), and every block
+    renamed to its index in the deep model."""
     def rename(unit, shift=0):
         if unit not in index:
             return unit
@@ -162,19 +203,27 @@ def _renamed(seq, name_of, backward_from, index, prefix, depth, layers, p):
 
     copies = (layers - 2 * EDGE_BLOCKS * p) // p
     roles = _roles([name_of(x) for x in seq], _periods(index, p), depth // p)
-    out, i = [], 0
+    out, i, ascending = [], 0, True
     while i < len(seq):
         if roles[i] != "middle":
             out.append((seq[i], rename(name_of(seq[i]))))
+            ascending = _ascending(roles[i], ascending)
             i += 1
             continue
         j = i
         while j < len(seq) and roles[j] == "middle":
             j += 1
-        order = range(copies) if i < backward_from else range(copies - 1, -1, -1)
+        order = range(copies) if ascending else range(copies - 1, -1, -1)
         out += [(x, rename(name_of(x), p * c)) for c in order for x in seq[i:j]]
         i = j
     return out
+
+
+def _ascending(role, before: bool) -> bool:
+    """Whether middle blocks met next run in ascending order: after one of the first blocks
+    (forward, the optimizer), not after one of the last (backward); ``before`` elsewhere."""
+    role = role[1] if isinstance(role, tuple) else role
+    return True if role in (0, 1) else False if role in (-2, -1) else before
 
 
 def _repeated(spec, small: StepTrace, depth: int, p: int, **memory) -> StepTrace | None:
@@ -182,50 +231,76 @@ def _repeated(spec, small: StepTrace, depth: int, p: int, **memory) -> StepTrace
     ``p`` blocks): op segments, collectives and units with the middle repeated and renamed, and
     the memory given (``peak``, ``states``, ``memory_events``). None unless the blocks are named
     ``prefix0``, ``prefix1``, ... in order."""
-    named = _block_index(small.units)
-    if named is None:
+    stacks = _stacks(spec, small.units)
+    if stacks is None:
         return None
-    layers = layers_of(spec)
-    prefix, index = named
-    where = (index, prefix, depth, layers, p)
-    backward = next((i for i, s in enumerate(small.segments) if s.phase != "forward"),
-                    len(small.segments))
-    segments = [dataclasses.replace(s, unit=name) for s, name in _renamed(
-        small.segments, lambda s: s.unit, backward, *where)]
-    collectives = [(c[0], name, c[2]) for c, name in _renamed(
-        small.collectives, lambda c: c[1], small.backward_collectives_from, *where)]
+
+    def renamed(seq, name_of):
+        """(entry, its name in the deep model) for each entry of the deep model, stack by stack."""
+        named = [(x, name_of(x)) for x in seq]
+        for prefix, index, layers in stacks:
+            named = [(x, name) for (x, _), name in _renamed(named, lambda xn: xn[1], index, prefix,
+                                                             depth, layers, p)]
+        return named
+
+    segments = [dataclasses.replace(s, unit=name) for s, name in renamed(small.segments, lambda s: s.unit)]
+    collectives = [(c[0], name, c[2]) for c, name in renamed(small.collectives, lambda c: c[1])]
     units = [dataclasses.replace(u, name=name, fqn=re.sub(r"\d+$", _BLOCK.match(name).group(2), u.fqn)
                                  if _BLOCK.match(name) else u.fqn)
-             for u, name in _renamed(small.units, lambda u: u.name, len(small.units), *where)]
+             for u, name in renamed(small.units, lambda u: u.name)]
     return StepTrace(model=spec.name, precision=small.precision, ac=small.ac, batch=small.batch,
                      seq=small.seq, world=small.world, largest_unit_shard=small.largest_unit_shard,
                      segments=segments, units=units, collectives=collectives, trace_s=0.0,
-                     layers=layers, backward_collectives_from=len(_renamed(
-                         small.collectives[:small.backward_collectives_from], lambda c: c[1],
-                         small.backward_collectives_from, *where)), **memory)
+                     layers=layers_of(spec), backward_collectives_from=len(renamed(
+                         small.collectives[:small.backward_collectives_from], lambda c: c[1])),
+                     **memory)
 
 
 def extended(spec, small: StepTrace, samples: MemorySamples, depth: int, p: int) -> StepTrace | None:
     """A deep model from one trace at ``depth`` blocks: its memory events extended block by block
     (``_extended_events``) and replayed for the peak, each unit's states summed, its ops repeated.
     None where the replay of the trace itself is not the tracker's peak, or the blocks differ."""
-    named = _block_index(small.units)
-    if named is None or small.memory_events.peak() != {k: v for k, v in small.peak.items() if v}:
+    stacks = _stacks(spec, small.units)
+    if stacks is None or small.memory_events.peak() != {k: v for k, v in small.peak.items() if v}:
         return None
-    periods = _periods(named[1], p)
-    copies = (layers_of(spec) - 2 * EDGE_BLOCKS * p) // p
-    events = _extended_events(small.memory_events, samples.event_places, periods, depth // p,
-                              copies)
-    if events is None:
-        return None
+    events, places = small.memory_events, samples.event_places
+    times = dict.fromkeys(small.unit_states, 1)  # how many of each unit the deep model holds
+    for _, index, layers in stacks:  # one stack at a time, the others' blocks as the root's work
+        periods = _periods(index, p)
+        copies = (layers - 2 * EDGE_BLOCKS * p) // p
+        extension = _extended_events(events, places, periods, depth // p, copies)
+        if extension is None:
+            return None
+        events, places = extension
+        for unit in times:
+            if _role(unit, periods, depth // p) == "middle":
+                times[unit] = copies
     states = {k: 0 for k in small.states}
     for unit, held in small.unit_states.items():
         for k in states:
-            states[k] += held[k] * (copies if _role(unit, periods, depth // p) == "middle" else 1)
+            states[k] += held[k] * times[unit]
     peak = dict.fromkeys(small.peak, 0)  # the tracker's categories, zeros included
     peak.update(events.peak())
     return _repeated(spec, small, depth, p, peak=peak, states=states, memory_events=events,
                      traced_layers=(depth,))
+
+
+def checked(spec, small: StepTrace, small_samples: MemorySamples, large: StepTrace,
+            depths: tuple[int, int]) -> StepTrace | None:
+    """``extended`` for a model of several stacks (T5), whose blocks work for blocks beyond their
+    neighbours (the decoder's first block computes the attention bias every block reads): the
+    extension is trusted only where, extended to the larger depth instead, it is that depth's
+    trace (``large``) to the byte: the peak, the states and the allocator's replay."""
+    p = depths[1] - depths[0]
+    check = extended(with_layers(spec, depths[1]), small, small_samples, depths[0], p)
+    offloaded = frozenset({"Sharded Param", "OptState"})
+    if check is None or any(getattr(check, k) != getattr(large, k) for k in ("peak", "states")) or any(
+            check.reserved(without) != large.reserved(without) for without in (frozenset(), offloaded)):
+        return None
+    scaled = extended(spec, small, small_samples, depths[0], p)
+    if scaled is not None:
+        scaled.traced_layers = depths
+    return scaled
 
 
 def linearly_scaled(spec, small: StepTrace, small_samples: MemorySamples, large: StepTrace,
@@ -250,11 +325,12 @@ def linearly_scaled(spec, small: StepTrace, small_samples: MemorySamples, large:
 
 
 def _extended_events(events: MemoryEvents, places, index, depth: int, copies: int
-                     ) -> MemoryEvents | None:
+                     ) -> tuple[MemoryEvents, list] | None:
     """The memory events of the step at ``depth`` periods of blocks (``index``: each block's
     period) extended to a deep model: the middle period's events (allocations, frees, category
     changes, the tracker's samples) repeated ``copies`` times, once per middle period of the
-    deep model.
+    deep model, in ascending order after the first blocks and descending after the last; with each
+    event's place (unit, phase). Blocks ``index`` does not name count as the root's work.
 
     Each allocation belongs to the block whose work made it (the root's work between two blocks
     belongs with the block before it) and is known by its rank among that block's allocations, so
@@ -266,7 +342,10 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, copies: in
     roles = [r[1] if isinstance(r, tuple) else r for r in _roles(units, index, depth)]
     roles = ["root" if r == "start" else r for r in roles]
     tagged, sizes = _tagged(events.step, roles)
-    if not (sizes.get(1) == sizes.get("middle") == sizes.get(-2)):
+    # block 1 may differ in size where it works for block 0 (prefetching T5's relative attention
+    # bias with it), not in its count of allocations
+    middle = sizes.get("middle")
+    if middle is None or sizes.get(-2) != middle or len(sizes.get(1, ())) != len(middle):
         return None
 
     def mapped(ident, copy, side):
@@ -290,12 +369,17 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, copies: in
         elif kind == "alloc":
             if previous is not None:  # re-allocated in place: the old block goes first
                 out.append(("free", mapped(previous, copy, side), 0, category))
+                out_places.append(places[i])
             name = ("middle", ident[1], copy) if copy is not None else ident
             out.append(("alloc", name, n, category))
         elif ident is not None:
             out.append((kind, mapped(ident, copy, side), 0, category))
+        else:
+            return
+        out_places.append(places[i])
 
     step: list[tuple[str, Any, int, str | None]] = []
+    out_places: list = []
     side, i = 0, 0
     while i < len(tagged):
         if roles[i] != "middle":
@@ -309,13 +393,12 @@ def _extended_events(events: MemoryEvents, places, index, depth: int, copies: in
         j = i
         while j < len(tagged) and roles[j] == "middle":
             j += 1
-        forward = places[i][1] not in ("backward", "recompute")
-        for copy in (range(copies) if forward else range(copies - 1, -1, -1)):
+        for copy in (range(copies) if side == 0 else range(copies - 1, -1, -1)):
             for k in range(i, j):
                 emit(step, k, copy, None)
         i = j
     return MemoryEvents(resident=_extended_resident(events.resident, index, depth, copies),
-                        step=step, device_type=events.device_type)
+                        step=step, device_type=events.device_type), out_places
 
 
 def _tagged(step_events, roles) -> tuple[list, dict[Any, list[int]]]:

@@ -41,6 +41,7 @@ import torch
 
 from utilities.errors import UsageError, bad_value
 from utilities.measure.depth_scaling import (
+    checked,
     extended,
     layers_of,
     linearly_scaled,
@@ -557,11 +558,15 @@ def trace(spec, config: StepConfig) -> StepTrace:
 def _trace(spec, config: StepConfig) -> StepTrace:
     device = torch.device(config.device_type)
     depths = scaled_depths(spec, config.ac, config.options) if config.scale else None
-    if depths is None:
+    several_stacks = layers_of(spec) is None  # T5: extended event by event only, and checked
+    if depths is None or (several_stacks and adamw_foreach(device)):
         return _whole(spec, config)
     t0 = time.perf_counter()
     small, small_samples = _run(with_layers(spec, depths[0]), config)
-    if not adamw_foreach(device):
+    if several_stacks:
+        large, _ = _run(with_layers(spec, depths[1]), config)
+        scaled = checked(spec, small, small_samples, large, depths)
+    elif not adamw_foreach(device):
         scaled = extended(spec, small, small_samples, depths[0], depths[1] - depths[0])
     else:  # AdamW's foreach: its temporaries span every block; two depths, extended linearly
         large, large_samples = _run(with_layers(spec, depths[1]), config)

@@ -282,7 +282,8 @@ def _trace_notes(step, config: StepConfig) -> list[str]:
     o, notes = config.options, []
     if step.traced_layers:
         depths = " and ".join(map(str, step.traced_layers))
-        notes.append(f"traced at {depths} blocks and scaled to {step.layers}: the middle blocks "
+        blocks, deep = ("blocks", step.layers) if step.layers else ("blocks per stack", "each stack's depth")
+        notes.append(f"traced at {depths} {blocks} and scaled to {deep}: the middle blocks "
                      "are alike, " + ("the memory samples and the reserved memory's replay are "
                                       "extended linearly" if step.reserved_scaled_linearly else
                                       "the middle block's allocations repeated"))
