@@ -35,8 +35,6 @@ CASES = {
 T5_CASES = {
     "T5, full_shard": dict(world=4, strategy="full_shard", precision="bf16", ac="none", batch=1,
                            seq=64),
-    "T5, reshard False": dict(world=8, strategy="full_shard", precision="bf16", ac="none", batch=1,
-                              seq=64, options=PlanOptions(reshard_after_forward=False)),
     "T5, selective": dict(world=4, strategy="full_shard", precision="bf16", ac="selective", batch=1,
                           seq=64),
 }
