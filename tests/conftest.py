@@ -15,10 +15,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# CPU_WORKERS test processes share the cores (``pytest_xdist_auto_num_workers``), each starting
+# notebook kernels and lesson ranks: every process gets its share of OpenMP threads, and idle
+# OpenMP threads sleep instead of spinning. Spinning threads of two oversubscribed processes
+# burned up to half the suite's CPU time: two notebooks run side by side took 98 CPU-s, 59 with
+# these settings (2 cores). Set before torch is imported; inherited by every process a test starts.
+CPU_WORKERS = 2
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // CPU_WORKERS)))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from utilities.results import variant  # noqa: F401  (the tests' way to read a variant)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from utilities.results import variant  # noqa: E402, F401  (the tests' way to read a variant)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +40,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
     ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` or ``-n N`` decide otherwise."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    return 0 if torch.cuda.is_available() else 2
+    return 0 if torch.cuda.is_available() else CPU_WORKERS
 
 
 def work_unit(nodeid: str) -> str:
