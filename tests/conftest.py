@@ -373,11 +373,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Appended to every run_ranks script that got to its end: the output flushed, the process group
+# destroyed, and the process ended without the interpreter's shutdown, where what is left of the
+# group's C++ threads can abort a finished rank ("terminate called without an active exception",
+# SIGABRT), as utilities.course.gc_at_exit.end_rank_now does for the lessons' ranks.
+RANK_ENDING = """
+import os as _os, sys as _sys, torch.distributed as _dist
+_sys.stdout.flush(); _sys.stderr.flush()
+if _dist.is_initialized():
+    _dist.destroy_process_group()
+_os._exit(0)
+"""
+
+
 def run_ranks(script: str, *argv: str, ranks: int = 2, timeout: float = 120) -> list[dict]:
     """``script`` on ``ranks`` gloo ranks (torchrun's variables, no torchrun); each rank's last
     output line as JSON."""
     port = free_port()
     procs = []
+    script += RANK_ENDING
     for rank in range(ranks):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
                    LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
