@@ -41,10 +41,11 @@ T5_CASES = {
 CASES.update(T5_CASES)
 
 
+T5_SPEC = depth_scaling.with_layers(get_model_spec("t5-tiny"), 8)  # one object: one cache key
+
+
 def _spec(case):
-    if case in T5_CASES:
-        return depth_scaling.with_layers(get_model_spec("t5-tiny"), 8)
-    return get_model_spec("llama-1b")
+    return T5_SPEC if case in T5_CASES else get_model_spec("llama-1b")
 
 
 def _both(case):
@@ -77,9 +78,12 @@ def test_a_scaled_trace_is_the_full_trace_to_the_byte(case):
         assert scaled.reserved(offloaded) == full.reserved(offloaded)
 
 
-@pytest.mark.parametrize("model, ac", [("llama-1b", "selective"), ("t5-base", "none")])
-def test_a_scaled_trace_predicts_the_step_to_the_microsecond(monkeypatch, model, ac):
-    kw = dict(model=model, gpus=8, ac=ac, batch=1, seq=128 if model.startswith("t5") else 256)
+@pytest.mark.parametrize("case", ["selective, bf16", "T5, full_shard"])
+def test_a_scaled_trace_predicts_the_step_to_the_microsecond(monkeypatch, case):
+    """The cases above, timed (their traces come from the cache the byte test filled)."""
+    c = CASES[case]
+    kw = dict(model=_spec(case), gpus=c["world"], precision=c["precision"], ac=c["ac"],
+              batch=c["batch"], seq=c["seq"])
     scaled = st.estimate_step_time(**kw)
     monkeypatch.setattr(st, "trace", lambda spec, config: fake_step.trace(
         spec, dataclasses.replace(config, scale=False)))
@@ -108,7 +112,7 @@ def test_t5_under_full_checkpointing_is_traced_whole():
     """Under full checkpointing T5's decoder blocks free what blocks beyond their neighbours made:
     extended to 6 blocks per stack, the 5 blocks' trace is not the trace of 6, so it is traced
     whole (``depth_scaling.checked``)."""
-    spec = depth_scaling.with_layers(get_model_spec("t5-tiny"), 8)
+    spec = T5_SPEC
     kw = dict(T5_CASES["T5, full_shard"], ac="full")
     assert depth_scaling.scaled_depths(spec, "full") == (5, 6)
     assert not fake_step.trace(spec, StepConfig(scale=True, **kw)).traced_layers
