@@ -542,7 +542,7 @@ def trace(spec, config: StepConfig) -> StepTrace:
     spec = get_model_spec(spec) if isinstance(spec, str) else spec
     config = dataclasses.replace(config, seq=config.seq or spec.default_seq_len,
                                  device_type=fake_device(config.device_type)[0].type,
-                                 options=config.options or PlanOptions())
+                                 options=traced_options(spec, config.options or PlanOptions()))
     try:
         return _trace(spec, config)
     except Exception as e:
@@ -552,6 +552,18 @@ def trace(spec, config: StepConfig) -> StepTrace:
         raise UsageError(f"model {spec.name} is not allowed: its step runs {op}, which cannot run on "
                          "fake tensors (no fake kernel, or an output that depends on the data); "
                          "allowed: a step whose every op has a shape known without the data") from None
+
+
+def traced_options(spec, options):
+    """``options`` as far as the traced step reads them, so that steps the trace cannot tell apart
+    share one cache entry: the host's memory is arithmetic on the trace, and so is ``offload``
+    for the course's sequence (``shard_kwargs``); a function of your own (``--parallelize``) is
+    traced with its ``CPUOffloadPolicy`` taken off only under ``offload``."""
+    from utilities.measure.plan_options import HOST_MEMORY_BYTES
+
+    own = getattr(spec, "parallelize", None) is not None
+    return dataclasses.replace(options, host_memory_bytes=HOST_MEMORY_BYTES,
+                               offload=options.offload and own)
 
 
 @functools.lru_cache(maxsize=16)
