@@ -6,7 +6,8 @@ run killed from outside (SIGKILL to the CLI, torchrun and every rank) once its f
 published, its --resume (resumed once more in this process: nothing to do), a short run that
 crashes itself (--crash-after-step), the same training through every other switch at once
 (FSDP1, selective checkpointing, gradient accumulation, prefetch, profiler), and two short runs of
-gradient accumulation, reducing after the last micro-batch and after every one.
+gradient accumulation, reducing after the last micro-batch and after every one (the latter the
+script copied into an empty folder, started by plain torchrun).
 """
 
 from __future__ import annotations
@@ -194,20 +195,17 @@ def test_without_accumulation_each_unit_reduce_scatters_once_per_step(results):
     assert v["accum_sync"] is None and v["grads_between_unsharded_bytes"] is None  # no micro-batches
 
 
-def test_accum_sync_trades_gradient_memory_for_reduce_scatters(tmp_path):
+def test_accum_sync_trades_gradient_memory_for_reduce_scatters(copied_run, tmp_path):
     """Both sides of gradient accumulation's trade, FSDP2, 2 micro-batches per step: `last`
     (set_requires_gradient_sync(False) until the last one) holds the whole model's gradients
-    unsharded between micro-batches and reduce-scatters once; `every` holds only this rank's
-    shards and reduce-scatters after each micro-batch. The losses are the same."""
-    runs = {}
-    for sync in ("last", "every"):
-        out = tmp_path / sync
-        proc = cli("run", "10", "--device", "cpu", "--quick", "--out", str(out), "--",
-                   "--batch-size", "4", "--grad-accum", "2", "--accum-sync", sync, "--steps", "3",
-                   "--ckpt-every", "0", timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        runs[sync] = json.loads((out / "results.json").read_text())["variants"][0]
-    last, every = runs["last"], runs["every"]
+    unsharded between micro-batches and reduce-scatters once; `every` (the copied script's run)
+    holds only this rank's shards and reduce-scatters after each micro-batch. The losses are the
+    same."""
+    proc = cli("run", "10", "--device", "cpu", "--quick", "--out", str(tmp_path), "--",
+               *ACCUMULATION, "--accum-sync", "last", "--ckpt-every", "0", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = json.loads((tmp_path / "results.json").read_text())["variants"][0]
+    every = copied_run["variants"][0]
     assert last["grads_between_unsharded_bytes"] == LLAMA_TINY_GRAD_BYTES
     assert last["grads_between_sharded_bytes"] == 0
     assert every["grads_between_unsharded_bytes"] == 0
@@ -333,33 +331,47 @@ def test_the_training_defaults_are_the_ones_the_launcher_plans_with():
         assert (cfg.model, cfg.batch_size) == (run.model(on_gpu, False), run.batch(on_gpu, False))
 
 
-def test_copied_into_an_empty_folder_it_trains_with_plain_torchrun(tmp_path):
-    """The README's promise: train.py (with train_config.py and train_metrics.py) is the file to
-    copy into your own project. Copied alone into an empty folder and started by plain torchrun
-    there, with only the library importable (PYTHONPATH, as if installed), it trains, saves its
-    checkpoints and writes results.json; no rank imports anything from ``utilities.course``
-    (every import each rank makes is traced: PYTHONPROFILEIMPORTTIME)."""
+# 4 steps of 2 micro-batches of 4: the copied script's run and the accumulation test's `last` side
+ACCUMULATION = ("--batch-size", "4", "--grad-accum", "2", "--steps", "4")
+
+
+@pytest.fixture(scope="module")
+def copied_run(tmp_path_factory) -> dict:
+    """train.py (with train_config.py and train_metrics.py) copied alone into an empty folder and
+    started there by plain torchrun, only the library importable (PYTHONPATH, as if installed),
+    every import each rank makes traced (PYTHONPROFILEIMPORTTIME); accumulating gradients with a
+    reduce-scatter after each micro-batch (``--accum-sync every``). Its results.json, with the
+    ranks' stderr under ``"stderr"`` and the folder under ``"folder"``."""
     import shutil
 
+    folder = tmp_path_factory.mktemp("copied")
     for name in LESSON10_FILES:
-        shutil.copy(REPO / "lessons/10_end_to_end" / name, tmp_path / name)
-    out = tmp_path / "out"
+        shutil.copy(REPO / "lessons/10_end_to_end" / name, folder / name)
+    out = folder / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_COURSE")}
     env.update(PYTHONPATH=str(REPO), PYTHONPROFILEIMPORTTIME="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", "train.py", "--device", "cpu", "--quick",
-                           "--steps", "4", "--ckpt-every", "2", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                           *ACCUMULATION, "--accum-sync", "every", "--ckpt-every", "2",
+                           "--out", str(out)],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+    return {**json.loads((out / "results.json").read_text()), "stderr": proc.stderr, "folder": out}
+
+
+def test_copied_into_an_empty_folder_it_trains_with_plain_torchrun(copied_run):
+    """The README's promise: train.py is the file to copy into your own project. Copied alone
+    into an empty folder and started by plain torchrun there, it trains, saves its checkpoints and
+    writes results.json; no rank imports anything from ``utilities.course``."""
+    imported = [line.rsplit("|", 1)[-1].strip() for line in copied_run["stderr"].splitlines()
                 if line.startswith("import time:")]
     assert "utilities.dcp" in imported and "train_metrics" in imported  # the trace is on
     assert [m for m in imported if m.startswith("utilities.course")] == []
-    results = json.loads((out / "results.json").read_text())
-    (v,) = results["variants"]
+    (v,) = copied_run["variants"]
     assert len(v["losses"]) == 4 and v["losses"][-1] < v["losses"][0]
+    out = copied_run["folder"]
     assert v["checkpoints"] == [2, 4] and (out / "checkpoints" / "step_000004").is_dir()
-    assert results["takeaway"].startswith("fsdp2: train loss")
+    assert copied_run["takeaway"].startswith("fsdp2: train loss")
 
 
 def test_readme_table_is_reproduced_by_the_quick_run(results):
