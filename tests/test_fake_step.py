@@ -55,6 +55,19 @@ def _both(case):
             fake_step.trace(spec, StepConfig(scale=False, **kw)))
 
 
+def _assert_same_ops(scaled, full):
+    """What the time model reads: the units, the collectives and every op of every segment."""
+    assert [u.name for u in scaled.units] == [u.name for u in full.units]
+    assert [u.shapes for u in scaled.units] == [u.shapes for u in full.units]
+    assert scaled.collectives == full.collectives
+    assert scaled.backward_collectives_from == full.backward_collectives_from
+    assert len(scaled.segments) == len(full.segments)
+    for a, b in zip(scaled.segments, full.segments):
+        assert (a.unit, a.phase) == (b.unit, b.phase)
+        for name in ("kind", "flops", "nbytes", "fp32", "fp8_ok"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), (a.unit, a.phase, name)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_scaled_trace_is_the_full_trace_to_the_byte(case):
     scaled, full = _both(case)
@@ -62,14 +75,7 @@ def test_a_scaled_trace_is_the_full_trace_to_the_byte(case):
     assert scaled.peak == full.peak
     assert scaled.states == full.states
     assert scaled.largest_unit_shard == full.largest_unit_shard
-    assert [u.name for u in scaled.units] == [u.name for u in full.units]
-    assert [u.shapes for u in scaled.units] == [u.shapes for u in full.units]
-    assert scaled.collectives == full.collectives
-    assert len(scaled.segments) == len(full.segments)
-    for a, b in zip(scaled.segments, full.segments):
-        assert (a.unit, a.phase) == (b.unit, b.phase)
-        for name in ("kind", "flops", "nbytes", "fp32", "fp8_ok"):
-            assert np.array_equal(getattr(a, name), getattr(b, name)), (a.unit, a.phase, name)
+    _assert_same_ops(scaled, full)
     if scaled.reserved_scaled_linearly:  # block pairs: the replay is scaled, within 1%
         assert scaled.reserved()["reserved"] == pytest.approx(full.reserved()["reserved"], rel=0.01)
     else:
@@ -115,7 +121,12 @@ def test_t5_under_full_checkpointing_is_traced_whole():
     spec = T5_SPEC
     kw = dict(T5_CASES["T5, full_shard"], ac="full")
     assert depth_scaling.scaled_depths(spec, "full") == (5, 6)
-    assert not fake_step.trace(spec, StepConfig(scale=True, **kw)).traced_layers
+    whole = fake_step.trace(spec, StepConfig(scale=True, **kw))
+    assert not whole.traced_layers
+    # the time model's trace (ops only) extends one depth all the same: its ops are the whole's
+    ops = fake_step.trace(spec, StepConfig(scale=True, memory=False, **kw))
+    assert ops.traced_layers == (5,) and ops.memory_events is None and not ops.peak
+    _assert_same_ops(ops, whole)
 
 
 def test_the_planner_and_the_time_model_share_one_trace():

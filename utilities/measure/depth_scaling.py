@@ -285,6 +285,14 @@ def extended(spec, small: StepTrace, samples: MemorySamples, depth: int, p: int)
                      traced_layers=(depth,))
 
 
+def ops_extended(spec, small: StepTrace, depth: int, p: int) -> StepTrace | None:
+    """A deep model's ops, collectives and units from one trace at ``depth`` blocks (the middle
+    repeated, ``_repeated``), without its memory (``peak`` and ``states`` empty, no events): what
+    the time model reads. None where the blocks are not named in order."""
+    return _repeated(spec, small, depth, p, peak={}, states={}, memory_events=None,
+                     traced_layers=(depth,))
+
+
 def checked(spec, small: StepTrace, small_samples: MemorySamples, large: StepTrace,
             depths: tuple[int, int]) -> StepTrace | None:
     """``extended`` for a model of several stacks (T5), whose blocks work for blocks beyond their

@@ -22,6 +22,8 @@ A transformer's middle blocks are identical, so a model of L blocks is traced at
   temporaries span every block), two depths are traced and every sample is extended linearly from
   them (the allocator's replay too, approximately).
 * time: the middle block's op segments, collectives and unit are repeated to fill L blocks.
+  What the time model alone asks for (``StepConfig(memory=False)``) is traced for its ops only:
+  for T5, whose memory extension is checked against a second depth, one depth and no check.
 
 Where the blocks turn out not to be alike, the whole model is traced. ``tests/test_fake_step.py``
 checks the scaled trace against the full one, to the byte and to the microsecond.
@@ -29,6 +31,7 @@ checks the scaled trace against the full one, to the byte and to the microsecond
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -45,7 +48,9 @@ from utilities.measure.depth_scaling import (
     extended,
     layers_of,
     linearly_scaled,
+    ops_extended,
     scaled_depths,
+    stacks_of,
     with_layers,
 )
 from utilities.measure.op_recorder import OpRecorder, UnitInfo, op_segments, unit_label
@@ -492,7 +497,10 @@ class StepConfig:
     deep model at small depths and extend it), and context parallelism ``cp`` (each rank of a
     CP group runs seq / cp of the tokens, ``utilities.measure.context_parallel``), and ``compile``
     (each uncheckpointed block saves for backward what ``torch.compile`` saves,
-    ``utilities.measure.compile_memory``)."""
+    ``utilities.measure.compile_memory``), and ``memory`` (False: the time model's trace, whose
+    memory nobody reads: a model of several stacks is extended from one small depth without the
+    second depth that checks its memory, and its trace carries no memory; a trace with its memory
+    serves it too where that costs no more)."""
 
     world: int
     strategy: str = "full_shard"
@@ -507,6 +515,7 @@ class StepConfig:
     scale: bool = True
     cp: int = 1
     compile: bool = False
+    memory: bool = True
 
 
 def step_config(config: int | StepConfig | None = None, *fields: Any, **settings: Any) -> StepConfig:
@@ -543,6 +552,9 @@ def trace(spec, config: StepConfig) -> StepTrace:
     config = dataclasses.replace(config, seq=config.seq or spec.default_seq_len,
                                  device_type=fake_device(config.device_type)[0].type,
                                  options=traced_options(spec, config.options or PlanOptions()))
+    if not config.memory and (not _ops_alone_cost_less(spec, config)
+                              or (spec, dataclasses.replace(config, memory=True)) in _WITH_MEMORY):
+        config = dataclasses.replace(config, memory=True)  # one cache entry with the planner's
     try:
         return _trace(spec, config)
     except Exception as e:
@@ -566,8 +578,23 @@ def traced_options(spec, options):
                                offload=options.offload and own)
 
 
+def _ops_alone_cost_less(spec, config: StepConfig) -> bool:
+    """Whether tracing ``config``'s ops without its memory saves a trace: a model of several stacks
+    (T5) scaled from small depths, whose memory needs a second depth to be checked against."""
+    stacks = stacks_of(spec)
+    return (config.scale and stacks is not None and len(stacks) > 1
+            and scaled_depths(spec, config.ac, config.options) is not None
+            and not adamw_foreach(torch.device(config.device_type)))
+
+
+# the steps traced with their memory lately: the time model's trace of one of them is that trace
+_WITH_MEMORY: collections.deque = collections.deque(maxlen=16)
+
+
 @functools.lru_cache(maxsize=16)
 def _trace(spec, config: StepConfig) -> StepTrace:
+    if config.memory:
+        _WITH_MEMORY.append((spec, config))
     device = torch.device(config.device_type)
     depths = scaled_depths(spec, config.ac, config.options) if config.scale else None
     several_stacks = layers_of(spec) is None  # T5: extended event by event only, and checked
@@ -575,7 +602,9 @@ def _trace(spec, config: StepConfig) -> StepTrace:
         return _whole(spec, config)
     t0 = time.perf_counter()
     small, small_samples = _run(with_layers(spec, depths[0]), config)
-    if several_stacks:
+    if not config.memory:  # several stacks (``_ops_alone_cost_less``): the ops, extended
+        scaled = ops_extended(spec, small, depths[0], depths[1] - depths[0])
+    elif several_stacks:
         large, _ = _run(with_layers(spec, depths[1]), config)
         scaled = checked(spec, small, small_samples, large, depths)
     elif not adamw_foreach(device):

@@ -356,13 +356,14 @@ def _traced(spec, config: StepConfig, timing: TimeConfig):
     this configuration (one fake step serves memory and time). Beyond a node only FSDP's
     copy-in (1/N of a unit) would change, so one trace serves every GPU count (a sweep). DDP
     (no_shard) computes what an FSDP rank computes: the full_shard trace (the planner's 1-rank
-    stand-in for DDP casts each parameter on its own, which DDP does not); HSDP a shard group's."""
+    stand-in for DDP casts each parameter on its own, which DDP does not); HSDP a shard group's.
+    Its ops only (``memory=False``): the time model reads no memory."""
     strategy = config.strategy
     node = min(config.world, timing.gpus_per_node)
     traced = strategy if strategy in ("full_shard", "shard_grad_op") else "full_shard"
     world = min(node, config.shard_size) if strategy == "hybrid_shard" else node
     return trace(spec, replace(config, world=world, strategy=traced, device_type="cuda",
-                               shard_size=None))
+                               shard_size=None, memory=False))
 
 
 def _compute_segments(run: _Timed) -> list[tuple[str, str, float, dict[str, Any]]]:
