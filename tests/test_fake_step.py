@@ -121,11 +121,14 @@ def test_t5_under_full_checkpointing_is_traced_whole():
     spec = T5_SPEC
     kw = dict(T5_CASES["T5, full_shard"], ac="full")
     assert depth_scaling.scaled_depths(spec, "full") == (5, 6)
-    whole = fake_step.trace(spec, StepConfig(scale=True, **kw))
-    assert not whole.traced_layers
-    # the time model's trace (ops only) extends one depth all the same: its ops are the whole's
+    # the time model's trace (its ops only; asked first, so that no trace with memory serves it)
+    # extends one depth all the same, and its ops are the whole trace's
+    fake_step._trace.cache_clear()
+    fake_step._WITH_MEMORY.clear()
     ops = fake_step.trace(spec, StepConfig(scale=True, memory=False, **kw))
     assert ops.traced_layers == (5,) and ops.memory_events is None and not ops.peak
+    whole = fake_step.trace(spec, StepConfig(scale=True, **kw))
+    assert not whole.traced_layers
     _assert_same_ops(ops, whole)
 
 
