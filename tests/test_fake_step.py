@@ -117,14 +117,14 @@ def test_blocks_that_differ_are_traced_whole():
 def test_t5_under_full_checkpointing_is_traced_whole():
     """Under full checkpointing T5's decoder blocks free what blocks beyond their neighbours made:
     extended to 6 blocks per stack, the 5 blocks' trace is not the trace of 6, so it is traced
-    whole (``depth_scaling.checked``)."""
+    whole (``depth_scaling.checked``). Its ops alone (the time model's ``memory=False``) still
+    extend from 5 blocks, exactly."""
     spec = T5_SPEC
     kw = dict(T5_CASES["T5, full_shard"], ac="full")
     assert depth_scaling.scaled_depths(spec, "full") == (5, 6)
     # the time model's trace (its ops only; asked first, so that no trace with memory serves it)
     # extends one depth all the same, and its ops are the whole trace's
-    fake_step._trace.cache_clear()
-    fake_step._WITH_MEMORY.clear()
+    fake_step.clear_cache()
     ops = fake_step.trace(spec, StepConfig(scale=True, memory=False, **kw))
     assert ops.traced_layers == (5,) and ops.memory_events is None and not ops.peak
     whole = fake_step.trace(spec, StepConfig(scale=True, **kw))
@@ -137,7 +137,7 @@ def test_the_planner_and_the_time_model_share_one_trace():
     the cache."""
     from utilities.measure import plan_cli, planner
 
-    fake_step._trace.cache_clear()
+    fake_step.clear_cache()
     p = planner.plan("llama-tiny", 4, 80 * 2**30, ac="selective", batch=1, seq=64)
     plan_cli.predict_time(p)
     info = fake_step._trace.cache_info()
@@ -149,12 +149,12 @@ def test_foreach_adamw_scales_from_two_depths(monkeypatch):
     two depths traced, every sample extended linearly; the peak and the states to the byte, the
     allocator's replay (extended linearly too) within 3%."""
     monkeypatch.setattr(fake_step, "adamw_foreach", lambda device: True)
-    fake_step._trace.cache_clear()
+    fake_step.clear_cache()
     spec = get_model_spec("llama-1b")
     kw = dict(strategy="full_shard", precision="bf16", ac="none", batch=1, seq=128)
     scaled = fake_step.trace(spec, StepConfig(4, scale=True, **kw))
     full = fake_step.trace(spec, StepConfig(4, scale=False, **kw))
-    fake_step._trace.cache_clear()
+    fake_step.clear_cache()
     assert scaled.traced_layers == (5, 6) and scaled.reserved_scaled_linearly
     assert scaled.peak == full.peak and scaled.states == full.states
     assert scaled.reserved()["reserved"] == pytest.approx(full.reserved()["reserved"], rel=0.03)

@@ -45,7 +45,7 @@ def test_the_plan_through_the_command_is_the_plan_without_the_pause():
     outputs = []
     try:
         for run in (lambda: cli.main(["plan", *argv]), lambda: plan_cli.main(argv)):
-            fake_step._trace.cache_clear()  # each traces its own step
+            fake_step.clear_cache()  # each traces its own step
             with contextlib.redirect_stdout(io.StringIO()) as out:
                 assert run() == 0
             outputs.append(out.getvalue())

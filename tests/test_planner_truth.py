@@ -76,7 +76,7 @@ def test_model_states_are_exact_on_either_devices_adamw_path(tmp_path, monkeypat
     """Both AdamW paths (CPU's per-tensor, CUDA's foreach) from a cold sharding cache: states
     16 Psi / N and the optimizer at the peak 8 Psi / N, at 8 and 1,024 GPUs."""
     monkeypatch.setattr(fake_step, "adamw_foreach", lambda device: foreach)
-    fake_step._trace.cache_clear()  # the same configuration, traced again on the other path
+    fake_step.clear_cache()  # the same configuration, traced again on the other path
     clear_dtensor_sharding_cache()
     two_layers = dict(LLAMA_7_5B, num_hidden_layers=2)
     p = P.plan(write_config(tmp_path / "llama2", two_layers), gpus, 80 * 2**30, "full_shard", "bf16",

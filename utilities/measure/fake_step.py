@@ -591,6 +591,12 @@ def _ops_alone_cost_less(spec, config: StepConfig) -> bool:
 _WITH_MEMORY: collections.deque = collections.deque(maxlen=16)
 
 
+def clear_cache() -> None:
+    """Forget every traced step: the next ``trace`` of any configuration traces it again."""
+    _trace.cache_clear()
+    _WITH_MEMORY.clear()
+
+
 @functools.lru_cache(maxsize=16)
 def _trace(spec, config: StepConfig) -> StepTrace:
     if config.memory:
